@@ -1,0 +1,817 @@
+/*
+ * fanfold-agent: PID 1 of a fanfold sandbox. Wire protocol: PROTOCOL.md.
+ *
+ * One single-threaded poll() loop over: a signalfd (SIGCHLD), the listening
+ * socket (fd 3, or --listen PATH for testing), host connections, and the pipes
+ * of running commands. Everything is non-blocking and every buffer is bounded,
+ * so a slow host or a noisy command can never grow the agent's memory.
+ *
+ * Build: cc -static -O2 -Wall -Wextra -o fanfold-agent agent.c
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define MAX_FRAME (1u << 20)
+#define OBUF_CAP (256 * 1024) /* output bound per connection: the backpressure point */
+#define OBUF_SLACK 1024       /* extra room so small control frames always fit */
+#define CHUNK (64 * 1024)     /* one `o`/`r` frame at most */
+#define DRAIN_US 100000       /* forward leftovers this long after the child exits */
+#define DEFAULT_LIMIT 16777216ULL
+
+enum { K_NEW, K_PING, K_WAIT, K_EXEC };
+enum { S_SETUP, S_RUN, S_DRAIN, S_DONE };
+
+struct conn {
+	struct conn *next;
+	int fd, kind, state, dead, close_after, rd_eof;
+	/* frame being received */
+	unsigned char hdr[5];
+	uint32_t hgot, plen, pgot;
+	char *pl;
+	/* bytes queued for the host */
+	char *ob;
+	size_t olen, ooff;
+	/* exec request */
+	char **argv, **envp, *cwd;
+	int argc, envc, stdin_pipe, bad;
+	unsigned long long timeout_ms, limit;
+	/* running command */
+	pid_t pid;
+	int fds[2], in_fd; /* stdout/stderr read ends, stdin write end */
+	char *pend;        /* an `i` payload not yet written to the child */
+	size_t pend_len, pend_off;
+	unsigned long long bytes[2];
+	int trunc[2], timed_out, status;
+	int64_t t_start, t_end, deadline, drain_deadline;
+	int pi_sock, pi_fd[2], pi_in; /* indexes into this round's pollfd array */
+};
+
+struct service {
+	const char *name, *cmd;
+	int oneshot;
+	pid_t pid;
+};
+
+static struct conn *conns;
+static struct service *svcs;
+static int nsvc, next_svc, ready, listen_fd = -1, sig_fd = -1;
+static int64_t accept_resume; /* listener paused until then (fd exhaustion) */
+static char ready_msg[600];
+static char scratch[256 * 1024]; /* sink for output past the limit */
+static char *empty_env[] = { NULL };
+
+static int64_t now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static void xclose(int *fd)
+{
+	if (*fd >= 0)
+		close(*fd);
+	*fd = -1;
+}
+
+static void set_nonblock(int fd)
+{
+	fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+/* ---- child side ------------------------------------------------------- */
+
+/* Runs in the forked child: never returns. Failures before exec go to the
+ * parent as a raw errno over errfd (closed by a successful exec). */
+static void child(char **argv, char **envp, const char *cwd, int in, int out, int err, int errfd)
+{
+	struct sigaction sa = { .sa_handler = SIG_DFL };
+	sigset_t none;
+	int fd, e;
+
+	setsid();
+	/* the agent ignores several signals; ignored dispositions survive exec */
+	for (int s = 1; s < NSIG; s++)
+		sigaction(s, &sa, NULL);
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	if ((fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC)) >= 0) {
+		if (write(fd, "0", 1) < 0) { /* best effort */ }
+		close(fd);
+	}
+	if (in < 0)
+		in = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	/* fds 0-2 are always open in the agent, so these never alias 0-2 and
+	 * dup2 clears CLOEXEC on the copies */
+	if (dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0)
+		goto fail;
+	if (chdir(cwd) < 0)
+		goto fail;
+	environ = envp; /* execvp searches the PATH of the given env */
+	execvp(argv[0], argv);
+fail:
+	e = errno;
+	if (errfd >= 0 && write(errfd, &e, sizeof e) < 0) { /* parent gone */ }
+	_exit(127);
+}
+
+/* Fork and exec; returns the pid, or -1 with *err set. Waits only until the
+ * child has exec'd (or failed), which is immediate in practice. */
+static pid_t spawn(char **argv, char **envp, const char *cwd, int in, int out, int err, int *errp)
+{
+	int ep[2], e;
+	ssize_t n;
+	pid_t pid;
+
+	if (pipe2(ep, O_CLOEXEC) < 0)
+		return *errp = errno, -1;
+	if ((pid = fork()) == 0) {
+		close(ep[0]);
+		child(argv, envp, cwd, in, out, err, ep[1]);
+	}
+	close(ep[1]);
+	if (pid < 0) {
+		*errp = errno;
+		close(ep[0]);
+		return -1;
+	}
+	do
+		n = read(ep[0], &e, sizeof e);
+	while (n < 0 && errno == EINTR);
+	close(ep[0]);
+	if (n == (ssize_t)sizeof e)
+		return *errp = e, -1; /* the child _exits; reaped as an orphan */
+	return pid;
+}
+
+/* ---- output to the host ------------------------------------------------ */
+
+static int ensure_ob(struct conn *c)
+{
+	if (!c->ob && !(c->ob = malloc(OBUF_CAP + OBUF_SLACK)))
+		c->dead = 1;
+	if (c->ooff && c->ooff == c->olen)
+		c->ooff = c->olen = 0;
+	return c->ob != NULL;
+}
+
+static void compact(struct conn *c)
+{
+	if (c->ooff) {
+		memmove(c->ob, c->ob + c->ooff, c->olen - c->ooff);
+		c->olen -= c->ooff;
+		c->ooff = 0;
+	}
+}
+
+static void put_hdr(char *p, char type, size_t n)
+{
+	p[0] = type;
+	p[1] = (char)(n >> 24);
+	p[2] = (char)(n >> 16);
+	p[3] = (char)(n >> 8);
+	p[4] = (char)n;
+}
+
+/* Queue a small control frame; pipe data never uses the slack, so it fits. */
+static void put(struct conn *c, char type, const char *data)
+{
+	size_t n = strlen(data);
+	if (!ensure_ob(c))
+		return;
+	compact(c);
+	if (c->olen + 5 + n > OBUF_CAP + OBUF_SLACK)
+		n = OBUF_CAP + OBUF_SLACK - c->olen - 5;
+	put_hdr(c->ob + c->olen, type, n);
+	memcpy(c->ob + c->olen + 5, data, n);
+	c->olen += 5 + n;
+}
+
+__attribute__((format(printf, 3, 4))) static void putf(struct conn *c, char type, const char *fmt, ...)
+{
+	char buf[OBUF_SLACK - 16];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof buf, fmt, ap);
+	va_end(ap);
+	put(c, type, buf);
+}
+
+/* The host is gone (or broke the protocol): kill what it started. */
+static void host_gone(struct conn *c)
+{
+	if (c->kind == K_EXEC && (c->state == S_RUN || c->state == S_DRAIN) && c->pid > 0)
+		kill(-c->pid, SIGKILL);
+	c->dead = 1;
+}
+
+static void flush(struct conn *c)
+{
+	while (c->ooff < c->olen) {
+		ssize_t n = write(c->fd, c->ob + c->ooff, c->olen - c->ooff);
+		if (n < 0) {
+			if (errno != EAGAIN && errno != EINTR)
+				host_gone(c);
+			return;
+		}
+		c->ooff += n;
+	}
+	c->ooff = c->olen = 0;
+	if (c->close_after)
+		c->dead = 1;
+}
+
+/* ---- exec sessions ----------------------------------------------------- */
+
+static void drop_stdin(struct conn *c)
+{
+	free(c->pend);
+	c->pend = NULL;
+	xclose(&c->in_fd);
+}
+
+static void finish(struct conn *c)
+{
+	int st = c->status;
+	int sig = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
+	int code = sig ? 128 + sig : WEXITSTATUS(st);
+
+	drop_stdin(c);
+	xclose(&c->fds[0]);
+	xclose(&c->fds[1]);
+	putf(c, 'z', "code=%d signal=%d timeout=%d out_bytes=%llu err_bytes=%llu "
+	     "out_trunc=%d err_trunc=%d duration_us=%lld", code, sig, c->timed_out,
+	     c->bytes[0], c->bytes[1], c->trunc[0], c->trunc[1],
+	     (long long)(c->t_end - c->t_start));
+	c->state = S_DONE;
+	c->close_after = 1;
+}
+
+static void maybe_finish(struct conn *c)
+{
+	if (c->state == S_DRAIN && c->fds[0] < 0 && c->fds[1] < 0)
+		finish(c);
+}
+
+static void fail(struct conn *c, int e)
+{
+	putf(c, 'f', "%d %s", e, strerror(e));
+	c->state = S_DONE;
+	c->close_after = 1;
+}
+
+static void start_exec(struct conn *c)
+{
+	int in[2] = { -1, -1 }, out[2] = { -1, -1 }, err[2] = { -1, -1 }, e = 0;
+
+	if (c->argc == 0 || c->bad)
+		e = EINVAL;
+	else if ((c->stdin_pipe && pipe2(in, O_CLOEXEC) < 0) || pipe2(out, O_CLOEXEC) < 0 ||
+		 pipe2(err, O_CLOEXEC) < 0)
+		e = errno;
+	if (!e) {
+		c->t_start = now_us();
+		c->pid = spawn(c->argv, c->envp ? c->envp : empty_env, c->cwd ? c->cwd : "/",
+			       in[0], out[1], err[1], &e);
+	}
+	xclose(&in[0]);
+	xclose(&out[1]);
+	xclose(&err[1]);
+	if (e) {
+		xclose(&in[1]);
+		xclose(&out[0]);
+		xclose(&err[0]);
+		c->pid = 0;
+		fail(c, e);
+		return;
+	}
+	c->in_fd = in[1];
+	c->fds[0] = out[0];
+	c->fds[1] = err[0];
+	for (int i = 0; i < 2; i++)
+		set_nonblock(c->fds[i]);
+	if (c->in_fd >= 0)
+		set_nonblock(c->in_fd);
+	if (c->timeout_ms && c->timeout_ms < (1ULL << 40)) /* larger: effectively none */
+		c->deadline = c->t_start + (int64_t)c->timeout_ms * 1000;
+	putf(c, 'p', "%d", (int)c->pid);
+	c->state = S_RUN;
+}
+
+/* Forward one read from the child's stdout (i=0) or stderr (i=1). Called only
+ * when the output buffer has room for a whole chunk, or past the limit. */
+static void pipe_read(struct conn *c, int i)
+{
+	unsigned long long room = c->bytes[i] < c->limit ? c->limit - c->bytes[i] : 0;
+	ssize_t n;
+
+	if (room && ensure_ob(c)) {
+		compact(c);
+		n = read(c->fds[i], c->ob + c->olen + 5, CHUNK);
+		if (n > 0) {
+			size_t keep = (unsigned long long)n < room ? (size_t)n : (size_t)room;
+			put_hdr(c->ob + c->olen, i ? 'r' : 'o', keep);
+			c->olen += 5 + keep;
+			if (keep < (size_t)n)
+				c->trunc[i] = 1;
+		}
+	} else {
+		n = read(c->fds[i], scratch, sizeof scratch);
+		if (n > 0)
+			c->trunc[i] = 1;
+	}
+	if (n > 0)
+		c->bytes[i] += n;
+	else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+		xclose(&c->fds[i]);
+		maybe_finish(c);
+	}
+}
+
+static int pipe_wanted(struct conn *c, int i)
+{
+	if (c->fds[i] < 0)
+		return 0;
+	if (c->bytes[i] >= c->limit)
+		return 1; /* dropping costs no memory */
+	return c->olen - c->ooff + 5 + CHUNK <= OBUF_CAP;
+}
+
+static void stdin_push(struct conn *c)
+{
+	while (c->pend && c->pend_off < c->pend_len) {
+		ssize_t n = write(c->in_fd, c->pend + c->pend_off, c->pend_len - c->pend_off);
+		if (n < 0) {
+			if (errno == EAGAIN || errno == EINTR)
+				return; /* wait for POLLOUT; socket reads pause meanwhile */
+			drop_stdin(c); /* EPIPE: nobody reads stdin any more */
+			return;
+		}
+		c->pend_off += n;
+	}
+	free(c->pend);
+	c->pend = NULL;
+}
+
+static void push_str(char ***arr, int *n, char *s)
+{
+	char **a = realloc(*arr, (*n + 2) * sizeof *a);
+	if (!a) {
+		free(s);
+		return;
+	}
+	a[(*n)++] = s;
+	a[*n] = NULL;
+	*arr = a;
+}
+
+static unsigned long long parse_num(struct conn *c, const char *s)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 10);
+	if (errno || end == s || *end || *s == '-')
+		c->bad = 1;
+	return v;
+}
+
+/* Takes ownership of pl (NUL-terminated, n bytes). */
+static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
+{
+	if (c->kind == K_NEW) {
+		if (t == 'h') {
+			c->kind = K_PING;
+			put(c, 'h', "fanfold-agent 1");
+			c->close_after = 1;
+		} else if (t == 'w') {
+			c->kind = K_WAIT;
+			if (ready) {
+				put(c, 'w', ready_msg);
+				c->close_after = 1;
+			}
+		} else if (t && strchr("aectlsx", t)) {
+			c->kind = K_EXEC;
+		} else {
+			host_gone(c);
+		}
+	}
+	if (c->kind != K_EXEC) {
+		free(pl);
+		return;
+	}
+	if (c->state == S_SETUP) {
+		switch (t) {
+		case 'a': push_str(&c->argv, &c->argc, pl); return;
+		case 'e': push_str(&c->envp, &c->envc, pl); return;
+		case 'c': free(c->cwd); c->cwd = pl; return;
+		case 't': c->timeout_ms = parse_num(c, pl); break;
+		case 'l': c->limit = parse_num(c, pl); break;
+		case 's': c->stdin_pipe = strcmp(pl, "pipe") == 0; break;
+		case 'x': start_exec(c); break;
+		}
+	} else if (c->state == S_RUN || c->state == S_DRAIN) {
+		if (t == 'i' && c->in_fd >= 0) {
+			if (n == 0) {
+				drop_stdin(c);
+			} else {
+				c->pend = pl, c->pend_len = n, c->pend_off = 0;
+				stdin_push(c);
+				return;
+			}
+		} else if (t == 'k') {
+			int sig = atoi(pl);
+			if (sig > 0 && sig < NSIG && c->pid > 0)
+				kill(-c->pid, sig);
+		}
+	}
+	free(pl);
+}
+
+static int want_read(struct conn *c)
+{
+	return !c->rd_eof && !c->pend && !c->dead &&
+	       (c->kind == K_NEW || (c->kind == K_EXEC && c->state != S_DONE));
+}
+
+static void conn_read(struct conn *c)
+{
+	while (want_read(c)) {
+		ssize_t n;
+		if (c->hgot < 5)
+			n = read(c->fd, c->hdr + c->hgot, 5 - c->hgot);
+		else /* complete frames are consumed below, so pgot < plen here */
+			n = read(c->fd, c->pl + c->pgot, c->plen - c->pgot);
+		if (n == 0) {
+			/* half-close: treat as end of stdin; a full close shows up as POLLHUP */
+			c->rd_eof = 1;
+			if (c->kind == K_EXEC)
+				drop_stdin(c);
+			return;
+		}
+		if (n < 0) {
+			if (errno != EAGAIN && errno != EINTR)
+				host_gone(c);
+			return;
+		}
+		if (c->hgot < 5) {
+			c->hgot += n;
+			if (c->hgot < 5)
+				continue;
+			c->plen = (uint32_t)c->hdr[1] << 24 | c->hdr[2] << 16 | c->hdr[3] << 8 | c->hdr[4];
+			if (c->plen > MAX_FRAME || !(c->pl = malloc(c->plen + 1))) {
+				host_gone(c);
+				return;
+			}
+			c->pgot = 0;
+		} else {
+			c->pgot += n;
+		}
+		if (c->pgot == c->plen) {
+			char *pl = c->pl;
+			pl[c->plen] = 0;
+			c->pl = NULL;
+			c->hgot = 0;
+			handle_frame(c, (char)c->hdr[0], pl, c->plen);
+		}
+	}
+}
+
+static void free_conn(struct conn *c)
+{
+	close(c->fd);
+	xclose(&c->fds[0]);
+	xclose(&c->fds[1]);
+	drop_stdin(c);
+	for (int i = 0; i < c->argc; i++)
+		free(c->argv[i]);
+	for (int i = 0; i < c->envc; i++)
+		free(c->envp[i]);
+	free(c->argv);
+	free(c->envp);
+	free(c->cwd);
+	free(c->pl);
+	free(c->ob);
+	free(c);
+	accept_resume = 0;
+}
+
+static void do_accept(void)
+{
+	for (;;) {
+		int fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0) {
+			/* out of fds or memory: pause the listener until a connection
+			 * ends or 100 ms pass, rather than spin on it */
+			if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS)
+				accept_resume = now_us() + DRAIN_US;
+			return;
+		}
+		struct conn *c = calloc(1, sizeof *c);
+		if (!c) {
+			close(fd);
+			return;
+		}
+		c->fd = fd;
+		c->fds[0] = c->fds[1] = c->in_fd = -1;
+		c->pi_sock = c->pi_fd[0] = c->pi_fd[1] = c->pi_in = -1;
+		c->limit = DEFAULT_LIMIT;
+		c->next = conns;
+		conns = c;
+	}
+}
+
+/* ---- services ---------------------------------------------------------- */
+
+static void set_ready(const char *msg)
+{
+	ready = 1;
+	snprintf(ready_msg, sizeof ready_msg, "%s", msg);
+	for (struct conn *c = conns; c; c = c->next)
+		if (c->kind == K_WAIT && !c->close_after) {
+			put(c, 'w', ready_msg);
+			c->close_after = 1;
+		}
+}
+
+static int start_service(struct service *s)
+{
+	char *argv[] = { "/bin/sh", "-c", (char *)s->cmd, NULL };
+	char path[512];
+	int e = 0, log;
+
+	mkdir("/var/log", 0755);
+	mkdir("/var/log/fanfold", 0755);
+	snprintf(path, sizeof path, "/var/log/fanfold/%s.log", s->name);
+	log = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+	if (log < 0)
+		log = open("/dev/null", O_WRONLY | O_CLOEXEC);
+	s->pid = spawn(argv, environ, "/", -1, log, log, &e);
+	close(log);
+	return s->pid > 0 ? 0 : -1;
+}
+
+static void oneshot_failed(struct service *s, int code)
+{
+	char msg[sizeof ready_msg];
+	snprintf(msg, sizeof msg, "fail %.500s %d", s->name, code);
+	set_ready(msg);
+}
+
+/* Start the next oneshot, or, once all have succeeded, every simple service. */
+static void services_next(void)
+{
+	for (; next_svc < nsvc; next_svc++) {
+		if (!svcs[next_svc].oneshot)
+			continue;
+		if (start_service(&svcs[next_svc]) == 0)
+			return; /* resumed when it exits */
+		oneshot_failed(&svcs[next_svc], 127);
+		return;
+	}
+	for (int i = 0; i < nsvc; i++)
+		if (!svcs[i].oneshot)
+			start_service(&svcs[i]);
+	set_ready("ok");
+}
+
+/* ---- PID 1 duties ------------------------------------------------------ */
+
+static void reap(void)
+{
+	struct signalfd_siginfo si;
+	pid_t pid;
+	int st;
+
+	while (read(sig_fd, &si, sizeof si) > 0)
+		;
+	/* signals coalesce, so reap everything, orphans included */
+	while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+		for (struct conn *c = conns; c; c = c->next)
+			if (c->kind == K_EXEC && c->state == S_RUN && c->pid == pid) {
+				c->status = st;
+				c->t_end = now_us();
+				c->drain_deadline = c->t_end + DRAIN_US;
+				c->state = S_DRAIN;
+				drop_stdin(c);
+				maybe_finish(c);
+				break;
+			}
+		for (int i = 0; i < nsvc; i++)
+			if (svcs[i].pid == pid) {
+				svcs[i].pid = 0;
+				if (!svcs[i].oneshot)
+					break;
+				if (WIFEXITED(st) && WEXITSTATUS(st) == 0) {
+					next_svc++;
+					services_next();
+				} else {
+					oneshot_failed(&svcs[i], WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+				}
+				break;
+			}
+	}
+}
+
+static void lo_up(void)
+{
+	struct ifreq ifr;
+	int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (s < 0)
+		return;
+	memset(&ifr, 0, sizeof ifr);
+	strcpy(ifr.ifr_name, "lo");
+	if (ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
+		ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+		ioctl(s, SIOCSIFFLAGS, &ifr);
+	}
+	close(s);
+}
+
+static int listen_on(const char *path)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int fd;
+	if (strlen(path) >= sizeof sa.sun_path)
+		return -1;
+	strcpy(sa.sun_path, path);
+	unlink(path);
+	if ((fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0)
+		return -1;
+	if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, SOMAXCONN) < 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+int main(int argc, char **argv)
+{
+	const char *listen_path = NULL;
+	int acc = 0;
+	socklen_t alen = sizeof acc;
+	struct pollfd *pfd = NULL;
+	size_t pcap = 0;
+	sigset_t mask;
+
+	svcs = calloc(argc, sizeof *svcs);
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
+			listen_path = argv[++i];
+		} else if ((!strcmp(argv[i], "--oneshot") || !strcmp(argv[i], "--simple")) && i + 2 < argc) {
+			svcs[nsvc].oneshot = argv[i][2] == 'o';
+			svcs[nsvc].name = argv[i + 1];
+			svcs[nsvc++].cmd = argv[i + 2];
+			i += 2;
+		} else {
+			fprintf(stderr, "fanfold-agent: ignoring argument %s\n", argv[i]);
+		}
+	}
+
+	/* check fd 3 before opening anything that could land on it */
+	if (getsockopt(3, SOL_SOCKET, SO_ACCEPTCONN, &acc, &alen) == 0 && acc)
+		listen_fd = 3;
+	/* keep 0-2 open so pipe fds never land there (see child()) */
+	for (int fd = 0; fd < 3; fd++)
+		if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
+			return 1;
+	if (listen_fd < 0 && listen_path)
+		listen_fd = listen_on(listen_path);
+	if (listen_fd < 0) {
+		fprintf(stderr, "fanfold-agent: no listening socket on fd 3 (use --listen PATH)\n");
+		return 1;
+	}
+	/* whatever we inherited (fd 3 included) must not leak into commands */
+	close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
+	fcntl(listen_fd, F_SETFD, FD_CLOEXEC);
+	set_nonblock(listen_fd);
+
+	/* the sandbox is destroyed by SIGKILL from outside; nothing else stops us */
+	signal(SIGPIPE, SIG_IGN);
+	signal(SIGTERM, SIG_IGN);
+	signal(SIGINT, SIG_IGN);
+	signal(SIGHUP, SIG_IGN);
+	signal(SIGCHLD, SIG_DFL); /* SIG_IGN would auto-reap and hide exit codes */
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGCHLD);
+	sigprocmask(SIG_BLOCK, &mask, NULL);
+	if ((sig_fd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC)) < 0) {
+		perror("fanfold-agent: signalfd");
+		return 1;
+	}
+
+	lo_up();
+	services_next();
+
+	for (;;) {
+		size_t n = 0, cnt = 0;
+		int pi_listen = -1, timeout = -1;
+		int64_t now = now_us(), next = INT64_MAX;
+		struct conn *c, **pp;
+
+		for (c = conns; c; c = c->next)
+			cnt++;
+		if (pcap < 2 + 4 * cnt) {
+			pcap = 2 * (2 + 4 * cnt);
+			if (!(pfd = realloc(pfd, pcap * sizeof *pfd)))
+				abort();
+		}
+		pfd[n++] = (struct pollfd){ sig_fd, POLLIN, 0 };
+		if (now >= accept_resume) {
+			pi_listen = n;
+			pfd[n++] = (struct pollfd){ listen_fd, POLLIN, 0 };
+		} else {
+			next = accept_resume;
+		}
+		for (c = conns; c; c = c->next) {
+			/* always polled: POLLHUP tells us the host went away */
+			c->pi_sock = n;
+			pfd[n++] = (struct pollfd){ c->fd, (short)((want_read(c) ? POLLIN : 0) |
+					(c->olen > c->ooff ? POLLOUT : 0)), 0 };
+			for (int i = 0; i < 2; i++) {
+				c->pi_fd[i] = -1;
+				if (pipe_wanted(c, i)) {
+					c->pi_fd[i] = n;
+					pfd[n++] = (struct pollfd){ c->fds[i], POLLIN, 0 };
+				}
+			}
+			c->pi_in = -1;
+			if (c->pend) {
+				c->pi_in = n;
+				pfd[n++] = (struct pollfd){ c->in_fd, POLLOUT, 0 };
+			}
+			if (c->state == S_RUN && c->deadline && c->deadline < next)
+				next = c->deadline;
+			if (c->state == S_DRAIN && c->drain_deadline < next)
+				next = c->drain_deadline;
+		}
+		if (next != INT64_MAX)
+			timeout = next <= now ? 0 : (int)((next - now + 999) / 1000 > 1 << 30
+							  ? 1 << 30 : (next - now + 999) / 1000);
+
+		if (poll(pfd, n, timeout) < 0)
+			continue;
+
+		if (pfd[0].revents)
+			reap();
+		if (pi_listen >= 0 && pfd[pi_listen].revents)
+			do_accept();
+		for (c = conns; c; c = c->next) {
+			if (c->dead || c->pi_sock < 0)
+				continue; /* accepted this round: not polled yet */
+			short r = pfd[c->pi_sock].revents;
+			if (r & (POLLHUP | POLLERR | POLLNVAL)) {
+				host_gone(c);
+				continue;
+			}
+			if (r & POLLIN)
+				conn_read(c);
+			for (int i = 0; i < 2; i++)
+				if (c->pi_fd[i] >= 0 && pfd[c->pi_fd[i]].revents && c->fds[i] >= 0)
+					pipe_read(c, i);
+			if (c->pi_in >= 0 && pfd[c->pi_in].revents && c->pend)
+				stdin_push(c);
+		}
+
+		now = now_us();
+		for (c = conns; c; c = c->next) {
+			if (c->dead)
+				continue;
+			if (c->state == S_RUN && c->deadline && now >= c->deadline) {
+				kill(-c->pid, SIGKILL);
+				c->timed_out = 1;
+				c->deadline = 0;
+			}
+			/* a background process may hold the pipes open forever */
+			if (c->state == S_DRAIN && now >= c->drain_deadline)
+				finish(c);
+			flush(c);
+		}
+		for (pp = &conns; (c = *pp);) {
+			if (c->dead) {
+				*pp = c->next;
+				free_conn(c);
+			} else {
+				pp = &c->next;
+			}
+		}
+	}
+}

@@ -1,0 +1,360 @@
+"""The engine: creates, runs and destroys every sandbox on one host, and owns all it makes.
+
+Every sandbox has one row in SQLite, written before any resource exists and removed
+after the last is released, so an engine started after a crash can find and reap
+whatever a dead owner left behind. Sandboxes made by a live engine belong to it and
+die with it; ``detached`` ones (the CLI's ``create``) live until removed or their deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from .._agent.build import agent_binary
+from .._agent.client import AgentClient, AgentUnreachable
+from ..config import EngineConfig
+from ..errors import (
+    BuildFailed, FanfoldError, HostNotReady, ImageNotFound, InfrastructureError, InvalidRequest,
+    SandboxGone, SandboxNotFound,
+)
+from ..host import cgroups, mounts, safefs, setup
+from ..images import Image, LayerStore
+from ..images.builder import DEFAULT_PATH, Builder, OnStep
+from ..models import ExecResult, FileEntry, Limits, SandboxInfo
+from ..runtime import get_runtime
+from ..spec import BASES, EnvSpec
+from . import db as dbmod
+from . import resources
+from .execution import build_result, check_exec_args
+
+OnOutput = Callable[[str, bytes], Awaitable[None] | None]
+_LABEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+
+
+def _owner_token() -> str:
+    """This process, named so that a recycled pid is not mistaken for it."""
+    with open("/proc/self/stat") as handle:
+        start = handle.read().rsplit(")", 1)[1].split()[19]
+    return f"{os.getpid()}:{start}"
+
+
+def _owner_alive(owner: str) -> bool:
+    if owner == "detached":
+        return True
+    pid, _, start = owner.partition(":")
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19] == start
+    except (OSError, IndexError):
+        return False
+
+
+class Engine:
+    """The async core every client drives, in-process or through the server."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.owner = _owner_token()
+        self._db: dbmod.Database | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._started = False
+
+    # -- life of the engine -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check and prepare the host, open the database, and reap what dead owners left."""
+        if self._started:
+            return
+        if not setup.is_root():
+            raise HostNotReady("fanfold's engine needs root (mounts, cgroups): run it as root")
+        setup.fix_hybrid_cgroups()
+        cfg = self.config
+        for sub in ("sandboxes", "bundles"):
+            (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.store = LayerStore(cfg.state_dir)
+        self.runtime = get_runtime(cfg.runtime, str(cfg.run_dir / "runtime"))
+        self.builder = Builder(self.store, self.runtime, mirror=cfg.debian_mirror, scratch_run=cfg.state_dir / "bundles")
+        self.agent = await asyncio.to_thread(agent_binary, cfg.state_dir)
+        self._db = dbmod.Database(cfg.state_dir / "fanfold.db")
+        self._started = True
+        await self.reconcile()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        """Destroy the sandboxes this engine owns (not detached ones) and stop."""
+        if not self._started:
+            return
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for row in self.db.rows():
+            if row["owner"] == self.owner:
+                await self._destroy(row["id"])
+        self.db.close()
+        self._started = False
+
+    @property
+    def db(self) -> dbmod.Database:
+        if self._db is None:
+            raise InfrastructureError("the engine is not started: call start() first")
+        return self._db
+
+    async def reconcile(self) -> dict[str, int]:
+        """Reap sandboxes whose owner died or whose deadline passed, and resources with no sandbox."""
+        reaped = 0
+        rows = {row["id"]: row for row in self.db.rows()}
+        for sandbox_id, row in rows.items():
+            dead = not _owner_alive(row["owner"])
+            expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
+            broken = row["state"] == "running" and row["pid"] and not os.path.exists(f"/proc/{row['pid']}")
+            if dead or expired or broken:
+                await self._destroy(sandbox_id)
+                reaped += 1
+        known = set(rows)
+        leftovers = await self.runtime.list_ids()
+        leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
+        leftovers |= cgroups.leftover_ids(self.config.cgroup_parent)
+        leftovers |= {p.stem for p in self.config.run_dir.glob("*.sock")}
+        for sandbox_id in leftovers - known:
+            await resources.release(self.config, self.runtime, sandbox_id)
+            reaped += 1
+        self.store.discard_scratch()
+        return {"reaped": reaped}
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                for row in self.db.rows():
+                    if row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now():
+                        await self._destroy(row["id"])
+                    elif row["owner"] != self.owner and not _owner_alive(row["owner"]):
+                        await self._destroy(row["id"])
+            except FanfoldError:
+                continue
+
+    # -- images -------------------------------------------------------------------------------
+
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
+        """Build ``spec`` into an image, reusing every layer already built."""
+        if not isinstance(spec, EnvSpec):
+            raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
+        return await self.builder.build(spec, on_step)
+
+    async def image(self, ref: str | Image) -> Image:
+        """An image from an Image, an image id, or a base name (``host``, ``debian:bookworm``)."""
+        if isinstance(ref, Image):
+            return ref
+        if not isinstance(ref, str):
+            raise ImageNotFound(f"an image is an Image, an image id or a base name, not {type(ref).__name__}")
+        if ref in BASES:
+            return await self.build(EnvSpec(ref))
+        return self.store.load_image(ref)
+
+    def images(self) -> list[Image]:
+        return self.store.images()
+
+    # -- sandboxes ----------------------------------------------------------------------------
+
+    async def create(
+        self,
+        image: str | Image = "host",
+        *,
+        limits: Limits | None = None,
+        env: dict[str, str] | None = None,
+        labels: dict[str, str] | None = None,
+        deadline: float | None = None,
+        detached: bool = False,
+    ) -> SandboxInfo:
+        """Start a sandbox from ``image``; it is running when this returns."""
+        limits = limits or Limits()
+        if not isinstance(limits, Limits):
+            raise InvalidRequest("limits must be a fanfold.Limits")
+        env, labels = _check_strings(env, "env"), _check_strings(labels, "labels")
+        for key in labels:
+            if not _LABEL.match(key):
+                raise InvalidRequest(f"bad label name {key!r}: letters, digits and _.:/- up to 128")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0):
+            raise InvalidRequest(f"deadline must be a positive number of seconds, got {deadline!r}")
+        img = await self.image(image)
+        sandbox_id = "sb-" + secrets.token_hex(6)
+        now = dbmod.now()
+        info = SandboxInfo(
+            id=sandbox_id, state="creating", image_id=img.id, limits=limits, labels=labels, created_at=now,
+            deadline_at=now + deadline if deadline else None, detached=detached,
+        )
+        self.db.insert(info, owner="detached" if detached else self.owner, env=env)
+        try:
+            pid = await resources.provision(
+                self.config, self.store, self.runtime, self.agent, sandbox_id, img, limits, self._base_env(img, sandbox_id, {}),
+            )
+            if img.services:
+                await self._wait_services(sandbox_id, img)
+        except BaseException as err:
+            await asyncio.shield(self._destroy(sandbox_id))
+            if isinstance(err, OSError):
+                raise InfrastructureError(f"creating sandbox failed: {err}") from None
+            raise
+        self.db.set_state(sandbox_id, "running", pid=pid)
+        if deadline:
+            self._timers[sandbox_id] = asyncio.get_running_loop().call_later(
+                deadline, lambda: asyncio.ensure_future(self._destroy(sandbox_id))
+            )
+        return SandboxInfo(**{**info.__dict__, "state": "running"})
+
+    async def _wait_services(self, sandbox_id: str, img: Image) -> None:
+        try:
+            answer = await self._agent(sandbox_id).wait_ready()
+        except AgentUnreachable as err:
+            raise InfrastructureError(f"sandbox {sandbox_id}'s agent died while starting services: {err}") from None
+        if answer != "ok":
+            _, name, code = answer.split()
+            raise BuildFailed(
+                f"service {name!r} of image {img.id} exited with code {code}; see /var/log/fanfold/{name}.log",
+                step=f"SERVICE {name}", exit_code=int(code),
+            )
+
+    def _base_env(self, img: Image, sandbox_id: str, extra: dict[str, str]) -> list[str]:
+        merged = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "HOSTNAME": sandbox_id, "TERM": "xterm"}
+        merged.update(dict(img.env))
+        merged.update(extra)
+        return [f"{key}={value}" for key, value in merged.items()]
+
+    def _row(self, sandbox_id: str) -> Any:
+        if not isinstance(sandbox_id, str) or not sandbox_id:
+            raise SandboxNotFound(f"bad sandbox id {sandbox_id!r}")
+        row = self.db.get(sandbox_id)
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
+        if row["state"] != "running":
+            raise SandboxGone(f"sandbox {sandbox_id} is {row['state']}")
+        return row
+
+    def _agent(self, sandbox_id: str) -> AgentClient:
+        return AgentClient(str(resources.paths(self.config, sandbox_id).socket))
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        return dbmod.row_info(row)
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        infos = [dbmod.row_info(row) for row in self.db.rows()]
+        wanted = (labels or {}).items()
+        return [info for info in infos if all(info.labels.get(k) == v for k, v in wanted)]
+
+    async def kill(self, sandbox_id: str) -> None:
+        """Destroy a sandbox and release everything it held."""
+        if self.db.get(sandbox_id) is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        await self._destroy(sandbox_id)
+
+    async def _destroy(self, sandbox_id: str) -> None:
+        timer = self._timers.pop(sandbox_id, None)
+        if timer is not None:
+            timer.cancel()
+        if self.db.get(sandbox_id) is not None:
+            self.db.set_state(sandbox_id, "destroying")
+        await resources.release(self.config, self.runtime, sandbox_id)
+        self.db.delete(sandbox_id)
+
+    # -- exec ---------------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        cmd: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        on_output: OnOutput | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` (a shell string or an argv list) in the sandbox and return its typed result."""
+        row = self._row(sandbox_id)
+        argv, stdin_bytes, limit = check_exec_args(cmd, stdin, timeout, max_output, self.config.max_output_bytes)
+        img = self.store.load_image(row["image_id"])
+        workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
+        merged = {**_loads(row["env"]), **_check_strings(env, "env")}
+        before = cgroups.counters(self.config.cgroup_parent, sandbox_id)
+        try:
+            raw = await asyncio.wait_for(
+                self._agent(sandbox_id).exec(
+                    argv, env=self._base_env(img, sandbox_id, merged), cwd=workdir,
+                    timeout_ms=int((timeout or 0) * 1000), max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
+                ),
+                None if timeout is None else timeout + 30,
+            )
+        except (AgentUnreachable, asyncio.TimeoutError) as err:
+            if self.db.get(sandbox_id) is None or self.db.get(sandbox_id)["state"] != "running":
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
+            raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
+        after = cgroups.counters(self.config.cgroup_parent, sandbox_id)
+        return build_result(raw, argv, before, after)
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def _files(self, sandbox_id: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+        row = self._row(sandbox_id)
+        img = self.store.load_image(row["image_id"])
+        target = safefs.normalize(path, img.workdir)
+        root = resources.paths(self.config, sandbox_id).rootfs
+
+        def run() -> Any:
+            fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                return fn(fd, target, *args)
+            finally:
+                os.close(fd)
+
+        return await asyncio.to_thread(run)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await self._files(sandbox_id, path, safefs.read)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
+        await self._files(sandbox_id, path, safefs.write, bytes(data), mode)
+
+    async def upload(self, sandbox_id: str, local_path: str | Path, path: str) -> int:
+        if not Path(local_path).is_file():
+            raise InvalidRequest(f"local file {local_path} does not exist or is not a file")
+        return await self._files(sandbox_id, path, lambda fd, p: safefs.upload(fd, str(local_path), p))
+
+    async def download(self, sandbox_id: str, path: str, local_path: str | Path) -> int:
+        return await self._files(sandbox_id, path, lambda fd, p: safefs.download(fd, p, str(local_path)))
+
+    async def list_files(self, sandbox_id: str, path: str = ".") -> list[FileEntry]:
+        return await self._files(sandbox_id, path, safefs.listdir)
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await self._files(sandbox_id, path, safefs.remove, recursive)
+
+
+def _check_strings(value: dict[str, str] | None, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise InvalidRequest(f"{what} must be a dict of strings to strings")
+    for key, item in value.items():
+        if not key or "=" in key or "\0" in key or "\0" in item:
+            raise InvalidRequest(f"bad {what} entry {key!r}: no '=', NUL or empty names")
+    return dict(value)
+
+
+def _loads(text: str) -> dict[str, str]:
+    import json
+
+    return json.loads(text)

@@ -1,0 +1,133 @@
+"""The one exception tree of fanfold.
+
+    FanfoldError
+    ├── InvalidRequest          bad input: limits, paths, commands, arguments
+    │   ├── InvalidSpec         an EnvSpec that cannot be built as written
+    │   ├── InvalidPath         a sandbox path that is malformed or leaves the root
+    │   └── LimitExceeded       the sandbox's disk is full
+    ├── NotFound
+    │   ├── ImageNotFound
+    │   ├── SandboxNotFound
+    │   └── FileNotFoundInSandbox
+    ├── SandboxGone             the sandbox was destroyed (deadline, kill, crash)
+    ├── BuildFailed             a spec step exited non-zero
+    ├── ExecTimeout             raised only by ``check=True`` callers on a timeout
+    ├── CommandFailed           raised only by ``check=True`` callers on non-zero exit
+    ├── HostNotReady            the host lacks what sandboxes need (see ``fanfold doctor``)
+    └── Retryable               try again; nothing was left behind
+        ├── CapacityExceeded
+        └── InfrastructureError the runtime, the kernel or the agent failed
+
+Errors from crun, the kernel and the agent are translated into these at the edge,
+in one place each; none leaks raw.
+"""
+
+from __future__ import annotations
+
+
+class FanfoldError(Exception):
+    """Root of every error fanfold raises."""
+
+    kind = "fanfold_error"
+
+
+class InvalidRequest(FanfoldError):
+    """The request is malformed: the message says what to change."""
+
+    kind = "invalid_request"
+
+
+class InvalidSpec(InvalidRequest):
+    """An EnvSpec that cannot be built as written."""
+
+    kind = "invalid_spec"
+
+
+class InvalidPath(InvalidRequest):
+    """A sandbox path that is malformed or tries to leave the sandbox."""
+
+    kind = "invalid_path"
+
+
+class LimitExceeded(InvalidRequest):
+    """The sandbox hit one of its limits (its disk is full)."""
+
+    kind = "limit_exceeded"
+
+
+class NotFound(FanfoldError):
+    """The named thing does not exist."""
+
+    kind = "not_found"
+
+
+class ImageNotFound(NotFound):
+    """No image or base of that name or id."""
+
+    kind = "image_not_found"
+
+
+class SandboxNotFound(NotFound):
+    """No sandbox with that id."""
+
+    kind = "sandbox_not_found"
+
+
+class FileNotFoundInSandbox(NotFound):
+    """The path does not exist inside the sandbox."""
+
+    kind = "file_not_found"
+
+
+class SandboxGone(FanfoldError):
+    """The sandbox was destroyed while in use (deadline, kill or crash)."""
+
+    kind = "sandbox_gone"
+
+
+class BuildFailed(FanfoldError):
+    """A build step failed; carries the step, its exit code and its output's tail."""
+
+    kind = "build_failed"
+
+    def __init__(self, message: str, *, step: str = "", exit_code: int | None = None, output_tail: str = ""):
+        super().__init__(message)
+        self.step = step
+        self.exit_code = exit_code
+        self.output_tail = output_tail
+
+
+class ExecTimeout(FanfoldError):
+    """A command ran past its timeout (raised only when the caller asked to check)."""
+
+    kind = "exec_timeout"
+
+
+class CommandFailed(FanfoldError):
+    """A command exited non-zero (raised only when the caller asked to check)."""
+
+    kind = "command_failed"
+
+
+class HostNotReady(FanfoldError):
+    """The host cannot run sandboxes yet; ``fanfold doctor`` says what to fix."""
+
+    kind = "host_not_ready"
+
+
+class Retryable(FanfoldError):
+    """A transient failure: retrying the same call may succeed."""
+
+    kind = "retryable"
+
+
+class CapacityExceeded(Retryable):
+    """The host cannot hold another sandbox right now."""
+
+    kind = "capacity_exceeded"
+
+
+class InfrastructureError(Retryable):
+    """The runtime, the kernel or the in-sandbox agent failed; not the caller's fault."""
+
+    kind = "infrastructure_error"

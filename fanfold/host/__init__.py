@@ -1,0 +1,1 @@
+"""Thin, typed wrappers over the Linux primitives fanfold needs (mounts, cgroups, spawn)."""

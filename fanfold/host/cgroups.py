@@ -1,0 +1,114 @@
+"""Reading and removing the cgroups the OCI runtime made for sandboxes (v1 or v2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from functools import lru_cache
+from pathlib import Path
+
+CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "cpuset", "freezer", "devices", "blkio", "hugetlb", "systemd")
+
+
+@lru_cache(maxsize=1)
+def v1_roots() -> dict[str, Path]:
+    """Controller name -> mount point of each cgroup v1 hierarchy."""
+    roots: dict[str, Path] = {}
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        for line in handle:
+            pre, _, post = line.partition(" - ")
+            fstype, _source, options = post.split()[:3]
+            if fstype != "cgroup":
+                continue
+            for option in options.split(","):
+                name = option.removeprefix("name=")
+                if name in CONTROLLERS:
+                    roots.setdefault(name, Path(pre.split()[4]))
+    return roots
+
+
+def is_v2_only() -> bool:
+    return not v1_roots() and Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
+def sandbox_dirs(parent: str, sandbox_id: str | None = None) -> list[Path]:
+    """Every cgroup directory of one sandbox (or of the whole parent when id is None)."""
+    rel = parent if sandbox_id is None else f"{parent}/{sandbox_id}"
+    if is_v2_only():
+        return [Path("/sys/fs/cgroup") / rel]
+    return [root / rel for root in v1_roots().values()]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _kv(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
+
+
+def counters(parent: str, sandbox_id: str) -> dict[str, int]:
+    """OOM kills, pids-limit hits and peak memory of a sandbox so far."""
+    rel = f"{parent}/{sandbox_id}"
+    if is_v2_only():
+        base = Path("/sys/fs/cgroup") / rel
+        events = _kv(_read(base / "memory.events"))
+        return {
+            "oom_kill": events.get("oom_kill", 0),
+            "pids_max": _kv(_read(base / "pids.events")).get("max", 0),
+            "memory_peak": int(_read(base / "memory.peak").strip() or 0),
+        }
+    roots = v1_roots()
+    memory, pids = roots.get("memory"), roots.get("pids")
+    peak = _read(memory / rel / "memory.max_usage_in_bytes").strip() if memory else ""
+    return {
+        "oom_kill": _kv(_read(memory / rel / "memory.oom_control")).get("oom_kill", 0) if memory else 0,
+        "pids_max": _kv(_read(pids / rel / "pids.events")).get("max", 0) if pids else 0,
+        "memory_peak": int(peak or 0),
+    }
+
+
+def remove(parent: str, sandbox_id: str) -> None:
+    """Kill whatever is left in a sandbox's cgroups and remove them."""
+    for directory in sandbox_dirs(parent, sandbox_id):
+        if not directory.exists():
+            continue
+        for child in sorted(directory.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if child.is_dir():
+                _kill_and_rmdir(child)
+        _kill_and_rmdir(directory)
+
+
+def _kill_and_rmdir(directory: Path) -> None:
+    # Killed tasks take a moment to leave the cgroup; rmdir fails with EBUSY until then.
+    for _ in range(500):
+        for pid in _read(directory / "cgroup.procs").split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            directory.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.002)
+
+
+def leftover_ids(parent: str) -> set[str]:
+    """Sandbox ids that still have a cgroup under ``parent`` in any hierarchy."""
+    ids: set[str] = set()
+    for directory in sandbox_dirs(parent):
+        if directory.is_dir():
+            ids.update(p.name for p in directory.iterdir() if p.is_dir())
+    return ids

@@ -1,0 +1,176 @@
+"""File operations confined to a sandbox's root, whatever its symlinks say.
+
+Every path is resolved by the kernel with ``openat2(RESOLVE_IN_ROOT)``, so ``..``
+and absolute symlinks inside the sandbox stop at its root instead of reaching the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import stat
+from contextlib import contextmanager
+from pathlib import PurePosixPath
+from typing import Iterator
+
+from ..errors import FanfoldError, FileNotFoundInSandbox, InvalidPath, LimitExceeded
+from ..models import FileEntry
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_OPENAT2 = 437
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def normalize(path: str, cwd: str = "/") -> str:
+    """An absolute, normalised sandbox path; ``..`` may not climb above the root."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise InvalidPath(f"bad sandbox path {path!r}: give a non-empty string without NUL bytes")
+    parts: list[str] = []
+    for part in PurePosixPath(cwd, path).parts[1:]:
+        if part == "..":
+            if not parts:
+                raise InvalidPath(f"path {path!r} leaves the sandbox's root")
+            parts.pop()
+        elif part != ".":
+            parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def _error(err: OSError, path: str) -> FanfoldError:
+    code = err.errno
+    if code == errno.ENOENT:
+        return FileNotFoundInSandbox(f"no such file or directory in the sandbox: {path}")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return LimitExceeded(f"the sandbox's disk is full writing {path}: raise disk_mb or write less")
+    if code == errno.EISDIR:
+        return InvalidPath(f"{path} is a directory")
+    if code == errno.ENOTDIR:
+        return InvalidPath(f"a component of {path} is not a directory")
+    if code == errno.EEXIST:
+        return InvalidPath(f"{path} already exists")
+    if code == errno.ENOTEMPTY:
+        return InvalidPath(f"directory {path} is not empty: pass recursive=True")
+    if code in (errno.EXDEV, errno.ELOOP):
+        return InvalidPath(f"{path} resolves outside the sandbox or loops")
+    return InvalidPath(f"{path}: {os.strerror(code or 0)}")
+
+
+def open_in(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+    rel = path.lstrip("/") or "."
+    fd = _libc.syscall(_SYS_OPENAT2, root_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise _error(OSError(err, os.strerror(err)), path)
+    return fd
+
+
+@contextmanager
+def opened(root_fd: int, path: str, flags: int, mode: int = 0o644) -> Iterator[int]:
+    fd = open_in(root_fd, path, flags, mode)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def translated(path: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as err:
+        raise _error(err, path) from None
+
+
+def makedirs(root_fd: int, path: str) -> None:
+    current = "/"
+    for part in PurePosixPath(path).parts[1:]:
+        with opened(root_fd, current, os.O_PATH | os.O_DIRECTORY) as parent, translated(path):
+            try:
+                os.mkdir(part, 0o755, dir_fd=parent)
+            except FileExistsError:
+                pass
+        current = str(PurePosixPath(current, part))
+
+
+def read(root_fd: int, path: str, limit: int | None = None) -> bytes:
+    with opened(root_fd, path, os.O_RDONLY) as fd, translated(path):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise InvalidPath(f"{path} is a directory: use list()")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return handle.read() if limit is None else handle.read(limit)
+
+
+def write(root_fd: int, path: str, data: bytes, mode: int = 0o644, parents: bool = True) -> None:
+    if parents:
+        makedirs(root_fd, str(PurePosixPath(path).parent))
+    with opened(root_fd, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd, translated(path):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def upload(root_fd: int, local: str, path: str, parents: bool = True) -> int:
+    """Copy a host file into the sandbox; returns the bytes copied."""
+    if parents:
+        makedirs(root_fd, str(PurePosixPath(path).parent))
+    with open(local, "rb") as src:
+        mode = stat.S_IMODE(os.fstat(src.fileno()).st_mode)
+        with opened(root_fd, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd, translated(path):
+            return _copy(src.fileno(), fd)
+
+
+def download(root_fd: int, path: str, local: str) -> int:
+    """Copy a sandbox file to the host; returns the bytes copied."""
+    with opened(root_fd, path, os.O_RDONLY) as fd, translated(path):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise InvalidPath(f"{path} is a directory: download files one by one")
+        with open(local, "wb") as dst:
+            return _copy(fd, dst.fileno())
+
+
+def _copy(src: int, dst: int) -> int:
+    total = 0
+    while sent := os.sendfile(dst, src, None, 1 << 20):
+        total += sent
+    return total
+
+
+def listdir(root_fd: int, path: str) -> list[FileEntry]:
+    with opened(root_fd, path, os.O_RDONLY | os.O_DIRECTORY) as fd, translated(path):
+        entries = []
+        with os.scandir(fd) as it:
+            for entry in it:
+                info = entry.stat(follow_symlinks=False)
+                kind = (
+                    "dir" if stat.S_ISDIR(info.st_mode)
+                    else "file" if stat.S_ISREG(info.st_mode)
+                    else "symlink" if stat.S_ISLNK(info.st_mode)
+                    else "other"
+                )
+                entries.append(FileEntry(
+                    name=entry.name, path=str(PurePosixPath(path, entry.name)), type=kind,
+                    size=info.st_size, mode=stat.S_IMODE(info.st_mode), mtime=info.st_mtime,
+                ))
+    return sorted(entries, key=lambda e: e.name)
+
+
+def remove(root_fd: int, path: str, recursive: bool = False) -> None:
+    if path == "/":
+        raise InvalidPath("refusing to remove the sandbox's root: kill the sandbox instead")
+    parent, name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+    with opened(root_fd, parent, os.O_PATH | os.O_DIRECTORY) as pfd, translated(path):
+        info = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode):
+            os.unlink(name, dir_fd=pfd)
+        elif recursive:
+            shutil.rmtree(name, dir_fd=pfd)
+        else:
+            os.rmdir(name, dir_fd=pfd)

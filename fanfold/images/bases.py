@@ -1,0 +1,110 @@
+"""The bottom layers: ``host`` (a read-only view of the host's system) and ``debian:bookworm``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from ..errors import BuildFailed, HostNotReady, ImageNotFound
+from .store import LayerStore
+
+HOST_SKELETON_VERSION = "host-skeleton-3"
+# System files safe to show a sandbox: nothing with secrets (no shadow, ssh keys or machine-id).
+HOST_ETC = [
+    "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "ssl/certs", "ca-certificates",
+    "ca-certificates.conf", "python3", "python3.11", "mime.types", "localtime", "timezone", "os-release",
+    "debian_version", "profile", "profile.d", "bash.bashrc", "shells", "protocols", "services", "gai.conf",
+    "host.conf", "inputrc", "login.defs", "issue", "environment", "libaudit.conf", "mke2fs.conf", "adduser.conf",
+]
+USR_MERGE_CANDIDATES = ["bin", "sbin", "lib", "lib32", "lib64", "libx32"]
+SKELETON_DIRS = {
+    "tmp": 0o1777, "root": 0o700, "home": 0o755, "var": 0o755, "var/tmp": 0o1777, "var/log": 0o755,
+    "var/lib": 0o755, "var/cache": 0o755, "run": 0o755, "proc": 0o555, "sys": 0o555, "dev": 0o755,
+    "opt": 0o755, "srv": 0o755, "mnt": 0o755, "media": 0o755, "usr": 0o755, "etc": 0o755, ".fanfold": 0o755,
+}
+PASSWD = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+GROUP = "root:x:0:\nnogroup:x:65534:\n"
+HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+
+
+def base_digest(base: str) -> str:
+    if base == "host":
+        key = HOST_SKELETON_VERSION
+    elif base == "debian:bookworm":
+        key = "debian:bookworm:minbase:1"
+    else:
+        raise ImageNotFound(f"unknown base {base!r}: use 'host' or 'debian:bookworm'")
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def host_dirs() -> tuple[str, ...]:
+    """Host directories the ``host`` base overlays: /usr, plus any top-level dir not merged into it."""
+    extra = [f"/{name}" for name in USR_MERGE_CANDIDATES if os.path.isdir(f"/{name}") and not os.path.islink(f"/{name}")]
+    return ("/usr", *extra)
+
+
+def ensure_base(store: LayerStore, base: str, mirror: str) -> str:
+    """Make sure the base's layer exists; return its digest."""
+    digest = base_digest(base)
+    if store.has_layer(digest):
+        return digest
+    with store.lock(digest):
+        if store.has_layer(digest):
+            return digest
+        tree = store.scratch()
+        try:
+            if base == "host":
+                _host_skeleton(tree)
+            else:
+                _debootstrap(tree, mirror)
+            (tree / ".fanfold").mkdir(exist_ok=True)
+            store.commit(tree, digest)
+        except BaseException:
+            shutil.rmtree(tree, ignore_errors=True)
+            raise
+    return digest
+
+
+def _host_skeleton(tree: Path) -> None:
+    for name, mode in SKELETON_DIRS.items():
+        (tree / name).mkdir(parents=True, exist_ok=True)
+        os.chmod(tree / name, mode)
+    for name in USR_MERGE_CANDIDATES:
+        if os.path.islink(f"/{name}"):
+            os.symlink(os.readlink(f"/{name}"), tree / name)
+        elif os.path.isdir(f"/{name}"):
+            (tree / name).mkdir(exist_ok=True)
+    etc = tree / "etc"
+    for rel in HOST_ETC:
+        src = Path("/etc") / rel
+        if not os.path.lexists(src):
+            continue
+        dst = etc / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+    for name, text in {"passwd": PASSWD, "group": GROUP, "hosts": HOSTS, "resolv.conf": "", "hostname": "sandbox\n"}.items():
+        (etc / name).write_text(text)
+
+
+def _debootstrap(tree: Path, mirror: str) -> None:
+    if shutil.which("debootstrap") is None:
+        raise HostNotReady("the debian:bookworm base needs debootstrap: run `apt-get install debootstrap`")
+    done = subprocess.run(
+        ["debootstrap", "--variant=minbase", "bookworm", str(tree), mirror], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-2000:]
+        raise BuildFailed(
+            f"building base debian:bookworm with debootstrap failed (exit {done.returncode}):\n{tail}",
+            step="BASE debian:bookworm", exit_code=done.returncode, output_tail=tail,
+        )
+    for cache in (tree / "var/cache/apt/archives").glob("*.deb"):
+        cache.unlink()
+    (tree / "etc/resolv.conf").write_text("")
+    (tree / "etc/hostname").write_text("sandbox\n")

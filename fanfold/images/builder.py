@@ -1,0 +1,216 @@
+"""Build an EnvSpec into layers: one per step, keyed by its parent's digest and its own inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import BuildFailed, InvalidSpec
+from ..runtime import Bind, ContainerSpec, Runtime
+from ..spec import EnvSpec, Step
+from .bases import base_digest, ensure_base, host_dirs
+from .rootfs import fold_host_uppers, mount_rootfs, unmount_rootfs
+from .store import Image, LayerStore
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STEP_TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Progress of a build, one event as each step starts and ends."""
+
+    index: int
+    total: int
+    description: str
+    status: str
+    """``running``, ``cached``, ``built`` or ``failed``."""
+
+
+OnStep = Callable[[StepEvent], None]
+
+
+class Builder:
+    """Turns specs into images in one LayerStore, running ``run`` steps with a Runtime."""
+
+    def __init__(self, store: LayerStore, runtime: Runtime, *, mirror: str, scratch_run: Path) -> None:
+        self.store = store
+        self.runtime = runtime
+        self.mirror = mirror
+        self.scratch_run = scratch_run
+
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
+        report = on_step or (lambda event: None)
+        total = len(spec.steps) + 1
+        report(StepEvent(0, total, f"BASE {spec.base}", "running"))
+        cached = Path(self.store.layer_path(base_digest(spec.base))).is_dir()
+        digest = await _off_loop(ensure_base, self.store, spec.base, self.mirror)
+        report(StepEvent(0, total, f"BASE {spec.base}", "cached" if cached else "built"))
+        layers = [digest]
+        env: dict[str, str] = {}
+        workdir = "/"
+        services: list[tuple[str, str, str]] = []
+        dirs = host_dirs() if spec.base == "host" else ()
+        context = spec.context or Path.cwd()
+        for index, step in enumerate(spec.steps, start=1):
+            description = step.describe()
+            digest = _step_digest(digest, step, context)
+            if step.kind == "env":
+                env.update(dict(step.arg("vars")))
+                continue
+            if step.kind == "service":
+                services.append((step.arg("name"), step.arg("cmd"), step.arg("mode")))
+                continue
+            if step.kind == "workdir":
+                workdir = step.arg("path")
+            if self.store.has_layer(digest):
+                report(StepEvent(index, total, description, "cached"))
+                layers.append(digest)
+                continue
+            report(StepEvent(index, total, description, "running"))
+            try:
+                await self._make_layer(step, digest, tuple(layers), dirs, env, workdir, context)
+            except BuildFailed:
+                report(StepEvent(index, total, description, "failed"))
+                raise
+            report(StepEvent(index, total, description, "built"))
+            layers.append(digest)
+        image = Image(
+            id="img-" + digest[:16], base=spec.base, layers=tuple(layers), host_dirs=dirs,
+            env=tuple(env.items()), workdir=workdir, services=tuple(services),
+        )
+        self.store.save_image(image)
+        return image
+
+    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context) -> None:
+        with self.store.lock(digest):
+            if self.store.has_layer(digest):
+                return
+            scratch = self.store.scratch()
+            try:
+                if step.kind == "run":
+                    tree = await self._run_step(step, layers, dirs, env, workdir, scratch)
+                else:
+                    tree = scratch / "upper"
+                    tree.mkdir()
+                    await _off_loop(_file_step, step, tree, context)
+                _drop_dev_leftovers(tree)
+                self.store.commit(tree, digest)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path) -> Path:
+        rootfs = scratch / "rootfs"
+        mount_rootfs(self.store, layers, dirs, rootfs, scratch)
+        build_id = f"build-{uuid.uuid4().hex[:12]}"
+        variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **env}
+        spec = ContainerSpec(
+            id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],
+            env=[f"{k}={v}" for k, v in variables.items()], cwd=workdir, hostname="fanfold-build",
+            host_network=True, binds=[Bind("/etc/resolv.conf", "/etc/resolv.conf")],
+        )
+        try:
+            done = await self.runtime.run(spec, self.scratch_run / build_id, timeout=STEP_TIMEOUT_S)
+        finally:
+            unmount_rootfs(rootfs)
+            shutil.rmtree(self.scratch_run / build_id, ignore_errors=True)
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
+            raise BuildFailed(
+                f"build step {step.describe()!r} failed with exit code {done.returncode}; output tail:\n{tail}",
+                step=step.describe(), exit_code=done.returncode, output_tail=tail,
+            )
+        return fold_host_uppers(scratch, dirs)
+
+
+def _step_digest(parent: str, step: Step, context: Path) -> str:
+    inputs: dict[str, object] = {"kind": step.kind, "args": [[k, v] for k, v in step.args]}
+    if step.kind == "copy":
+        inputs["content"] = _tree_hash(_source(step.arg("src"), context))
+    elif step.kind == "repo":
+        inputs["commit"] = _resolve_commit(_repo_source(step.arg("src"), context), step.arg("ref"))
+    payload = parent + json.dumps(inputs, sort_keys=True, default=list)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _source(src: str, context: Path) -> Path:
+    path = (context / src) if not os.path.isabs(src) else Path(src)
+    if not path.exists():
+        raise InvalidSpec(f"copy source {src!r} does not exist (resolved to {path})")
+    return path
+
+
+def _repo_source(src: str, context: Path) -> str:
+    if "://" in src or src.startswith("git@"):
+        return src
+    return str(_source(src, context))
+
+
+def _resolve_commit(src: str, ref: str) -> str:
+    if len(ref) == 40 and all(c in "0123456789abcdef" for c in ref):
+        return ref
+    done = subprocess.run(["git", "ls-remote", src, ref], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.split()
+    if done.returncode != 0 or not lines:
+        raise InvalidSpec(f"cannot resolve {ref!r} in git repository {src!r}: {done.stderr.strip()[-300:]}")
+    return lines[0]
+
+
+def _tree_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    items = [path] if not path.is_dir() else [path, *sorted(path.rglob("*"))]
+    for item in items:
+        rel = str(item.relative_to(path)) if item != path else "."
+        info = item.lstat()
+        digest.update(f"{rel}\0{info.st_mode}\0".encode())
+        if item.is_symlink():
+            digest.update(os.readlink(item).encode())
+        elif item.is_file():
+            with open(item, "rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_step(step: Step, tree: Path, context: Path) -> None:
+    if step.kind == "workdir":
+        (tree / step.arg("path").lstrip("/")).mkdir(parents=True, exist_ok=True)
+    elif step.kind == "copy":
+        src, dst = _source(step.arg("src"), context), tree / step.arg("dst").lstrip("/")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, dst)
+    elif step.kind == "repo":
+        src, dst = _repo_source(step.arg("src"), context), tree / step.arg("dst").lstrip("/")
+        commit = _resolve_commit(src, step.arg("ref"))
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        for argv in (["git", "clone", "--quiet", "--no-hardlinks", src, str(dst)],
+                     ["git", "-C", str(dst), "checkout", "--quiet", "--detach", commit]):
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                raise BuildFailed(
+                    f"build step {step.describe()!r} failed: {done.stderr.strip()[-1000:]}",
+                    step=step.describe(), exit_code=done.returncode, output_tail=done.stderr[-2000:],
+                )
+
+
+def _drop_dev_leftovers(tree: Path) -> None:
+    """Mount points the runtime created for its own mounts are not part of the image."""
+    for name in (".fanfold/agent",):
+        path = tree / name
+        if path.is_file() and path.stat().st_size == 0:
+            path.unlink()
+
+
+async def _off_loop(fn, *args):
+    return await asyncio.to_thread(fn, *args)

@@ -1,0 +1,103 @@
+"""Content-addressed layers and image records on disk.
+
+A layer is a directory in overlayfs' upper format (whiteouts included), written once
+under a temporary name and renamed into place, so a crash never leaves a partial layer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import ImageNotFound
+
+
+@dataclass(frozen=True, kw_only=True)
+class Image:
+    """A built EnvSpec: a stack of layers plus the config sandboxes start with."""
+
+    id: str
+    base: str
+    layers: tuple[str, ...]
+    """Layer digests, bottom first."""
+    host_dirs: tuple[str, ...] = ()
+    """Host directories the ``host`` base overlays read-only (``/usr``)."""
+    env: tuple[tuple[str, str], ...] = ()
+    workdir: str = "/"
+    services: tuple[tuple[str, str, str], ...] = field(default=())
+    """(name, command, mode) of each service, in start order."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Image:
+        data = json.loads(text)
+        return cls(
+            id=data["id"], base=data["base"], layers=tuple(data["layers"]), host_dirs=tuple(data["host_dirs"]),
+            env=tuple(tuple(kv) for kv in data["env"]), workdir=data["workdir"],
+            services=tuple(tuple(s) for s in data["services"]),
+        )
+
+
+class LayerStore:
+    """The ``layers/`` and ``images/`` directories of one state directory."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.layers_dir = state_dir / "layers"
+        self.images_dir = state_dir / "images"
+        self.locks_dir = state_dir / "locks"
+        for directory in (self.layers_dir, self.images_dir, self.locks_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def layer_path(self, digest: str) -> Path:
+        return self.layers_dir / digest[:32]
+
+    def has_layer(self, digest: str) -> bool:
+        return self.layer_path(digest).is_dir()
+
+    @contextmanager
+    def lock(self, digest: str) -> Iterator[None]:
+        """Serialise builders of one layer across processes."""
+        with open(self.locks_dir / digest[:32], "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    def scratch(self) -> Path:
+        path = self.layers_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        return path
+
+    def commit(self, tree: Path, digest: str) -> Path:
+        """Move a finished tree into place as layer ``digest``."""
+        target = self.layer_path(digest)
+        tree.rename(target)
+        return target
+
+    def discard_scratch(self) -> None:
+        """Remove temporary trees left by builders that died."""
+        for path in self.layers_dir.glob(".tmp-*"):
+            pid = path.name.split("-")[1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(path, ignore_errors=True)
+
+    def save_image(self, image: Image) -> None:
+        tmp = self.images_dir / f".{image.id}.{uuid.uuid4().hex[:6]}"
+        tmp.write_text(image.to_json())
+        tmp.rename(self.images_dir / f"{image.id}.json")
+
+    def load_image(self, image_id: str) -> Image:
+        path = self.images_dir / f"{image_id}.json"
+        if "/" in image_id or not path.is_file():
+            raise ImageNotFound(f"unknown image {image_id!r}: build a spec first (`fanfold build`) or use a base")
+        return Image.from_json(path.read_text())
+
+    def images(self) -> list[Image]:
+        return [Image.from_json(p.read_text()) for p in sorted(self.images_dir.glob("img-*.json"))]

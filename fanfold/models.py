@@ -1,0 +1,129 @@
+"""Plain data shared by every layer: limits, exec results, sandbox and file records."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import InvalidRequest
+
+MIB = 1024 * 1024
+
+
+class Outcome(str, enum.Enum):
+    """How an exec ended."""
+
+    EXITED = "exited"
+    """The command exited on its own; see ``exit_code``."""
+    TIMEOUT = "timeout"
+    """The command ran past its timeout and was killed."""
+    OOM = "oom"
+    """The kernel killed it because the sandbox ran out of memory."""
+    KILLED = "killed"
+    """A signal ended it (a kill from inside, or the sandbox being destroyed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Resource limits of one sandbox."""
+
+    cpus: float = 1.0
+    """CPU quota in cores (fractions allowed)."""
+    memory_mb: int = 512
+    """Memory limit; crossing it OOM-kills the offending process."""
+    pids: int = 256
+    """Most processes and threads alive at once (fork bombs stop here)."""
+    disk_mb: int = 1024
+    """Most bytes the sandbox may write to its filesystem."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("cpus", self.cpus, 0.01, 1024),
+            ("memory_mb", self.memory_mb, 16, 1 << 22),
+            ("pids", self.pids, 8, 1 << 22),
+            ("disk_mb", self.disk_mb, 1, 1 << 24),
+        ]
+        for name, value, low, high in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidRequest(f"limit {name} must be a number, got {value!r}")
+            if not low <= value <= high:
+                raise InvalidRequest(f"limit {name}={value} is out of range: use a value from {low} to {high}")
+        for name in ("memory_mb", "pids", "disk_mb"):
+            if not float(getattr(self, name)).is_integer():
+                raise InvalidRequest(f"limit {name} must be a whole number, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputChunk:
+    """A piece of a running command's output."""
+
+    stream: str
+    """``"stdout"`` or ``"stderr"``."""
+    data: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecResult:
+    """The typed result of one command."""
+
+    outcome: Outcome
+    exit_code: int | None
+    """The exit status when ``outcome`` is ``exited``, else None."""
+    signal: int | None = None
+    """The signal that ended it, if one did."""
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    """True when output past ``max_output`` was dropped."""
+    stderr_truncated: bool = False
+    duration_s: float = 0.0
+    limits_hit: tuple[str, ...] = ()
+    """Limits the sandbox hit during the command: ``memory``, ``pids``."""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.EXITED and self.exit_code == 0
+
+    @property
+    def text(self) -> str:
+        """stdout decoded as UTF-8 (invalid bytes replaced)."""
+        return self.stdout.decode("utf-8", "replace")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["outcome"] = self.outcome.value
+        data["stdout"] = self.stdout.decode("utf-8", "replace")
+        data["stderr"] = self.stderr.decode("utf-8", "replace")
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxInfo:
+    """What the engine knows of one sandbox."""
+
+    id: str
+    state: str
+    image_id: str
+    limits: Limits
+    labels: dict[str, str] = field(default_factory=dict)
+    created_at: float = 0.0
+    deadline_at: float | None = None
+    detached: bool = False
+    """True when the sandbox outlives the process that created it (CLI ``create``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    """One entry of a directory listing."""
+
+    name: str
+    path: str
+    type: str
+    """``file``, ``dir``, ``symlink`` or ``other``."""
+    size: int
+    mode: int
+    mtime: float

@@ -1,0 +1,121 @@
+"""OCI runtimes (crun, runc) driven through their command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import HostNotReady, InfrastructureError
+from ..host.spawn import Finished, run
+from .base import ContainerSpec
+
+# The capabilities Docker grants by default: enough for package managers, not for mounts or modules.
+CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]
+MASKED = [
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+    "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
+]
+READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+
+def oci_config(spec: ContainerSpec) -> dict[str, Any]:
+    """The OCI ``config.json`` for one sandbox or build step."""
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    if not spec.host_network:
+        namespaces.append({"type": "network"})
+    resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
+    if spec.limits is not None:
+        memory = spec.limits.memory_mb * 1024 * 1024
+        resources["memory"] = {"limit": memory, "swap": memory}
+        resources["cpu"] = {"quota": int(spec.limits.cpus * 100_000), "period": 100_000}
+        resources["pids"] = {"limit": spec.limits.pids}
+    mounts = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+    ]
+    for bind in spec.binds:
+        options = ["rbind", "nosuid", "nodev"] + (["ro"] if bind.readonly else ["rw"])
+        mounts.append({"destination": bind.destination, "type": "bind", "source": bind.source, "options": options})
+    linux: dict[str, Any] = {
+        "namespaces": namespaces, "resources": resources, "maskedPaths": MASKED, "readonlyPaths": READONLY,
+    }
+    if spec.cgroup_path:
+        linux["cgroupsPath"] = spec.cgroup_path
+    process_extra = {} if spec.oom_score_adj is None else {"oomScoreAdj": spec.oom_score_adj}
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False, "user": {"uid": 0, "gid": 0}, "args": spec.args, "env": spec.env, "cwd": spec.cwd,
+            "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
+            "noNewPrivileges": True, **process_extra,
+        },
+        "root": {"path": str(spec.rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": mounts,
+        "linux": linux,
+    }
+
+
+class OciRuntime:
+    """crun or runc, each sandbox a container in a runtime root of our own."""
+
+    def __init__(self, *, binary: str | None, state_root: str) -> None:
+        self.name = binary or "crun"
+        self.root = Path(state_root)
+        path = shutil.which(self.name)
+        if path is None:
+            raise HostNotReady(f"OCI runtime {self.name!r} is not installed: run `apt-get install {self.name}`")
+        self.binary = path
+
+    def _argv(self, *args: str) -> list[str]:
+        return [self.binary, "--root", str(self.root), *args]
+
+    def _write_bundle(self, spec: ContainerSpec, bundle: Path) -> None:
+        bundle.mkdir(parents=True, exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps(oci_config(spec)))
+
+    async def start(self, spec: ContainerSpec, bundle: Path, listen_fd: int) -> int:
+        self._write_bundle(spec, bundle)
+        log, pidfile = bundle / "runtime.log", bundle / "pid"
+        argv = self._argv("run", "--detach", "--preserve-fds", "1", "--pid-file", str(pidfile), "--bundle", str(bundle), spec.id)
+        done = await run(argv, fds={3: listen_fd}, log=str(log), timeout=60)
+        if done.returncode != 0:
+            raise InfrastructureError(f"{self.name} could not start sandbox {spec.id}: {_tail(log)}")
+        return int(pidfile.read_text().strip())
+
+    async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:
+        self._write_bundle(spec, bundle)
+        try:
+            return await run(self._argv("run", "--bundle", str(bundle), spec.id), timeout=timeout)
+        finally:
+            await self.delete(spec.id)
+
+    async def delete(self, sandbox_id: str) -> None:
+        if not (self.root / sandbox_id).exists():
+            return
+        done = await run(self._argv("delete", "--force", sandbox_id), timeout=60)
+        if done.returncode != 0 and (self.root / sandbox_id).exists():
+            raise InfrastructureError(f"{self.name} could not delete {sandbox_id}: {done.stderr.decode()[-500:]}")
+
+    async def list_ids(self) -> set[str]:
+        if not self.root.is_dir():
+            return set()
+        return {p.name for p in self.root.iterdir() if p.is_dir()}
+
+
+def _tail(path: Path, size: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-size:].strip() or "(no output)"
+    except OSError:
+        return "(no log)"
