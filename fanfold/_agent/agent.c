@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -78,6 +79,7 @@ static int64_t accept_resume; /* listener paused until then (fd exhaustion) */
 static char ready_msg[600];
 static char scratch[256 * 1024]; /* sink for output past the limit */
 static char *empty_env[] = { NULL };
+static struct rlimit nofile; /* as inherited; restored in children */
 
 static int64_t now_us(void)
 {
@@ -124,6 +126,8 @@ static void child(char **argv, char **envp, const char *cwd, int in, int out, in
 	 * dup2 clears CLOEXEC on the copies */
 	if (dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0)
 		goto fail;
+	if (nofile.rlim_max) /* after the opens above: they may need the raised limit */
+		setrlimit(RLIMIT_NOFILE, &nofile);
 	if (chdir(cwd) < 0)
 		goto fail;
 	environ = envp; /* execvp searches the PATH of the given env */
@@ -718,6 +722,11 @@ int main(int argc, char **argv)
 		return 1;
 	}
 
+	/* each exec needs ~5 fds; commands still get the inherited limit */
+	if (getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
+		struct rlimit raised = { nofile.rlim_max, nofile.rlim_max };
+		setrlimit(RLIMIT_NOFILE, &raised);
+	}
 	lo_up();
 	services_next();
 

@@ -40,13 +40,13 @@ def _owner_token() -> str:
     """This process, named so that a recycled pid is not mistaken for it."""
     with open("/proc/self/stat") as handle:
         start = handle.read().rsplit(")", 1)[1].split()[19]
-    return f"{os.getpid()}:{start}"
+    return f"{os.getpid()}:{start}:{secrets.token_hex(4)}"
 
 
 def _owner_alive(owner: str) -> bool:
     if owner == "detached":
         return True
-    pid, _, start = owner.partition(":")
+    pid, start = (owner.split(":") + [""])[:2]
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().rsplit(")", 1)[1].split()[19] == start
@@ -116,11 +116,13 @@ class Engine:
             if dead or expired or broken:
                 await self._destroy(sandbox_id)
                 reaped += 1
-        known = set(rows)
         leftovers = await self.runtime.list_ids()
         leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
         leftovers |= cgroups.leftover_ids(self.config.cgroup_parent)
         leftovers |= {p.stem for p in self.config.run_dir.glob("*.sock")}
+        # Rows are written before resources exist: reading them after the scan keeps
+        # another engine's create in flight from looking like a leftover.
+        known = {row["id"] for row in self.db.rows()}
         for sandbox_id in leftovers - known:
             await resources.release(self.config, self.runtime, sandbox_id)
             reaped += 1

@@ -1,0 +1,71 @@
+"""fanfold: a self-hosted sandbox fleet for reinforcement learning of tool-using agents.
+
+    from fanfold import EnvSpec, Fleet
+
+    with Fleet() as fleet:
+        image = fleet.build(EnvSpec("host").workdir("/env").copy("project", "/env"))
+        with fleet.create(image) as sandbox:
+            print(sandbox.exec("python3 -m unittest").outcome)
+"""
+
+from .client import AsyncFiles, AsyncFleet, AsyncSandbox, Files, Fleet, Sandbox
+from .config import EngineConfig
+from .errors import (
+    BuildFailed,
+    CapacityExceeded,
+    CommandFailed,
+    ExecTimeout,
+    FanfoldError,
+    FileNotFoundInSandbox,
+    HostNotReady,
+    ImageNotFound,
+    InfrastructureError,
+    InvalidPath,
+    InvalidRequest,
+    InvalidSpec,
+    LimitExceeded,
+    NotFound,
+    Retryable,
+    SandboxGone,
+    SandboxNotFound,
+)
+from .images import Image
+from .models import ExecResult, FileEntry, Limits, Outcome, OutputChunk, SandboxInfo
+from .spec import EnvSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncFiles",
+    "AsyncFleet",
+    "AsyncSandbox",
+    "BuildFailed",
+    "CapacityExceeded",
+    "CommandFailed",
+    "EngineConfig",
+    "EnvSpec",
+    "ExecResult",
+    "ExecTimeout",
+    "FanfoldError",
+    "FileEntry",
+    "FileNotFoundInSandbox",
+    "Files",
+    "Fleet",
+    "HostNotReady",
+    "Image",
+    "ImageNotFound",
+    "InfrastructureError",
+    "InvalidPath",
+    "InvalidRequest",
+    "InvalidSpec",
+    "LimitExceeded",
+    "Limits",
+    "NotFound",
+    "Outcome",
+    "OutputChunk",
+    "Retryable",
+    "Sandbox",
+    "SandboxGone",
+    "SandboxInfo",
+    "SandboxNotFound",
+]

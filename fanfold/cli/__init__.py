@@ -1,0 +1,227 @@
+"""The ``fanfold`` command line."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..client import Fleet
+from ..config import EngineConfig
+from ..errors import FanfoldError
+from ..host import doctor as doctor_checks
+from ..host import setup
+from ..images.builder import StepEvent
+from ..spec import EnvSpec
+
+console = Console(stderr=True)
+
+
+def _fleet(ctx: click.Context) -> Fleet:
+    return Fleet(config=EngineConfig(**ctx.obj))
+
+
+def _limits_options(fn):  # type: ignore[no-untyped-def]
+    for option in reversed([
+        click.option("--image", default="host", show_default=True, help="Image id or base name (host, debian:bookworm)."),
+        click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota in cores."),
+        click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit."),
+        click.option("--pids", type=int, default=256, show_default=True, help="Most processes at once."),
+        click.option("--disk-mb", type=int, default=1024, show_default=True, help="Most bytes written to disk."),
+        click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable (repeatable)."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def _pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=what)
+        out[key] = value
+    return out
+
+
+class FanfoldGroup(click.Group):
+    """Turns fanfold's errors into one clear line and exit status 2, never a traceback."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
+        try:
+            return super().invoke(ctx)
+        except FanfoldError as err:
+            console.print(f"[red]error:[/red] {type(err).__name__}: {err}", markup=True, highlight=False)
+            sys.exit(2)
+
+
+@click.group(cls=FanfoldGroup)
+@click.option("--state-dir", envvar="FANFOLD_STATE_DIR", default="/var/lib/fanfold", show_default=True,
+              help="Where layers, images and sandboxes live.")
+@click.option("--runtime", envvar="FANFOLD_RUNTIME", default="crun", show_default=True,
+              type=click.Choice(["crun", "runc"]), help="OCI runtime.")
+@click.version_option(package_name="fanfold")
+@click.pass_context
+def main(ctx: click.Context, state_dir: str, runtime: str) -> None:
+    """fanfold: isolated sandboxes for RL rollouts, built from golden environments."""
+    ctx.obj = {"state_dir": Path(state_dir), "runtime": runtime}
+
+
+@main.command()
+@click.option("--fix", is_flag=True, help="Apply the fixes that can be made safely (cgroup hybrid mode).")
+@click.pass_context
+def doctor(ctx: click.Context, fix: bool) -> None:
+    """Check the host; exit 0 only when sandboxes can run."""
+    if fix and setup.is_root():
+        moved = setup.fix_hybrid_cgroups()
+        if moved:
+            console.print(f"fixed: moved {', '.join(moved)} from cgroup2 to cgroup v1")
+    checks = doctor_checks.run_checks(ctx.obj["runtime"])
+    if all(c.ok for c in checks if c.required):
+        checks.append(_sandbox_check(ctx))
+    for check in checks:
+        mark = "[green]ok[/green]  " if check.ok else ("[red]FAIL[/red]" if check.required else "[yellow]warn[/yellow]")
+        line = f"{mark} {check.name:<14} {check.detail}"
+        if not check.ok and check.fix:
+            line += f"  [dim]fix: {check.fix}[/dim]"
+        console.print(line, highlight=False)
+    sys.exit(0 if all(c.ok for c in checks if c.required) else 1)
+
+
+def _sandbox_check(ctx: click.Context) -> doctor_checks.Check:
+    try:
+        with _fleet(ctx) as fleet, fleet.create("host") as sandbox:
+            result = sandbox.exec(["/bin/echo", "ready"], timeout=30)
+        ok = result.ok and result.stdout.strip() == b"ready"
+        return doctor_checks.Check("sandbox", ok, "created a sandbox and ran a command in it" if ok else str(result),
+                                   "see the lines above")
+    except FanfoldError as err:
+        return doctor_checks.Check("sandbox", False, f"{type(err).__name__}: {err}", "see the message")
+
+
+@main.command()
+@click.argument("specfile", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the image as JSON.")
+@click.pass_context
+def build(ctx: click.Context, specfile: str, as_json: bool) -> None:
+    """Build the EnvSpec named `spec` in SPECFILE (a Python file)."""
+    namespace = runpy.run_path(specfile)
+    spec = namespace.get("spec")
+    if not isinstance(spec, EnvSpec):
+        raise click.UsageError(f"{specfile} must define `spec = EnvSpec(...)`")
+    if spec.context is None:
+        spec = spec.with_context(Path(specfile).resolve().parent)
+
+    def show(event: StepEvent) -> None:
+        if event.status == "running":
+            console.print(f"[{event.index + 1}/{event.total}] {event.description} ...", highlight=False)
+        else:
+            colour = {"cached": "dim", "built": "green", "failed": "red"}[event.status]
+            console.print(f"[{event.index + 1}/{event.total}] {event.description} [{colour}]{event.status}[/{colour}]",
+                          highlight=False)
+
+    with _fleet(ctx) as fleet:
+        image = fleet.build(spec, on_step=show)
+    click.echo(json.dumps(image.__dict__, default=list) if as_json else image.id)
+
+
+def _stream(stream: str, data: bytes) -> None:
+    target = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+    target.write(data)
+    target.flush()
+
+
+def _exit_with(result) -> None:  # type: ignore[no-untyped-def]
+    if result.stdout_truncated or result.stderr_truncated:
+        console.print("[yellow]output truncated[/yellow]")
+    if result.outcome.value != "exited":
+        console.print(f"[red]{result.outcome.value}[/red] after {result.duration_s:.2f}s", highlight=False)
+        sys.exit(124 if result.outcome.value == "timeout" else 137)
+    sys.exit(result.exit_code)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@_limits_options
+@click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cmd) -> None:  # type: ignore[no-untyped-def]
+    """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status."""
+    with _fleet(ctx) as fleet:
+        with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
+                          env=_pairs(env, "--env")) as sandbox:
+            result = sandbox.exec(list(cmd), timeout=timeout, on_output=_stream)
+    _exit_with(result)
+
+
+@main.command()
+@_limits_options
+@click.option("--deadline", type=float, default=None, help="Destroy it after this many seconds.")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Label (repeatable).")
+@click.pass_context
+def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels) -> None:  # type: ignore[no-untyped-def]
+    """Create a sandbox that outlives this command; print its id."""
+    with _fleet(ctx) as fleet:
+        sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
+                               env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
+                               detached=True)
+    click.echo(sandbox.id)
+
+
+@main.command(name="exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
+@click.option("--cwd", default=None, help="Working directory inside the sandbox.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def exec_(ctx, sandbox_id, timeout, cwd, cmd) -> None:  # type: ignore[no-untyped-def]
+    """Run CMD in sandbox SANDBOX_ID, streaming its output; exit with its status."""
+    with _fleet(ctx) as fleet:
+        result = fleet.get(sandbox_id).exec(list(cmd), timeout=timeout, cwd=cwd, on_output=_stream)
+    _exit_with(result)
+
+
+@main.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of sandboxes.")
+@click.pass_context
+def ls(ctx: click.Context, as_json: bool) -> None:
+    """List sandboxes."""
+    with _fleet(ctx) as fleet:
+        infos = fleet.list()
+    if as_json:
+        click.echo(json.dumps([info.to_dict() for info in infos]))
+        return
+    table = Table("ID", "STATE", "IMAGE", "CPUS", "MEM MB", "LABELS")
+    for info in infos:
+        labels = ",".join(f"{k}={v}" for k, v in info.labels.items())
+        table.add_row(info.id, info.state, info.image_id, str(info.limits.cpus), str(info.limits.memory_mb), labels)
+    Console().print(table)
+
+
+@main.command()
+@click.argument("sandbox_ids", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Remove every sandbox.")
+@click.pass_context
+def rm(ctx: click.Context, sandbox_ids: tuple[str, ...], everything: bool) -> None:
+    """Destroy sandboxes."""
+    if not sandbox_ids and not everything:
+        raise click.UsageError("name sandboxes to remove, or pass --all")
+    with _fleet(ctx) as fleet:
+        targets = [info.id for info in fleet.list()] if everything else list(sandbox_ids)
+        for sandbox_id in targets:
+            fleet.get(sandbox_id).kill()
+            click.echo(sandbox_id)
+
+
+@main.command()
+@click.pass_context
+def images(ctx: click.Context) -> None:
+    """List built images."""
+    with _fleet(ctx) as fleet:
+        for image in fleet.images():
+            click.echo(f"{image.id}  base={image.base}  layers={len(image.layers)}  workdir={image.workdir}")

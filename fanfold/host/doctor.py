@@ -1,0 +1,108 @@
+"""Host checks behind ``fanfold doctor``: one line each, with the fix for each failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import cgroups, setup
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+    """A failed required check means sandboxes cannot run."""
+
+
+def _run(argv: list[str], timeout: float = 60) -> tuple[int, str]:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return 1, str(err)
+    return done.returncode, (done.stdout + done.stderr).strip()
+
+
+def check_root() -> Check:
+    ok = setup.is_root()
+    return Check("root", ok, "running as root" if ok else f"running as uid {os.geteuid()}", "run fanfold as root")
+
+
+def check_namespaces() -> Check:
+    needed = ["mnt", "pid", "net", "ipc", "uts"]
+    missing = [ns for ns in needed if not Path(f"/proc/self/ns/{ns}").exists()]
+    return Check("namespaces", not missing, "mount, pid, net, ipc, uts available" if not missing else f"missing {missing}",
+                 "use a kernel built with namespaces")
+
+
+def check_overlayfs() -> Check:
+    text = Path("/proc/filesystems").read_text()
+    ok = "overlay" in text
+    return Check("overlayfs", ok, "overlay filesystem available" if ok else "overlay not in /proc/filesystems",
+                 "run `modprobe overlay`")
+
+
+def check_cgroups() -> Check:
+    if cgroups.is_v2_only():
+        return Check("cgroups", True, "cgroup v2 (unified)")
+    roots = cgroups.v1_roots()
+    missing = [c for c in ("memory", "pids", "cpu") if c not in roots]
+    hybrid = setup.unified_controllers()
+    if missing:
+        return Check("cgroups", False, f"cgroup v1 lacks {missing}", "mount the missing v1 controllers")
+    if hybrid:
+        return Check("cgroups", False, f"controllers {hybrid} left on cgroup2 (hybrid mode, refused by crun)",
+                     "run `fanfold doctor --fix` (mounts them as v1 hierarchies)")
+    return Check("cgroups", True, "cgroup v1: memory, pids, cpu; none left on cgroup2")
+
+
+def check_runtime(name: str) -> Check:
+    path = shutil.which(name)
+    if path is None:
+        return Check(f"runtime {name}", False, "not installed", f"apt-get install {name}")
+    code, out = _run([path, "--version"])
+    return Check(f"runtime {name}", code == 0, out.splitlines()[0] if out else "no version", f"reinstall {name}")
+
+
+def check_compiler() -> Check:
+    ok = shutil.which("cc") is not None
+    return Check("C compiler", ok, "cc present (builds the sandbox agent)" if ok else "no cc",
+                 "apt-get install gcc libc6-dev")
+
+
+def check_kernel() -> Check:
+    release = os.uname().release
+    major, minor = (int(x) for x in release.split(".")[:2])
+    ok = (major, minor) >= (5, 6)
+    return Check("kernel", ok, f"{release} (openat2, pidfd)" if ok else f"{release} is older than 5.6",
+                 "use Linux 5.6 or newer")
+
+
+def check_criu() -> Check:
+    path = shutil.which("criu")
+    if path is None:
+        return Check("criu", False, "not installed (needed for memory snapshots, fork and suspend)",
+                     "`make setup` builds a working CRIU", required=False)
+    code, out = _run([path, "check"])
+    tail = out.splitlines()[-1] if out else ""
+    return Check("criu", code == 0, f"`criu check`: {tail or 'ok'}",
+                 "install CRIU >= 4.1 (`make setup` builds one)", required=False)
+
+
+def check_debootstrap() -> Check:
+    ok = shutil.which("debootstrap") is not None
+    return Check("debootstrap", ok, "present (debian:bookworm base)" if ok else "missing: only the host base works",
+                 "apt-get install debootstrap", required=False)
+
+
+def run_checks(runtime: str) -> list[Check]:
+    return [
+        check_root(), check_kernel(), check_namespaces(), check_overlayfs(), check_cgroups(),
+        check_runtime(runtime), check_compiler(), check_criu(), check_debootstrap(),
+    ]
