@@ -1,0 +1,68 @@
+"""The public surface: exports, sync/async parity, and validation that needs no sandbox."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import fanfold
+from fanfold import AsyncFiles, AsyncFleet, AsyncSandbox, EnvSpec, Files, Fleet, Limits, Sandbox
+from fanfold.errors import FanfoldError, InvalidRequest, InvalidSpec
+
+
+def test_all_is_sorted_and_complete():
+    assert fanfold.__all__ == sorted(fanfold.__all__)
+    for name in fanfold.__all__:
+        assert hasattr(fanfold, name), name
+    public_errors = {n for n, v in vars(fanfold.errors).items() if isinstance(v, type) and issubclass(v, FanfoldError)}
+    assert public_errors <= set(fanfold.__all__)
+
+
+@pytest.mark.parametrize("sync_cls,async_cls", [(Fleet, AsyncFleet), (Sandbox, AsyncSandbox), (Files, AsyncFiles)])
+def test_sync_and_async_twins_match(sync_cls, async_cls):
+    def public(cls):
+        return {n: m for n, m in inspect.getmembers(cls) if not n.startswith("_") and callable(m)}
+
+    sync_methods, async_methods = public(sync_cls), public(async_cls)
+    assert set(sync_methods) == set(async_methods)
+    for name, method in async_methods.items():
+        a_params = list(inspect.signature(method).parameters)
+        s_params = list(inspect.signature(sync_methods[name]).parameters)
+        assert a_params == s_params, name
+
+
+def test_every_error_is_a_fanfold_error():
+    for name in fanfold.__all__:
+        obj = getattr(fanfold, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, FanfoldError)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"cpus": 0}, {"cpus": -1}, {"memory_mb": 1}, {"memory_mb": "lots"}, {"pids": 0}, {"disk_mb": 0},
+    {"memory_mb": 12.5}, {"pids": True},
+])
+def test_bad_limits_are_rejected(kwargs):
+    with pytest.raises(InvalidRequest, match="limit"):
+        Limits(**kwargs)
+
+
+def test_spec_is_immutable_and_chainable():
+    base = EnvSpec("host").workdir("/env")
+    a, b = base.run("true"), base.run("false")
+    assert len(base.steps) == 1 and len(a.steps) == 2 and a.steps[1] != b.steps[1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: EnvSpec("alpine"),
+    lambda: EnvSpec("host").workdir("relative"),
+    lambda: EnvSpec("host").copy("x", "/a/../b"),
+    lambda: EnvSpec("host").run(""),
+    lambda: EnvSpec("host").env(**{"1BAD": "x"}),
+    lambda: EnvSpec("host").service("bad name", "true"),
+    lambda: EnvSpec("host").service("ok", "true", mode="forking"),
+])
+def test_bad_specs_are_rejected(make):
+    with pytest.raises(InvalidSpec):
+        make()

@@ -1,0 +1,136 @@
+"""Building EnvSpecs into cached layers, against the real runtime."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fanfold import BuildFailed, EnvSpec, ImageNotFound, InvalidSpec
+from fanfold.images.builder import StepEvent
+
+
+def test_build_caches_every_step_and_rebuilds_only_what_changed(fleet, project, tmp_path):
+    marker = f"m{time.time_ns()}"
+    spec = (
+        EnvSpec("host").workdir("/env").copy(str(project), "/env").env(GREETING="hi")
+        .run(f"echo {marker} > /env/built.txt && python3 -m compileall -q /env")
+    )
+    events: list[StepEvent] = []
+    first = fleet.build(spec, on_step=events.append)
+    assert [e.status for e in events if e.status != "running"][-1] == "built"
+    events.clear()
+    started = time.perf_counter()
+    second = fleet.build(spec, on_step=events.append)
+    assert time.perf_counter() - started < 1.0
+    assert second == first
+    assert {e.status for e in events} <= {"cached", "running"} and "running" not in {e.status for e in events[1:]}
+    events.clear()
+    changed = fleet.build(spec.run("echo extra > /env/extra.txt"), on_step=events.append)
+    statuses = [e.status for e in events if e.status != "running"]
+    assert statuses[:-1] == ["cached"] * (len(statuses) - 1) and statuses[-1] == "built"
+    assert changed.layers[:-1] == first.layers
+    with fleet.create(changed) as sandbox:
+        result = sandbox.exec("cat built.txt extra.txt; echo $GREETING; pwd")
+        assert result.text.split() == [marker, "extra", "hi", "/env"]
+
+
+def test_failed_step_names_step_code_and_tail_and_leaves_no_layer(fleet, config):
+    layers_before = set(os.listdir(config.state_dir / "layers"))
+    spec = EnvSpec("host").run(f"echo partial > /tmp/p-{time.time_ns()}; echo doomed-output; exit 7")
+    with pytest.raises(BuildFailed) as info:
+        fleet.build(spec)
+    assert info.value.exit_code == 7
+    assert "doomed-output" in info.value.output_tail and "RUN" in info.value.step
+    assert "exit code 7" in str(info.value)
+    assert set(os.listdir(config.state_dir / "layers")) == layers_before
+
+
+def test_run_steps_have_the_hosts_network_but_sandboxes_do_not(fleet):
+    image = fleet.build(EnvSpec("host").run("ls /sys/class/net > /netdevs"))
+    with fleet.create(image) as sandbox:
+        build_devices = sandbox.files.read("/netdevs").decode().split()
+        sandbox_devices = sandbox.exec("ls /sys/class/net").stdout.split()
+    assert sorted(build_devices) == sorted(os.listdir("/sys/class/net"))
+    assert sandbox_devices == [b"lo"]
+
+
+def test_writes_under_usr_in_a_build_stay_in_the_image(fleet):
+    name = f"fanfold-test-{time.time_ns()}"
+    image = fleet.build(EnvSpec("host").run(f"echo built > /usr/local/{name}"))
+    assert not Path(f"/usr/local/{name}").exists()
+    with fleet.create(image) as sandbox:
+        assert sandbox.exec(f"cat /usr/local/{name}").text == "built\n"
+    with fleet.create("host") as plain:
+        assert plain.exec(f"test -e /usr/local/{name}").exit_code == 1
+
+
+def test_repo_step_clones_at_a_commit(fleet, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "README").write_text("v1\n")
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "v1"], check=True)
+    image = fleet.build(EnvSpec("host").repo(str(repo), "/src"))
+    (repo / "README").write_text("v2\n")
+    subprocess.run(git + ["commit", "-qam", "v2"], check=True)
+    image2 = fleet.build(EnvSpec("host").repo(str(repo), "/src"))
+    assert image.id != image2.id
+    with fleet.create(image) as a, fleet.create(image2) as b:
+        assert a.files.read("/src/README") == b"v1\n"
+        assert b.exec("cat README && git log --oneline | wc -l", cwd="/src").text == "v2\n2\n"
+
+
+def test_services_start_at_create(fleet):
+    spec = (
+        EnvSpec("host")
+        .service("prepare", "echo prepared > /tmp/prepared", mode="oneshot")
+        .service("web", "cd /tmp && exec python3 -m http.server 8123 --bind 127.0.0.1")
+    )
+    image = fleet.build(spec)
+    with fleet.create(image) as sandbox:
+        assert sandbox.files.read("/tmp/prepared") == b"prepared\n"
+        fetch = (
+            "import time, urllib.request\n"
+            "for _ in range(200):\n"
+            "    try:\n        print(urllib.request.urlopen('http://127.0.0.1:8123/prepared').read().decode()); break\n"
+            "    except OSError: time.sleep(0.05)\n"
+        )
+        assert sandbox.exec(["python3", "-c", fetch], timeout=30).text == "prepared\n\n"
+
+
+def test_failing_oneshot_service_fails_create_cleanly(fleet):
+    image = fleet.build(EnvSpec("host").service("broken", "exit 3", mode="oneshot"))
+    before = {s.id for s in fleet.list()}
+    with pytest.raises(BuildFailed, match="broken"):
+        fleet.create(image)
+    assert {s.id for s in fleet.list()} == before
+
+
+def test_host_base_exposes_no_host_secrets(fleet, monkeypatch):
+    monkeypatch.setenv("FANFOLD_TEST_SECRET", "hunter2")
+    with fleet.create("host") as sandbox:
+        listing = sandbox.exec("ls -A /root /home; ls / ; env; cat /etc/shadow 2>&1; ls /etc/ssh 2>&1").text
+    assert "hunter2" not in listing and "FANFOLD_TEST_SECRET" not in listing
+    assert "work" not in listing.split() and "No such file" in listing
+
+
+def test_bad_sources_and_unknown_images_get_clear_errors(fleet, tmp_path):
+    with pytest.raises(InvalidSpec, match="does not exist"):
+        fleet.build(EnvSpec("host").copy(str(tmp_path / "missing"), "/x"))
+    with pytest.raises(ImageNotFound, match="unknown image"):
+        fleet.create("img-0000000000000000")
+
+
+@pytest.mark.slow
+def test_debian_base_builds_once_and_runs(fleet):
+    image = fleet.build(EnvSpec("debian:bookworm").run("echo baked > /etc/baked"))
+    with fleet.create(image) as sandbox:
+        result = sandbox.exec("cat /etc/debian_version /etc/baked && dpkg -l | grep -c '^ii'")
+    lines = result.text.split()
+    assert result.ok and lines[0].startswith("12.") and lines[1] == "baked" and int(lines[2]) > 50
