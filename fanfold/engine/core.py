@@ -63,6 +63,7 @@ class Engine:
         self._db: dbmod.Database | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._destroying: dict[str, asyncio.Future[None]] = {}
         self._started = False
 
     # -- life of the engine -------------------------------------------------------------------
@@ -96,6 +97,7 @@ class Engine:
         for row in self.db.rows():
             if row["owner"] == self.owner:
                 await self._destroy(row["id"])
+        await asyncio.gather(*list(self._destroying.values()), return_exceptions=True)
         self.db.close()
         self._started = False
 
@@ -259,6 +261,15 @@ class Engine:
         await self._destroy(sandbox_id)
 
     async def _destroy(self, sandbox_id: str) -> None:
+        """Destroy once: concurrent callers (kill, deadline, reaper) share one release."""
+        task = self._destroying.get(sandbox_id)
+        if task is None:
+            task = asyncio.ensure_future(self._release(sandbox_id))
+            self._destroying[sandbox_id] = task
+            task.add_done_callback(lambda _: self._destroying.pop(sandbox_id, None))
+        await asyncio.shield(task)
+
+    async def _release(self, sandbox_id: str) -> None:
         timer = self._timers.pop(sandbox_id, None)
         if timer is not None:
             timer.cancel()
@@ -297,6 +308,8 @@ class Engine:
                 None if timeout is None else timeout + 30,
             )
         except (AgentUnreachable, asyncio.TimeoutError) as err:
+            if sandbox_id in self._destroying:
+                await asyncio.shield(self._destroying[sandbox_id])
             if self.db.get(sandbox_id) is None or self.db.get(sandbox_id)["state"] != "running":
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
             raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
