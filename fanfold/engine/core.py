@@ -75,6 +75,7 @@ class Engine:
         if not setup.is_root():
             raise HostNotReady("fanfold's engine needs root (mounts, cgroups): run it as root")
         setup.fix_hybrid_cgroups()
+        setup.become_subreaper()
         cfg = self.config
         for sub in ("sandboxes", "bundles"):
             (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -273,9 +274,10 @@ class Engine:
         timer = self._timers.pop(sandbox_id, None)
         if timer is not None:
             timer.cancel()
-        if self.db.get(sandbox_id) is not None:
+        row = self.db.get(sandbox_id)
+        if row is not None:
             self.db.set_state(sandbox_id, "destroying")
-        await resources.release(self.config, self.runtime, sandbox_id)
+        await resources.release(self.config, self.runtime, sandbox_id, row["pid"] if row is not None else None)
         self.db.delete(sandbox_id)
 
     # -- exec ---------------------------------------------------------------------------------

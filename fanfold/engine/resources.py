@@ -75,10 +75,11 @@ async def provision(
         listener.close()  # the agent holds its own copy; once it dies, connects are refused
 
 
-async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str) -> None:
+async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: int | None = None) -> None:
     """Release everything a sandbox may hold, in reverse order; safe on partial state."""
     where = paths(config, sandbox_id)
     await runtime.delete(sandbox_id)
+    setup.reap(pid)
     for point in mounts.mounts_under(where.root):
         mounts.umount(point)
     cgroups.remove(config.cgroup_parent, sandbox_id)

@@ -52,3 +52,20 @@ def can_protect_from_oom() -> bool:
     with open("/proc/self/status") as handle:
         caps = next(line for line in handle if line.startswith("CapEff:")).split()[1]
     return bool(int(caps, 16) & (1 << 24))
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (a detached runtime's PID 1s) so we can reap them, not init."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def reap(pid: int | None) -> None:
+    """Collect a dead child's exit status so it leaves no zombie; not our child is fine."""
+    if not pid:
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
