@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian 12 machine, as root: system packages, a
+# virtual environment with fanfold, and the host fixes `fanfold doctor --fix` makes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 python3-venv ca-certificates)
+if [[ "${1:-}" == "--bench" ]]; then
+    PACKAGES+=(bubblewrap podman uidmap)
+fi
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if (( ${#missing[@]} )); then
+    echo "setup: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [[ ! -x .venv/bin/python ]]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.fanfold-installed
+if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    touch "$stamp"
+fi
+
+.venv/bin/fanfold doctor --fix
