@@ -70,7 +70,9 @@ async def provision(
             cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
             oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
         )
-        return await runtime.start(spec, where.bundle, listener.fileno())
+        pid = await runtime.start(spec, where.bundle, listener.fileno())
+        setup.reap_orphans()
+        return pid
     finally:
         listener.close()  # the agent holds its own copy; once it dies, connects are refused
 
@@ -79,7 +81,8 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     """Release everything a sandbox may hold, in reverse order; safe on partial state."""
     where = paths(config, sandbox_id)
     await runtime.delete(sandbox_id)
-    setup.reap(pid)
+    await setup.reap(pid)
+    setup.reap_orphans()
     for point in mounts.mounts_under(where.root):
         mounts.umount(point)
     cgroups.remove(config.cgroup_parent, sandbox_id)

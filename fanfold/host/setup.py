@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import cgroups, mounts
+from . import cgroups, mounts, spawn
 
 
 def unified_controllers() -> list[str]:
@@ -61,11 +61,57 @@ def become_subreaper() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def reap(pid: int | None) -> None:
-    """Collect a dead child's exit status so it leaves no zombie; not our child is fine."""
+async def reap(pid: int | None, timeout: float = 5.0) -> None:
+    """Wait for a dead child and collect its status so it leaves no zombie; not our child is fine."""
+    import asyncio
+
     if not pid:
         return
     try:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        pidfd = os.pidfd_open(pid)
+    except (ChildProcessError, ProcessLookupError):
+        return
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait_for(exited, timeout)
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
+    except (asyncio.TimeoutError, ChildProcessError):
         pass
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
+
+RUNTIME_NAMES = frozenset({"crun", "runc", "agent", "fanfold-agent"})
+
+
+def reap_orphans(names: frozenset[str] = RUNTIME_NAMES) -> int:
+    """Reap dead runtime processes reparented to us as subreaper (crun's detach helper, agents).
+
+    Only zombies with these names are collected, so an asyncio or subprocess watcher
+    waiting on a child of its own never loses that child's status.
+    """
+    reaped = 0
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+            except OSError:
+                continue
+            if int(pid) in spawn.WAITING:
+                continue
+            if rest.split()[0] == "Z" and head.partition("(")[2] in names:
+                try:
+                    os.waitpid(int(pid), os.WNOHANG)
+                    reaped += 1
+                except ChildProcessError:
+                    pass
+    return reaped

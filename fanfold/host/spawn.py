@@ -7,6 +7,10 @@ import os
 from dataclasses import dataclass
 
 
+# Children whose status a caller of run() is waiting for: orphan reaping must leave them alone.
+WAITING: set[int] = set()
+
+
 @dataclass
 class Finished:
     returncode: int
@@ -37,6 +41,7 @@ async def run(
     actions += [(os.POSIX_SPAWN_DUP2, parent, child) for child, parent in (fds or {}).items()]
     try:
         pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions)
+        WAITING.add(pid)
     finally:
         for fd in (out_w, err_w, devnull):
             os.close(fd)
@@ -87,7 +92,10 @@ async def _wait(loop: asyncio.AbstractEventLoop, pid: int) -> int:
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)
-    return os.waitpid(pid, 0)[1]
+    try:
+        return os.waitpid(pid, 0)[1]
+    finally:
+        WAITING.discard(pid)
 
 
 def _kill_and_reap(pid: int) -> None:
@@ -96,3 +104,5 @@ def _kill_and_reap(pid: int) -> None:
         os.waitpid(pid, 0)
     except (ProcessLookupError, ChildProcessError):
         pass
+    finally:
+        WAITING.discard(pid)

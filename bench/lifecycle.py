@@ -1,0 +1,171 @@
+"""Sandbox lifecycle benchmark: create, exec `true`, destroy, against peers on the same host.
+
+    python bench/lifecycle.py [--cycles 200] [--concurrency 8] [--json]
+
+Runs the cycles sequentially and at the given concurrency on a cached image, then the
+same cycle for plain subprocess `true`, `bwrap --unshare-all true` and `podman run --rm`
+(a peer that cannot run here is reported as null). The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fanfold import AsyncFleet, EngineConfig  # noqa: E402
+from fanfold.host import cgroups, mounts  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+def summary(values: list[float]) -> dict[str, float | None]:
+    return {"p50": pct(values, 0.5), "p99": pct(values, 0.99), "mean": round(statistics.fmean(values), 3) if values else None}
+
+
+async def fanfold_cycles(fleet: AsyncFleet, cycles: int, concurrency: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"create": [], "exec": [], "destroy": [], "cycle": []}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def cycle() -> None:
+        async with gate:
+            t0 = time.perf_counter()
+            sandbox = await fleet.create("host")
+            t1 = time.perf_counter()
+            result = await sandbox.exec(["true"])
+            t2 = time.perf_counter()
+            await sandbox.kill()
+            t3 = time.perf_counter()
+            if not result.ok:
+                raise RuntimeError(f"exec failed: {result}")
+            for key, value in (("create", t1 - t0), ("exec", t2 - t1), ("destroy", t3 - t2), ("cycle", t3 - t0)):
+                times[key].append(value * 1000)
+
+    await asyncio.gather(*(cycle() for _ in range(cycles)))
+    return times
+
+
+def time_command(argv: list[str], cycles: int) -> list[float] | None:
+    samples = []
+    for _ in range(cycles):
+        start = time.perf_counter()
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        samples.append((time.perf_counter() - start) * 1000)
+        if done.returncode != 0:
+            print(f"peer {argv[0]} failed: {done.stderr.decode()[-300:]}", file=sys.stderr)
+            return None
+    return samples
+
+
+def podman_image(workdir: Path) -> str | None:
+    """Import a one-file rootfs (a static `true`) as a podman image: no registry is needed."""
+    if shutil.which("podman") is None or shutil.which("cc") is None:
+        return None
+    (workdir / "true.c").write_text("int main(void) { return 0; }\n")
+    rootfs = workdir / "rootfs"
+    rootfs.mkdir()
+    subprocess.run(["cc", "-static", "-O2", "-o", str(rootfs / "true"), str(workdir / "true.c")], check=True)
+    subprocess.run(["tar", "-C", str(rootfs), "-cf", str(workdir / "rootfs.tar"), "."], check=True)
+    done = subprocess.run(["podman", "import", str(workdir / "rootfs.tar"), "fanfold-bench-true"], capture_output=True)
+    return "fanfold-bench-true" if done.returncode == 0 else None
+
+
+PODMAN = ["podman", "run", "--rm", "--cgroup-manager", "cgroupfs", "--network", "none",
+          "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"]
+
+
+def peers(cycles: int) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    out["subprocess_cycle_p50_ms"] = pct(time_command(["true"], cycles) or [], 0.5)
+    bwrap = shutil.which("bwrap")
+    samples = time_command([bwrap, "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+                            "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "true"], cycles) if bwrap else None
+    out["bwrap_cycle_p50_ms"] = pct(samples or [], 0.5)
+    with tempfile.TemporaryDirectory() as tmp:
+        image = podman_image(Path(tmp))
+        samples = time_command(PODMAN + [image, "/true"], max(20, cycles // 5)) if image else None
+    out["podman_cycle_p50_ms"] = pct(samples or [], 0.5)
+    return out
+
+
+def leaked(config: EngineConfig, before_pids: set[int]) -> dict[str, int]:
+    runtime_root = config.run_dir / "runtime"
+    new_pids = {int(p) for p in os.listdir("/proc") if p.isdigit()} - before_pids
+    stray = 0
+    for pid in new_pids:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        stray += comm in ("agent", "fanfold-agent", "true", "crun", "runc")
+    return {
+        "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
+        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent)),
+        "containers": len(list(runtime_root.iterdir())) if runtime_root.is_dir() else 0,
+        "processes": stray,
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print only the final JSON line on stdout")
+    parser.add_argument("--no-peers", action="store_true", help="skip the peer measurements")
+    args = parser.parse_args()
+    config = EngineConfig()
+    before = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    async with AsyncFleet(config=config) as fleet:
+        await fleet.create("host")  # build the base once; it is destroyed with the fleet
+        await fanfold_cycles(fleet, 10, 1)  # warm-up
+        sequential = await fanfold_cycles(fleet, args.cycles, 1)
+        concurrent_start = time.perf_counter()
+        concurrent = await fanfold_cycles(fleet, args.cycles, args.concurrency)
+        concurrent_wall = time.perf_counter() - concurrent_start
+    leaks = leaked(config, before)
+    peer = {} if args.no_peers else peers(args.cycles)
+    cycle_p50 = pct(sequential["cycle"], 0.5)
+    result = {
+        "cycles": args.cycles,
+        "create_p50_ms": pct(sequential["create"], 0.5),
+        "create_p99_ms": pct(sequential["create"], 0.99),
+        "exec_p50_ms": pct(sequential["exec"], 0.5),
+        "exec_p99_ms": pct(sequential["exec"], 0.99),
+        "destroy_p50_ms": pct(sequential["destroy"], 0.5),
+        "destroy_p99_ms": pct(sequential["destroy"], 0.99),
+        "cycle_p50_ms": cycle_p50,
+        "cycle_p99_ms": pct(sequential["cycle"], 0.99),
+        "concurrent": {
+            "concurrency": args.concurrency,
+            **{f"{k}_{s}_ms": v for k, vals in concurrent.items() for s, v in summary(vals).items() if s != "mean"},
+            "cycles_per_s": round(args.cycles / concurrent_wall, 1),
+        },
+        "peers": peer,
+        "podman_vs_fanfold_cycle": round(peer["podman_cycle_p50_ms"] / cycle_p50, 2)
+        if peer.get("podman_cycle_p50_ms") and cycle_p50 else None,
+        "leaked": leaks,
+    }
+    if not args.json:
+        for key in ("create", "exec", "destroy", "cycle"):
+            print(f"sequential {key:8s} {summary(sequential[key])}")
+            print(f"concurrent {key:8s} {summary(concurrent[key])}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
