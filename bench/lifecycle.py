@@ -104,7 +104,7 @@ def peers(cycles: int) -> dict[str, float | None]:
 
 
 def leaked(config: EngineConfig, before_pids: set[int]) -> dict[str, int]:
-    runtime_root = config.run_dir / "runtime"
+    runtime_root = config.run_dir / config.runtime
     new_pids = {int(p) for p in os.listdir("/proc") if p.isdigit()} - before_pids
     stray = 0
     for pid in new_pids:

@@ -47,7 +47,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def leaks(config: EngineConfig) -> dict[str, int]:
     """Mounts, cgroups and runtime containers of this state directory that are still there."""
-    runtime_root = config.run_dir / "runtime"
+    runtime_root = config.run_dir / config.runtime
     return {
         "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
         "cgroups": len(cgroups.leftover_ids(config.cgroup_parent)),

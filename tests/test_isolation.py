@@ -51,3 +51,14 @@ async def test_sandbox_cannot_mount_or_load_modules(afleet):
     async with await afleet.create() as sandbox:
         result = await sandbox.exec("mount -t tmpfs x /mnt 2>&1; echo rc=$?")
     assert "rc=0" not in result.text
+
+
+async def test_runc_is_a_drop_in_runtime(tmp_path):
+    from fanfold import AsyncFleet, EngineConfig
+
+    async with AsyncFleet(config=EngineConfig(state_dir=tmp_path / "state", runtime="runc")) as fleet:
+        async with await fleet.create(memory_mb=64) as sandbox:
+            result = await sandbox.exec("echo $((6 * 7)); ls /sys/class/net")
+            oom = await sandbox.exec(["python3", "-c", "bytearray(256 << 20)"], timeout=60)
+    assert result.text.split() == ["42", "lo"]
+    assert oom.outcome is Outcome.OOM

@@ -81,7 +81,7 @@ class Engine:
             (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.store = LayerStore(cfg.state_dir)
-        self.runtime = get_runtime(cfg.runtime, str(cfg.run_dir / "runtime"))
+        self.runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.builder = Builder(self.store, self.runtime, mirror=cfg.debian_mirror, scratch_run=cfg.state_dir / "bundles")
         self.agent = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self._db = dbmod.Database(cfg.state_dir / "fanfold.db")
