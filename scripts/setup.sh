@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 python3-venv ca-certificates)
+PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 procps python3 python3-venv ca-certificates)
 if [[ "${1:-}" == "--bench" ]]; then
     PACKAGES+=(bubblewrap podman uidmap)
 fi
