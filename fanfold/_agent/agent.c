@@ -80,6 +80,7 @@ static char ready_msg[600];
 static char scratch[256 * 1024]; /* sink for output past the limit */
 static char *empty_env[] = { NULL };
 static struct rlimit nofile; /* as inherited; restored in children */
+static int null_fd = -1;     /* opened once: the sandbox may delete /dev/null later */
 
 static int64_t now_us(void)
 {
@@ -121,7 +122,7 @@ static void child(char **argv, char **envp, const char *cwd, int in, int out, in
 		close(fd);
 	}
 	if (in < 0)
-		in = open("/dev/null", O_RDONLY | O_CLOEXEC);
+		in = null_fd;
 	/* fds 0-2 are always open in the agent, so these never alias 0-2 and
 	 * dup2 clears CLOEXEC on the copies */
 	if (dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0)
@@ -697,6 +698,7 @@ int main(int argc, char **argv)
 	for (int fd = 0; fd < 3; fd++)
 		if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
 			return 1;
+	null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	if (listen_fd < 0 && listen_path)
 		listen_fd = listen_on(listen_path);
 	if (listen_fd < 0) {
