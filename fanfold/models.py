@@ -52,6 +52,8 @@ class Limits:
         for name in ("memory_mb", "pids", "disk_mb"):
             if not float(getattr(self, name)).is_integer():
                 raise InvalidRequest(f"limit {name} must be a whole number, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "cpus", float(self.cpus))
 
 
 @dataclass(frozen=True, kw_only=True)

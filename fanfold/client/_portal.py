@@ -19,7 +19,12 @@ class Portal:
         self._thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # Ctrl-C in the caller cancels the work instead of orphaning it
+            raise
 
     def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
         async def step() -> Any:

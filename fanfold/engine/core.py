@@ -9,6 +9,8 @@ die with it; ``detached`` ones (the CLI's ``create``) live until removed or thei
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import os
 import re
 import secrets
@@ -19,7 +21,7 @@ from .._agent.build import agent_binary
 from .._agent.client import AgentClient, AgentUnreachable
 from ..config import EngineConfig
 from ..errors import (
-    BuildFailed, FanfoldError, HostNotReady, ImageNotFound, InfrastructureError, InvalidRequest,
+    BuildFailed, HostNotReady, ImageNotFound, InfrastructureError, InvalidRequest,
     SandboxGone, SandboxNotFound,
 )
 from ..host import cgroups, mounts, safefs, setup
@@ -32,6 +34,7 @@ from . import db as dbmod
 from . import resources
 from .execution import build_result, check_exec_args
 
+log = logging.getLogger("fanfold.engine")
 OnOutput = Callable[[str, bytes], Awaitable[None] | None]
 _LABEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 
@@ -54,6 +57,10 @@ def _owner_alive(owner: str) -> bool:
         return False
 
 
+def _pid_alive(pid: str) -> bool:
+    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
+
+
 class Engine:
     """The async core every client drives, in-process or through the server."""
 
@@ -64,6 +71,8 @@ class Engine:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._destroying: dict[str, asyncio.Future[None]] = {}
+        self._creating: set[asyncio.Task[object]] = set()
+        self._closing = False
         self._started = False
 
     # -- life of the engine -------------------------------------------------------------------
@@ -77,6 +86,8 @@ class Engine:
         setup.fix_hybrid_cgroups()
         setup.become_subreaper()
         cfg = self.config
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.state_dir, 0o700)  # sandbox roots and layers are no business of other host users
         for sub in ("sandboxes", "bundles"):
             (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,8 +104,11 @@ class Engine:
         """Destroy the sandboxes this engine owns (not detached ones) and stop."""
         if not self._started:
             return
+        self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
+        # Creates in flight finish (or fail) first, so none outlives the engine.
+        await asyncio.gather(*list(self._creating), return_exceptions=True)
         for row in self.db.rows():
             if row["owner"] == self.owner:
                 await self._destroy(row["id"])
@@ -127,8 +141,12 @@ class Engine:
         # another engine's create in flight from looking like a leftover.
         known = {row["id"] for row in self.db.rows()}
         for sandbox_id in leftovers - known:
-            await resources.release(self.config, self.runtime, sandbox_id)
-            reaped += 1
+            if sandbox_id.startswith("sb-"):
+                await resources.release(self.config, self.runtime, sandbox_id)
+                reaped += 1
+            elif sandbox_id.startswith("build-") and not _pid_alive(sandbox_id.split("-")[1]):
+                await self.runtime.delete(sandbox_id)  # a build step whose builder died
+                reaped += 1
         self.store.discard_scratch()
         return {"reaped": reaped}
 
@@ -141,8 +159,8 @@ class Engine:
                         await self._destroy(row["id"])
                     elif row["owner"] != self.owner and not _owner_alive(row["owner"]):
                         await self._destroy(row["id"])
-            except FanfoldError:
-                continue
+            except Exception:  # noqa: BLE001 - the reaper must outlive any one failure
+                log.exception("fanfold reaper: a pass failed; retrying in a second")
 
     # -- images -------------------------------------------------------------------------------
 
@@ -178,6 +196,18 @@ class Engine:
         detached: bool = False,
     ) -> SandboxInfo:
         """Start a sandbox from ``image``; it is running when this returns."""
+        if self._closing or not self._started:
+            raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
+        task = asyncio.current_task()
+        if task is not None:
+            self._creating.add(task)
+        try:
+            return await self._create(image, limits, env, labels, deadline, detached)
+        finally:
+            if task is not None:
+                self._creating.discard(task)
+
+    async def _create(self, image, limits, env, labels, deadline, detached) -> SandboxInfo:  # type: ignore[no-untyped-def]
         limits = limits or Limits()
         if not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
@@ -206,6 +236,10 @@ class Engine:
             if isinstance(err, OSError):
                 raise InfrastructureError(f"creating sandbox failed: {err}") from None
             raise
+        row = self.db.get(sandbox_id)
+        if row is None or row["state"] != "creating":  # killed or reaped while it was starting
+            await asyncio.shield(self._destroy(sandbox_id))
+            raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created")
         self.db.set_state(sandbox_id, "running", pid=pid)
         if deadline:
             self._timers[sandbox_id] = asyncio.get_running_loop().call_later(
@@ -257,7 +291,7 @@ class Engine:
 
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
-        if self.db.get(sandbox_id) is None:
+        if not isinstance(sandbox_id, str) or self.db.get(sandbox_id) is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         await self._destroy(sandbox_id)
 
@@ -305,7 +339,7 @@ class Engine:
             raw = await asyncio.wait_for(
                 self._agent(sandbox_id).exec(
                     argv, env=self._base_env(img, sandbox_id, merged), cwd=workdir,
-                    timeout_ms=int((timeout or 0) * 1000), max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
+                    timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)), max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
                 ),
                 None if timeout is None else timeout + 30,
             )

@@ -28,6 +28,13 @@ def v1_roots() -> dict[str, Path]:
     return roots
 
 
+@lru_cache(maxsize=1)
+def v2_roots() -> tuple[Path, ...]:
+    """Mount points of cgroup2 (in hybrid mode the runtime makes groups there too)."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        return tuple(Path(line.split()[4]) for line in handle if " - cgroup2 " in line)
+
+
 def is_v2_only() -> bool:
     return not v1_roots() and Path("/sys/fs/cgroup/cgroup.controllers").exists()
 
@@ -37,7 +44,7 @@ def sandbox_dirs(parent: str, sandbox_id: str | None = None) -> list[Path]:
     rel = parent if sandbox_id is None else f"{parent}/{sandbox_id}"
     if is_v2_only():
         return [Path("/sys/fs/cgroup") / rel]
-    return [root / rel for root in v1_roots().values()]
+    return [root / rel for root in (*v1_roots().values(), *v2_roots())]
 
 
 def _read(path: Path) -> str:

@@ -41,7 +41,9 @@ def mount_tmpfs(target: Path, size_mb: int) -> None:
 def mount_overlay(target: Path, lowers: list[Path], upper: Path, work: Path) -> None:
     """Overlay ``lowers`` (topmost first) under a writable ``upper``."""
     lower = ":".join(str(p) for p in lowers)
-    mount("overlay", target, "overlay", 0, f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}")
+    # nosuid/nodev: a setuid binary or device node made inside must be inert when reached from the host.
+    flags = MS_NOSUID | MS_NODEV
+    mount("overlay", target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}")
 
 
 def _unescape(field: str) -> str:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import PurePosixPath
 from typing import Iterator
 
-from ..errors import FanfoldError, FileNotFoundInSandbox, InvalidPath, LimitExceeded
+from ..errors import FanfoldError, FileNotFoundInSandbox, InvalidPath, InvalidRequest, LimitExceeded
 from ..models import FileEntry
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -63,6 +63,20 @@ def _error(err: OSError, path: str) -> FanfoldError:
 
 
 def open_in(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+    """Open ``path`` inside the root; only regular files and directories (a FIFO or device
+    node planted by the sandbox must never block or be opened with the engine's rights)."""
+    if flags & os.O_PATH:  # openat2 takes no other open flags with O_PATH
+        return _openat2(root_fd, path, flags, mode)
+    fd = _openat2(root_fd, path, flags | os.O_NONBLOCK, mode)
+    kind = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):
+        os.close(fd)
+        raise InvalidPath(f"{path} is not a regular file or directory")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _openat2(root_fd: int, path: str, flags: int, mode: int) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
     rel = path.lstrip("/") or "."
     fd = _libc.syscall(_SYS_OPENAT2, root_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
@@ -121,7 +135,11 @@ def upload(root_fd: int, local: str, path: str, parents: bool = True) -> int:
     """Copy a host file into the sandbox; returns the bytes copied."""
     if parents:
         makedirs(root_fd, str(PurePosixPath(path).parent))
-    with open(local, "rb") as src:
+    try:
+        src = open(local, "rb")
+    except OSError as err:
+        raise InvalidRequest(f"cannot read the local file {local}: {err.strerror}") from None
+    with src:
         mode = stat.S_IMODE(os.fstat(src.fileno()).st_mode)
         with opened(root_fd, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd, translated(path):
             return _copy(src.fileno(), fd)
@@ -129,10 +147,14 @@ def upload(root_fd: int, local: str, path: str, parents: bool = True) -> int:
 
 def download(root_fd: int, path: str, local: str) -> int:
     """Copy a sandbox file to the host; returns the bytes copied."""
-    with opened(root_fd, path, os.O_RDONLY) as fd, translated(path):
+    with opened(root_fd, path, os.O_RDONLY) as fd:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             raise InvalidPath(f"{path} is a directory: download files one by one")
-        with open(local, "wb") as dst:
+        try:
+            dst = open(local, "wb")
+        except OSError as err:
+            raise InvalidRequest(f"cannot write the local file {local}: {err.strerror}") from None
+        with dst, translated(path):
             return _copy(fd, dst.fileno())
 
 

@@ -40,6 +40,7 @@ def fix_hybrid_cgroups() -> list[str]:
             continue
     if moved:
         cgroups.v1_roots.cache_clear()
+        cgroups.v2_roots.cache_clear()
     return moved
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 from ..errors import BuildFailed, HostNotReady, ImageNotFound
 from .store import LayerStore
 
-HOST_SKELETON_VERSION = "host-skeleton-3"
+HOST_SKELETON_VERSION = "host-skeleton-4"
 # System files safe to show a sandbox: nothing with secrets (no shadow, ssh keys or machine-id).
 HOST_ETC = [
     "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "ssl/certs", "ca-certificates",
     "ca-certificates.conf", "python3", "python3.11", "mime.types", "localtime", "timezone", "os-release",
-    "debian_version", "profile", "profile.d", "bash.bashrc", "shells", "protocols", "services", "gai.conf",
-    "host.conf", "inputrc", "login.defs", "issue", "environment", "libaudit.conf", "mke2fs.conf", "adduser.conf",
+    "debian_version", "profile", "bash.bashrc", "shells", "protocols", "services", "gai.conf",
+    "host.conf", "inputrc", "login.defs", "issue", "libaudit.conf", "mke2fs.conf", "adduser.conf",
 ]
 USR_MERGE_CANDIDATES = ["bin", "sbin", "lib", "lib32", "lib64", "libx32"]
 SKELETON_DIRS = {

@@ -91,7 +91,7 @@ class Builder:
         return image
 
     async def _make_layer(self, step, digest, layers, dirs, env, workdir, context) -> None:
-        with self.store.lock(digest):
+        async with self.store.alock(digest):
             if self.store.has_layer(digest):
                 return
             scratch = self.store.scratch()
@@ -110,7 +110,7 @@ class Builder:
     async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path) -> Path:
         rootfs = scratch / "rootfs"
         mount_rootfs(self.store, layers, dirs, rootfs, scratch)
-        build_id = f"build-{uuid.uuid4().hex[:12]}"
+        build_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid tells reconcile whose it is
         variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **env}
         spec = ContainerSpec(
             id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],

@@ -6,17 +6,19 @@ under a temporary name and renamed into place, so a crash never leaves a partial
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
 import shutil
 import uuid
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 from ..errors import ImageNotFound
+from ..host import mounts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +58,7 @@ class LayerStore:
         self.locks_dir = state_dir / "locks"
         for directory in (self.layers_dir, self.images_dir, self.locks_dir):
             directory.mkdir(parents=True, exist_ok=True)
+        self._local_locks: dict[str, asyncio.Lock] = {}
 
     def layer_path(self, digest: str) -> Path:
         return self.layers_dir / digest[:32]
@@ -65,10 +68,23 @@ class LayerStore:
 
     @contextmanager
     def lock(self, digest: str) -> Iterator[None]:
-        """Serialise builders of one layer across processes."""
+        """Serialise builders of one layer across processes (blocking: call off the event loop)."""
         with open(self.locks_dir / digest[:32], "w") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
+
+    @asynccontextmanager
+    async def alock(self, digest: str) -> AsyncIterator[None]:
+        """The same lock for async builders: in-process waiters queue on an asyncio.Lock,
+        and the cross-process flock is taken in a thread so the loop never blocks."""
+        local = self._local_locks.setdefault(digest, asyncio.Lock())
+        async with local:
+            handle = open(self.locks_dir / digest[:32], "w")
+            try:
+                await asyncio.to_thread(fcntl.flock, handle, fcntl.LOCK_EX)
+                yield
+            finally:
+                handle.close()
 
     def scratch(self) -> Path:
         path = self.layers_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -86,7 +102,10 @@ class LayerStore:
         for path in self.layers_dir.glob(".tmp-*"):
             pid = path.name.split("-")[1]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                shutil.rmtree(path, ignore_errors=True)
+                for point in mounts.mounts_under(path):
+                    mounts.umount(point)
+                if not mounts.mounts_under(path):  # never delete through a live mount
+                    shutil.rmtree(path, ignore_errors=True)
 
     def save_image(self, image: Image) -> None:
         tmp = self.images_dir / f".{image.id}.{uuid.uuid4().hex[:6]}"
