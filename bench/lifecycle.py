@@ -115,7 +115,8 @@ def leaked(config: EngineConfig, before_pids: set[int]) -> dict[str, int]:
         stray += comm in ("agent", "fanfold-agent", "true", "crun", "runc")
     return {
         "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
-        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent)),
+        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent))
+        + sum(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)),
         "containers": len(list(runtime_root.iterdir())) if runtime_root.is_dir() else 0,
         "processes": stray,
     }

@@ -80,3 +80,4 @@ def no_leaks_at_end(config: EngineConfig):
 
     asyncio.run(settle())
     assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
+    assert not any(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)), "parent cgroups left"

@@ -62,3 +62,8 @@ async def test_runc_is_a_drop_in_runtime(tmp_path):
             oom = await sandbox.exec(["python3", "-c", "bytearray(256 << 20)"], timeout=60)
     assert result.text.split() == ["42", "lo"]
     assert oom.outcome is Outcome.OOM
+    from fanfold.host import cgroups
+
+    config = EngineConfig(state_dir=tmp_path / "state", runtime="runc")
+    assert not any(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent))
+    assert not config.run_dir.exists()

@@ -113,8 +113,24 @@ class Engine:
             if row["owner"] == self.owner:
                 await self._destroy(row["id"])
         await asyncio.gather(*list(self._destroying.values()), return_exceptions=True)
+        self._release_shared()
         self.db.close()
         self._started = False
+
+    def _release_shared(self) -> None:
+        """Remove the per-state-dir parent cgroups and run dir once no sandbox is left.
+
+        Only empty directories are removed (rmdir), so another engine's sandboxes on the
+        same state dir keep theirs.
+        """
+        if self.db.rows():
+            return
+        cgroups.remove_parent(self.config.cgroup_parent)
+        for directory in (self.config.run_dir / self.config.runtime, self.config.run_dir):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
 
     @property
     def db(self) -> dbmod.Database:

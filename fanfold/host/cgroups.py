@@ -112,6 +112,15 @@ def _kill_and_rmdir(directory: Path) -> None:
             time.sleep(0.002)
 
 
+def remove_parent(parent: str) -> None:
+    """Remove the engine's parent groups once empty; a group still in use is left as it is."""
+    for directory in sandbox_dirs(parent):
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
+
+
 def leftover_ids(parent: str) -> set[str]:
     """Sandbox ids that still have a cgroup under ``parent`` in any hierarchy."""
     ids: set[str] = set()
