@@ -23,11 +23,17 @@ from fanfold import AsyncFleet, EnvSpec
 HERE = Path(__file__).parent
 TEST_CMD = "python3 -m unittest -q test_calc 2>&1 | tail -1"
 
-# (name, shell edit, expected tests result)
+
+def replace_first(old: str, new: str) -> str:
+    """A shell edit that replaces the first ``old`` in calc.py with ``new``."""
+    return f"python3 -c \"import pathlib; p = pathlib.Path('calc.py'); p.write_text(p.read_text().replace('{old}', '{new}', 1))\""
+
+
+# (name, shell edit): each sandbox applies one
 EDITS = [
-    ("fix: a + b", "sed -i 's/return a - b/return a + b/; 0,/a + b/! s/return a + b/return a - b/' calc.py"),
-    ("fix: sum()", "python3 - <<'PY'\nsrc=open('calc.py').read().replace('return a - b','return sum((a, b))',1)\nopen('calc.py','w').write(src)\nPY"),
-    ("fix: b + a", "python3 - <<'PY'\nsrc=open('calc.py').read().replace('return a - b','return b + a',1)\nopen('calc.py','w').write(src)\nPY"),
+    ("fix: a + b", replace_first("return a - b", "return a + b")),
+    ("fix: sum()", replace_first("return a - b", "return sum((a, b))")),
+    ("fix: b + a", replace_first("return a - b", "return b + a")),
     ("break mul", "sed -i 's/return a \\* b/return a ** b/' calc.py"),
     ("fix add, break sub", "sed -i 's/return a - b/return a + b/g' calc.py"),
     ("no-op", "true"),

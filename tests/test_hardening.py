@@ -41,7 +41,13 @@ async def test_concurrent_builds_of_one_spec_share_the_work(afleet):
 async def test_a_second_engine_does_not_kill_a_build_in_progress(afleet, config):
     spec = EnvSpec("host").run(f"sleep 1.5; echo {time.time_ns()} > /slow")
     build = asyncio.create_task(afleet.build(spec))
-    await asyncio.sleep(0.5)  # let the step's container start; this is the race under test
+    runtime_root = config.run_dir / config.runtime
+
+    async def step_container_running() -> None:
+        while not runtime_root.is_dir() or not any(p.name.startswith("build-") for p in runtime_root.iterdir()):
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(step_container_running(), 30)
     async with AsyncFleet(config=config):
         pass
     image = await build

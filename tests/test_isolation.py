@@ -66,4 +66,3 @@ async def test_runc_is_a_drop_in_runtime(tmp_path):
 
     config = EngineConfig(state_dir=tmp_path / "state", runtime="runc")
     assert not any(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent))
-    assert not config.run_dir.exists()

@@ -9,6 +9,7 @@ die with it; ``detached`` ones (the CLI's ``create``) live until removed or thei
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -113,24 +114,20 @@ class Engine:
             if row["owner"] == self.owner:
                 await self._destroy(row["id"])
         await asyncio.gather(*list(self._destroying.values()), return_exceptions=True)
+        setup.reap_orphans()
         self._release_shared()
         self.db.close()
         self._started = False
 
     def _release_shared(self) -> None:
-        """Remove the per-state-dir parent cgroups and run dir once no sandbox is left.
+        """Remove the state dir's parent cgroups once no sandbox is left.
 
-        Only empty directories are removed (rmdir), so another engine's sandboxes on the
-        same state dir keep theirs.
+        Only empty groups are removed (rmdir), and the runtime recreates the parent on the
+        next create, so another engine on the same state dir is unaffected. The run dir
+        stays: removing it would race another engine binding a socket there.
         """
-        if self.db.rows():
-            return
-        cgroups.remove_parent(self.config.cgroup_parent)
-        for directory in (self.config.run_dir / self.config.runtime, self.config.run_dir):
-            try:
-                directory.rmdir()
-            except OSError:
-                pass
+        if not self.db.rows():
+            cgroups.remove_parent(self.config.cgroup_parent)
 
     @property
     def db(self) -> dbmod.Database:
@@ -170,6 +167,7 @@ class Engine:
         while True:
             await asyncio.sleep(1.0)
             try:
+                setup.reap_orphans()
                 for row in self.db.rows():
                     if row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now():
                         await self._destroy(row["id"])
@@ -349,20 +347,22 @@ class Engine:
         argv, stdin_bytes, limit = check_exec_args(cmd, stdin, timeout, max_output, self.config.max_output_bytes)
         img = self.store.load_image(row["image_id"])
         workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
-        merged = {**_loads(row["env"]), **_check_strings(env, "env")}
+        merged = {**json.loads(row["env"]), **_check_strings(env, "env")}
         before = cgroups.counters(self.config.cgroup_parent, sandbox_id)
         try:
             raw = await asyncio.wait_for(
                 self._agent(sandbox_id).exec(
                     argv, env=self._base_env(img, sandbox_id, merged), cwd=workdir,
-                    timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)), max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
+                    timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)),
+                    max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
                 ),
                 None if timeout is None else timeout + 30,
             )
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             if sandbox_id in self._destroying:
                 await asyncio.shield(self._destroying[sandbox_id])
-            if self.db.get(sandbox_id) is None or self.db.get(sandbox_id)["state"] != "running":
+            row = self.db.get(sandbox_id)
+            if row is None or row["state"] != "running":
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
             raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
         after = cgroups.counters(self.config.cgroup_parent, sandbox_id)
@@ -419,9 +419,3 @@ def _check_strings(value: dict[str, str] | None, what: str) -> dict[str, str]:
         if not key or "=" in key or "\0" in key or "\0" in item:
             raise InvalidRequest(f"bad {what} entry {key!r}: no '=', NUL or empty names")
     return dict(value)
-
-
-def _loads(text: str) -> dict[str, str]:
-    import json
-
-    return json.loads(text)

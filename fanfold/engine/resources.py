@@ -71,9 +71,7 @@ async def provision(
             cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
             oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
         )
-        pid = await runtime.start(spec, where.bundle, listener.fileno())
-        setup.reap_orphans()
-        return pid
+        return await runtime.start(spec, where.bundle, listener.fileno())
     finally:
         listener.close()  # the agent holds its own copy; once it dies, connects are refused
 
@@ -97,10 +95,8 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        await setup.reap(pid)
-    await runtime.delete(sandbox_id)
     await setup.reap(pid)
-    setup.reap_orphans()
+    await runtime.delete(sandbox_id)
     for point in mounts.mounts_under(where.root):
         mounts.umount(point)
     cgroups.remove(config.cgroup_parent, sandbox_id)

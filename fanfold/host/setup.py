@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import os
 from pathlib import Path
 
@@ -57,15 +59,11 @@ def can_protect_from_oom() -> bool:
 
 def become_subreaper() -> None:
     """Adopt orphaned descendants (a detached runtime's PID 1s) so we can reap them, not init."""
-    import ctypes
-
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
 async def reap(pid: int | None, timeout: float = 5.0) -> None:
     """Wait for a dead child and collect its status so it leaves no zombie; not our child is fine."""
-    import asyncio
-
     if not pid:
         return
     try:

@@ -102,7 +102,6 @@ class Builder:
                     tree = scratch / "upper"
                     tree.mkdir()
                     await _off_loop(_file_step, step, tree, context)
-                _drop_dev_leftovers(tree)
                 self.store.commit(tree, digest)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -202,14 +201,6 @@ def _file_step(step: Step, tree: Path, context: Path) -> None:
                     f"build step {step.describe()!r} failed: {done.stderr.strip()[-1000:]}",
                     step=step.describe(), exit_code=done.returncode, output_tail=done.stderr[-2000:],
                 )
-
-
-def _drop_dev_leftovers(tree: Path) -> None:
-    """Mount points the runtime created for its own mounts are not part of the image."""
-    for name in (".fanfold/agent",):
-        path = tree / name
-        if path.is_file() and path.stat().st_size == 0:
-            path.unlink()
 
 
 async def _off_loop(fn, *args):

@@ -59,6 +59,7 @@ class LayerStore:
         for directory in (self.layers_dir, self.images_dir, self.locks_dir):
             directory.mkdir(parents=True, exist_ok=True)
         self._local_locks: dict[str, asyncio.Lock] = {}
+        self._images: dict[str, Image] = {}
 
     def layer_path(self, digest: str) -> Path:
         return self.layers_dir / digest[:32]
@@ -113,10 +114,15 @@ class LayerStore:
         tmp.rename(self.images_dir / f"{image.id}.json")
 
     def load_image(self, image_id: str) -> Image:
+        """An image record; records are immutable, so each is read from disk once."""
+        cached = self._images.get(image_id)
+        if cached is not None:
+            return cached
         path = self.images_dir / f"{image_id}.json"
         if "/" in image_id or not path.is_file():
             raise ImageNotFound(f"unknown image {image_id!r}: build a spec first (`fanfold build`) or use a base")
-        return Image.from_json(path.read_text())
+        image = self._images[image_id] = Image.from_json(path.read_text())
+        return image
 
     def images(self) -> list[Image]:
         return [Image.from_json(p.read_text()) for p in sorted(self.images_dir.glob("img-*.json"))]
