@@ -28,8 +28,10 @@ from .errors import (
     Retryable,
     SandboxGone,
     SandboxNotFound,
+    Unauthorized,
 )
 from .images import Image
+from .images.builder import StepEvent
 from .models import ExecResult, FileEntry, Limits, Outcome, OutputChunk, SandboxInfo
 from .spec import EnvSpec
 
@@ -68,4 +70,6 @@ __all__ = [
     "SandboxGone",
     "SandboxInfo",
     "SandboxNotFound",
+    "StepEvent",
+    "Unauthorized",
 ]

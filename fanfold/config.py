@@ -9,6 +9,8 @@ from pathlib import Path
 
 DEFAULT_STATE_DIR = "/var/lib/fanfold"
 RUNTIMES = ("crun", "runc")
+DEFAULT_SOCKET = "/run/fanfold.sock"
+"""Where ``fanfold serve`` listens by default (mode 0600)."""
 
 
 @dataclass(frozen=True, kw_only=True)

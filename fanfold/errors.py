@@ -14,11 +14,12 @@
     ├── ExecTimeout             raised only by ``check=True`` callers on a timeout
     ├── CommandFailed           raised only by ``check=True`` callers on non-zero exit
     ├── HostNotReady            the host lacks what sandboxes need (see ``fanfold doctor``)
+    ├── Unauthorized            the server refused the bearer token
     └── Retryable               try again; nothing was left behind
         ├── CapacityExceeded
         └── InfrastructureError the runtime, the kernel or the agent failed
 
-Errors from crun, the kernel and the agent are translated into these at the edge,
+Errors from crun, the kernel, the agent and HTTP are translated into these at the edge,
 in one place each; none leaks raw.
 """
 
@@ -113,6 +114,12 @@ class HostNotReady(FanfoldError):
     """The host cannot run sandboxes yet; ``fanfold doctor`` says what to fix."""
 
     kind = "host_not_ready"
+
+
+class Unauthorized(FanfoldError):
+    """The server needs a valid bearer token (``token=`` or ``FANFOLD_TOKEN``)."""
+
+    kind = "unauthorized"
 
 
 class Retryable(FanfoldError):

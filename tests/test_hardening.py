@@ -72,7 +72,7 @@ async def test_host_side_errors_are_named_as_such(afleet, tmp_path):
         with pytest.raises(InvalidRequest, match="local file"):
             await sandbox.files.download("/tmp/a.txt", tmp_path / "missing-dir" / "a.txt")
     with pytest.raises(Exception) as info:
-        await afleet._engine.kill(["not", "an", "id"])  # type: ignore[arg-type]
+        await afleet._transport.kill(["not", "an", "id"])  # type: ignore[arg-type]
     assert type(info.value).__name__ == "SandboxNotFound"
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..client import Fleet
-from ..config import EngineConfig
+from ..config import DEFAULT_SOCKET, EngineConfig
 from ..errors import FanfoldError
 from ..host import doctor as doctor_checks
 from ..host import setup
@@ -22,8 +22,15 @@ from ..spec import EnvSpec
 console = Console(stderr=True)
 
 
-def _fleet(ctx: click.Context) -> Fleet:
-    return Fleet(config=EngineConfig(**ctx.obj))
+def _config(ctx: click.Context) -> EngineConfig:
+    return EngineConfig(state_dir=ctx.obj["state_dir"], runtime=ctx.obj["runtime"])
+
+
+def _fleet(ctx: click.Context, *, local: bool = False) -> Fleet:
+    """The server's fleet when --url/FANFOLD_URL is given, else an embedded engine."""
+    if ctx.obj["url"] and not local:
+        return Fleet(ctx.obj["url"], token=ctx.obj["token"])
+    return Fleet(config=_config(ctx))
 
 
 def _limits_options(fn):  # type: ignore[no-untyped-def]
@@ -65,11 +72,14 @@ class FanfoldGroup(click.Group):
               help="Where layers, images and sandboxes live.")
 @click.option("--runtime", envvar="FANFOLD_RUNTIME", default="crun", show_default=True,
               type=click.Choice(["crun", "runc"]), help="OCI runtime.")
+@click.option("--url", envvar="FANFOLD_URL", default=None, metavar="URL",
+              help="Use a `fanfold serve` server (unix:///run/fanfold.sock, http://host:port) instead of an embedded engine.")
+@click.option("--token", envvar="FANFOLD_TOKEN", default=None, help="Bearer token for --url.")
 @click.version_option(package_name="fanfold")
 @click.pass_context
-def main(ctx: click.Context, state_dir: str, runtime: str) -> None:
+def main(ctx: click.Context, state_dir: str, runtime: str, url: str | None, token: str | None) -> None:
     """fanfold: isolated sandboxes for RL rollouts, built from golden environments."""
-    ctx.obj = {"state_dir": Path(state_dir), "runtime": runtime}
+    ctx.obj = {"state_dir": Path(state_dir), "runtime": runtime, "url": url, "token": token}
 
 
 @main.command()
@@ -78,7 +88,7 @@ def main(ctx: click.Context, state_dir: str, runtime: str) -> None:
 def doctor(ctx: click.Context, fix: bool) -> None:
     """Check the host; exit 0 only when sandboxes can run."""
     if fix and setup.is_root():
-        moved = setup.fix_hybrid_cgroups()
+        moved = setup.fix_hybrid_cgroups()  # doctor always checks this host, never a --url server
         if moved:
             console.print(f"fixed: moved {', '.join(moved)} from cgroup2 to cgroup v1")
     checks = doctor_checks.run_checks(ctx.obj["runtime"])
@@ -95,7 +105,7 @@ def doctor(ctx: click.Context, fix: bool) -> None:
 
 def _sandbox_check(ctx: click.Context) -> doctor_checks.Check:
     try:
-        with _fleet(ctx) as fleet, fleet.create("host") as sandbox:
+        with _fleet(ctx, local=True) as fleet, fleet.create("host") as sandbox:
             result = sandbox.exec(["/bin/echo", "ready"], timeout=30)
         ok = result.ok and result.stdout.strip() == b"ready"
         return doctor_checks.Check("sandbox", ok, "created a sandbox and ran a command in it" if ok else str(result),
@@ -225,3 +235,42 @@ def images(ctx: click.Context) -> None:
     with _fleet(ctx) as fleet:
         for image in fleet.images():
             click.echo(f"{image.id}  base={image.base}  layers={len(image.layers)}  workdir={image.workdir}")
+
+
+@main.command()
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True,
+              help="Unix socket to serve on (mode 0600: root may call it without a token).")
+@click.option("--no-socket", is_flag=True, help="Serve on TCP only.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="TCP address, with --port.")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="Also serve on TCP (a token is required there).")
+@click.option("--token", "tokens", multiple=True, help="Accept this bearer token, as its own tenant (repeatable).")
+@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File of 'TENANT TOKEN' lines: one tenant each.")
+@click.option("--grace", type=float, default=10.0, show_default=True,
+              help="Seconds calls in flight get to finish on shutdown before they are cancelled.")
+@click.pass_context
+def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace) -> None:  # type: ignore[no-untyped-def]
+    """Serve the HTTP API for this host's sandboxes until SIGINT or SIGTERM.
+
+    Each token is a tenant that sees only its own sandboxes. On shutdown the server stops
+    accepting, lets calls in flight finish for --grace seconds, and destroys the sandboxes
+    it owns (detached ones stay).
+    """
+    from ..server import Tenants
+    from ..server import serve as run_server
+    from ..server.auth import new_token
+
+    tenants = Tenants.from_file(tokens_file) if tokens_file else Tenants()
+    for token in tokens:
+        tenants.add(token)
+    if port is not None and not len(tenants):
+        token = new_token()
+        tenants.add(token, "default")
+        console.print(f"token (shown once; clients pass it as FANFOLD_TOKEN): {token}", highlight=False, soft_wrap=True)
+
+    def announce(urls: list[str]) -> None:
+        click.echo(f"fanfold serve: listening on {' '.join(urls)}")
+        sys.stdout.flush()
+
+    run_server(_config(ctx), tenants=tenants, socket_path=None if no_socket else socket_path, host=host, port=port,
+               grace_s=grace, announce=announce)

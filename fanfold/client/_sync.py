@@ -21,7 +21,8 @@ OnOutputSync = Callable[[str, bytes], None]
 
 
 class Fleet:
-    """A handle on one host's sandboxes; ``Fleet()`` embeds the engine in-process.
+    """A handle on one host's sandboxes: ``Fleet()`` embeds the engine in-process,
+    ``Fleet(url, token=...)`` (or ``FANFOLD_URL``/``FANFOLD_TOKEN``) uses a server.
 
     Use it as ``with Fleet() as fleet:``; closing destroys the sandboxes it created
     (except ``detached`` ones).
@@ -30,6 +31,7 @@ class Fleet:
     def __init__(self, url: str | None = None, *, token: str | None = None, config: EngineConfig | None = None) -> None:
         self._async = AsyncFleet(url, token=token, config=config)
         self.config = self._async.config
+        self.url = self._async.url
         self._portal: Portal | None = None
 
     def __enter__(self) -> Fleet:
@@ -46,7 +48,7 @@ class Fleet:
         return self._portal.call(coro)
 
     def start(self) -> None:
-        """Start the embedded engine (reaps what crashed owners left behind)."""
+        """Start the embedded engine (reaping what crashed owners left), or check the server and token."""
         if self._portal is not None:
             return
         self._portal = Portal()
@@ -59,7 +61,7 @@ class Fleet:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Destroy this fleet's sandboxes and stop its engine."""
+        """Destroy this fleet's sandboxes (not detached ones) and stop its engine or connection."""
         if self._portal is None:
             return
         portal, self._portal = self._portal, None

@@ -16,7 +16,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterable, Awaitable, Callable
 
 from .._agent.build import agent_binary
 from .._agent.client import AgentClient, AgentUnreachable
@@ -37,6 +37,7 @@ from .execution import build_result, check_exec_args
 
 log = logging.getLogger("fanfold.engine")
 OnOutput = Callable[[str, bytes], Awaitable[None] | None]
+STREAM_CHUNK = 1 << 20
 _LABEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 
 
@@ -194,7 +195,7 @@ class Engine:
             return await self.build(EnvSpec(ref))
         return self.store.load_image(ref)
 
-    def images(self) -> list[Image]:
+    async def images(self) -> list[Image]:
         return self.store.images()
 
     # -- sandboxes ----------------------------------------------------------------------------
@@ -208,20 +209,24 @@ class Engine:
         labels: dict[str, str] | None = None,
         deadline: float | None = None,
         detached: bool = False,
+        tenant: str = "",
     ) -> SandboxInfo:
-        """Start a sandbox from ``image``; it is running when this returns."""
+        """Start a sandbox from ``image``; it is running when this returns.
+
+        ``tenant`` names the server token the sandbox belongs to ("" for local callers).
+        """
         if self._closing or not self._started:
             raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
         task = asyncio.current_task()
         if task is not None:
             self._creating.add(task)
         try:
-            return await self._create(image, limits, env, labels, deadline, detached)
+            return await self._create(image, limits, env, labels, deadline, detached, tenant)
         finally:
             if task is not None:
                 self._creating.discard(task)
 
-    async def _create(self, image, limits, env, labels, deadline, detached) -> SandboxInfo:  # type: ignore[no-untyped-def]
+    async def _create(self, image, limits, env, labels, deadline, detached, tenant) -> SandboxInfo:  # type: ignore[no-untyped-def]
         limits = limits or Limits()
         if not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
@@ -238,7 +243,7 @@ class Engine:
             id=sandbox_id, state="creating", image_id=img.id, limits=limits, labels=labels, created_at=now,
             deadline_at=now + deadline if deadline else None, detached=detached,
         )
-        self.db.insert(info, owner="detached" if detached else self.owner, env=env)
+        self.db.insert(info, owner="detached" if detached else self.owner, env=env, tenant=tenant)
         try:
             pid = await resources.provision(
                 self.config, self.store, self.runtime, self.agent, sandbox_id, img, limits, self._base_env(img, sandbox_id, {}),
@@ -298,8 +303,15 @@ class Engine:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return dbmod.row_info(row)
 
-    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        infos = [dbmod.row_info(row) for row in self.db.rows()]
+    def tenant_of(self, sandbox_id: str) -> str | None:
+        """The tenant a sandbox belongs to, or None when there is no such sandbox."""
+        row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
+        return None if row is None else row["tenant"]
+
+    async def list(self, labels: dict[str, str] | None = None, *, tenant: str | None = None) -> list[SandboxInfo]:
+        """Every sandbox (of ``tenant`` only, when given) that carries all of ``labels``."""
+        rows = self.db.rows()
+        infos = [dbmod.row_info(row) for row in rows if tenant is None or row["tenant"] == tenant]
         wanted = (labels or {}).items()
         return [info for info in infos if all(info.labels.get(k) == v for k, v in wanted)]
 
@@ -393,7 +405,7 @@ class Engine:
             data = data.encode()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
-        await self._files(sandbox_id, path, safefs.write, bytes(data), mode)
+        await self._files(sandbox_id, path, safefs.write, bytes(data), _check_mode(mode))
 
     async def upload(self, sandbox_id: str, local_path: str | Path, path: str) -> int:
         if not Path(local_path).is_file():
@@ -403,11 +415,72 @@ class Engine:
     async def download(self, sandbox_id: str, path: str, local_path: str | Path) -> int:
         return await self._files(sandbox_id, path, lambda fd, p: safefs.download(fd, p, str(local_path)))
 
+    async def open_file(self, sandbox_id: str, path: str) -> FileStream:
+        """A sandbox file to stream out in chunks; close it (or read it to the end)."""
+        return FileStream(await self._files(sandbox_id, path, safefs.open_reader))
+
+    async def write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
+        """Stream ``chunks`` into a file that appears whole, or not at all; returns its size."""
+        pending = await self._files(sandbox_id, path, safefs.PendingFile, _check_mode(mode))
+        try:
+            batch = bytearray()
+            async for chunk in chunks:
+                batch += chunk
+                if len(batch) >= STREAM_CHUNK:
+                    await asyncio.to_thread(pending.write, bytes(batch))
+                    batch.clear()
+            await asyncio.to_thread(pending.write, bytes(batch))
+            size = await asyncio.to_thread(pending.commit)
+        except BaseException:
+            pending.discard()
+            raise
+        self._row(sandbox_id)  # killed midway: the file went down with the sandbox
+        return size
+
     async def list_files(self, sandbox_id: str, path: str = ".") -> list[FileEntry]:
         return await self._files(sandbox_id, path, safefs.listdir)
 
     async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         await self._files(sandbox_id, path, safefs.remove, recursive)
+
+
+class FileStream:
+    """Chunks of one open sandbox file; the fd closes at the end, on error, or on ``aclose``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def __aiter__(self) -> FileStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.fd < 0:
+            raise StopAsyncIteration
+        try:
+            data = await asyncio.to_thread(os.read, self.fd, STREAM_CHUNK)
+        except BaseException:
+            await self.aclose()
+            raise
+        if not data:
+            await self.aclose()
+            raise StopAsyncIteration
+        return data
+
+    async def aclose(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+def _check_mode(mode: int) -> int:
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise InvalidRequest(f"file mode must be an integer from 0 to 0o7777, got {mode!r}")
+    return mode
 
 
 def _check_strings(value: dict[str, str] | None, what: str) -> dict[str, str]:

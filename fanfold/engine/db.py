@@ -21,7 +21,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     env TEXT NOT NULL,
     pid INTEGER,
     created_at REAL NOT NULL,
-    deadline_at REAL
+    deadline_at REAL,
+    tenant TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_owner ON sandboxes(owner);
 """
@@ -35,16 +36,19 @@ class Database:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
+        columns = {row[1] for row in self.conn.execute("PRAGMA table_info(sandboxes)")}
+        if "tenant" not in columns:  # a database made before the server existed
+            self.conn.execute("ALTER TABLE sandboxes ADD COLUMN tenant TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         self.conn.close()
 
-    def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str]) -> None:
+    def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str], tenant: str = "") -> None:
         self.conn.execute(
-            "INSERT INTO sandboxes (id, state, image_id, owner, detached, limits, labels, env, created_at, deadline_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, state, image_id, owner, detached, limits, labels, env, created_at, deadline_at,"
+            " tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (info.id, info.state, info.image_id, owner, int(info.detached), json.dumps(info.limits.__dict__),
-             json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at),
+             json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at, tenant),
         )
 
     def set_state(self, sandbox_id: str, state: str, *, pid: int | None = None) -> None:

@@ -158,6 +158,66 @@ def download(root_fd: int, path: str, local: str) -> int:
             return _copy(fd, dst.fileno())
 
 
+def open_reader(root_fd: int, path: str) -> int:
+    """An fd on a regular sandbox file for streaming out; the caller closes it."""
+    fd = open_in(root_fd, path, os.O_RDONLY)
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidPath(f"{path} is a directory: use list()")
+    return fd
+
+
+class PendingFile:
+    """A file streamed in under a temporary name beside ``path``, renamed into place on commit,
+    so an upload cut off midway never leaves a partial file behind."""
+
+    def __init__(self, root_fd: int, path: str, mode: int = 0o644) -> None:
+        self.path = path
+        parent, self.name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        makedirs(root_fd, parent)
+        self.parent_fd = open_in(root_fd, parent, os.O_PATH | os.O_DIRECTORY)
+        self.temp = f".fanfold-upload-{os.urandom(6).hex()}"
+        try:
+            with translated(path):  # O_EXCL never follows a symlink planted under the temp name
+                self.fd = os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=self.parent_fd)
+        except BaseException:
+            os.close(self.parent_fd)
+            raise
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        with translated(self.path):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view) :]
+        self.size += len(data)
+
+    def commit(self) -> int:
+        try:
+            with translated(self.path):
+                os.close(self.fd)
+                self.fd = -1
+                os.rename(self.temp, self.name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+        except BaseException:
+            self.discard()
+            raise
+        os.close(self.parent_fd)
+        self.parent_fd = -1
+        return self.size
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.parent_fd >= 0:
+            try:
+                os.unlink(self.temp, dir_fd=self.parent_fd)
+            except OSError:
+                pass
+            os.close(self.parent_fd)
+            self.parent_fd = -1
+
+
 def _copy(src: int, dst: int) -> int:
     total = 0
     while sent := os.sendfile(dst, src, None, 1 << 20):

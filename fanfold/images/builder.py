@@ -131,11 +131,17 @@ class Builder:
 
 
 def _step_digest(parent: str, step: Step, context: Path) -> str:
-    inputs: dict[str, object] = {"kind": step.kind, "args": [[k, v] for k, v in step.args]}
+    # A local source counts by its content, not its path, so the same files sent to a server
+    # (which unpacks them elsewhere) reuse the layers built in-process, and the reverse.
+    args = dict(step.args)
     if step.kind == "copy":
-        inputs["content"] = _tree_hash(_source(step.arg("src"), context))
+        args["src"] = _tree_hash(_source(step.arg("src"), context))
     elif step.kind == "repo":
-        inputs["commit"] = _resolve_commit(_repo_source(step.arg("src"), context), step.arg("ref"))
+        source = _repo_source(step.arg("src"), context)
+        args["commit"] = _resolve_commit(source, step.arg("ref"))
+        if source != step.arg("src") or os.path.isabs(source):
+            args["src"] = "local"  # a path, not a URL
+    inputs: dict[str, object] = {"kind": step.kind, "args": sorted([k, v] for k, v in args.items())}
     payload = parent + json.dumps(inputs, sort_keys=True, default=list)
     return hashlib.sha256(payload.encode()).hexdigest()
 

@@ -1,0 +1,143 @@
+"""The HTTP API: a thin FastAPI app over one engine (auth, validation, errors to status codes)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import __version__
+from ..config import EngineConfig
+from ..engine import Engine
+from ..errors import FanfoldError, InvalidRequest, NotFound
+from . import files, images, sandboxes
+from .auth import Tenants
+from .creates import CreateRegistry
+from .deps import ClientGone, tenant
+from .schemas import WhoAmI
+from .status import error_response
+
+log = logging.getLogger("fanfold.server")
+MAX_JSON_BODY = 64 * 1024 * 1024
+"""Largest body of a JSON request (exec stdin travels in it); file contents stream without a cap."""
+_STREAMED_BODIES = [("PUT", re.compile(r"^/v1/sandboxes/[^/]+/files/content$")), ("POST", re.compile(r"^/v1/images$"))]
+
+DESCRIPTION = """Isolated sandboxes for RL rollouts, on one host.
+
+Authenticate with `Authorization: Bearer <token>` (optional on the unix socket). Errors are
+JSON `{"kind", "message"}`: 401 bad token, 404 unknown sandbox (or another tenant's),
+409 wrong state, 413 body too large, 422 bad input, 429/503 retry after `Retry-After`
+seconds, 500 only for fanfold's own bugs.
+"""
+
+
+def create_app(config: EngineConfig | None = None, tenants: Tenants | None = None) -> FastAPI:
+    """The app with its own engine, started and closed with the app's lifespan."""
+    engine = Engine(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await app.state.creates.close()
+            await engine.close()
+
+    app = FastAPI(title="fanfold", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.tenants = tenants or Tenants()
+    app.state.creates = CreateRegistry(engine)
+    _add_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=MAX_JSON_BODY)
+    for router in (sandboxes.router, files.router, images.router):
+        app.include_router(router)
+
+    @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])
+    async def whoami(caller: str = Depends(tenant)) -> dict[str, str]:
+        """The caller's tenant ("" for the local tenant); checks the token."""
+        return {"tenant": caller, "version": __version__}
+
+    @app.get("/v1/health", tags=["server"])
+    async def health() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(FanfoldError)
+    async def fanfold_error(_: Request, err: FanfoldError) -> JSONResponse:
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(_describe(item) for item in err.errors()[:5])
+        return error_response(InvalidRequest(f"invalid request: {problems}"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
+        cls = NotFound if err.status_code == 404 else InvalidRequest
+        return error_response(cls(str(err.detail)), err.status_code)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
+        return error_response(InvalidRequest(str(err)), 413)
+
+    @app.exception_handler(ClientGone)
+    async def gone(_: Request, err: ClientGone) -> JSONResponse:
+        return error_response(InvalidRequest("the client disconnected; the work was cancelled"), 499)
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, err: Exception) -> JSONResponse:
+        log.exception("fanfold server: unexpected error")
+        return JSONResponse({"kind": "internal_error", "message": f"fanfold bug: {type(err).__name__}: {err}"}, 500)
+
+
+def _describe(item: dict[str, Any]) -> str:
+    where = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+    return f"{where or 'body'}: {item.get('msg', 'invalid')}"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Caps JSON request bodies (file uploads and build contexts stream and are exempt)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or any(
+            scope["method"] == method and pattern.match(scope["path"]) for method, pattern in _STREAMED_BODIES
+        ):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            await error_response(InvalidRequest(self._message()), 413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise BodyTooLarge(self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body is over {self.limit // (1024 * 1024)} MiB: stream large files with PUT .../files/content"

@@ -1,0 +1,98 @@
+"""Idempotent creates: one ``X-Request-ID`` per tenant gives one sandbox, however often it is retried.
+
+A create runs apart from the request that started it, so a client that drops the
+connection and retries with the same ID gets the sandbox the first call made. A sandbox
+whose creator vanished and never came back for it is killed after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from ..engine import Engine
+from ..errors import InvalidRequest
+from ..models import SandboxInfo
+
+KEEP_S = 3600.0
+"""How long a request ID is remembered."""
+UNCLAIMED_GRACE_S = 60.0
+"""How long a sandbox whose creator disconnected waits for a retry to claim it."""
+
+
+@dataclass
+class _Entry:
+    fingerprint: str
+    future: asyncio.Future[SandboxInfo]
+    started: float = field(default_factory=time.monotonic)
+    claimed: bool = False
+    reaper: asyncio.TimerHandle | None = None
+
+
+class CreateRegistry:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._entries: dict[tuple[str, str], _Entry] = {}
+
+    def start(self, tenant: str, request_id: str | None, params: dict[str, Any],
+              run: Callable[[], Awaitable[SandboxInfo]]) -> _Entry:
+        """The entry for this request ID, starting the create if it is the first call."""
+        self._prune()
+        fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
+        key = (tenant, request_id) if request_id else None
+        entry = self._entries.get(key) if key else None
+        if entry is not None:
+            if entry.fingerprint != fingerprint:
+                raise InvalidRequest(f"X-Request-ID {request_id!r} was already used for a different create")
+            if entry.reaper is not None:
+                entry.reaper.cancel()
+                entry.reaper = None
+            return entry
+        entry = _Entry(fingerprint, asyncio.ensure_future(run()))
+        if key is not None:
+            self._entries[key] = entry
+            # A failed create is forgotten, so a retry with the same ID tries again.
+            entry.future.add_done_callback(lambda f: self._forget_failed(key, entry))
+        return entry
+
+    def _forget_failed(self, key: tuple[str, str], entry: _Entry) -> None:
+        if (entry.future.cancelled() or entry.future.exception() is not None) and self._entries.get(key) is entry:
+            del self._entries[key]
+
+    def claimed(self, entry: _Entry) -> None:
+        entry.claimed = True
+
+    def abandoned(self, entry: _Entry, request_id: str | None) -> None:
+        """The creator disconnected before the answer: kill unless a retry claims it soon."""
+        if entry.claimed or entry.future.cancelled() or entry.future.exception() is not None:
+            return
+        delay = UNCLAIMED_GRACE_S if request_id else 0.0
+        entry.reaper = asyncio.get_running_loop().call_later(
+            delay, lambda: asyncio.ensure_future(self._reap(entry))
+        )
+
+    async def _reap(self, entry: _Entry) -> None:
+        if entry.claimed:
+            return
+        for key in [k for k, e in self._entries.items() if e is entry]:
+            del self._entries[key]
+        try:
+            await self._engine.kill(entry.future.result().id)
+        except Exception:  # noqa: BLE001 - already gone is fine
+            pass
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, e in self._entries.items() if now - e.started > KEEP_S and e.future.done()]:
+            del self._entries[key]
+
+    async def close(self) -> None:
+        for entry in self._entries.values():
+            if entry.reaper is not None:
+                entry.reaper.cancel()
+        await asyncio.gather(*(e.future for e in self._entries.values()), return_exceptions=True)
+        self._entries.clear()

@@ -1,0 +1,85 @@
+"""What every route needs: the engine, the caller's tenant, and a sandbox the tenant owns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, Path, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from ..engine import Engine
+from ..errors import FanfoldError, SandboxNotFound
+from ..wire import error_to_json
+
+_bearer = HTTPBearer(auto_error=False, description="A token given to `fanfold serve`; optional on the unix socket.")
+NDJSON = "application/x-ndjson"
+
+
+def engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def tenant(request: Request, _: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str:
+    return request.app.state.tenants.tenant_for(request)
+
+
+def owned_sandbox(
+    request: Request,
+    sandbox_id: str = Path(max_length=128, description="A sandbox id, as create returned it."),
+    caller: str = Depends(tenant),
+) -> str:
+    """The sandbox id, when it exists and belongs to the caller; another tenant's is a 404 too."""
+    if engine(request).tenant_of(sandbox_id) != caller:
+        raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+    return sandbox_id
+
+
+def line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+async def ndjson_events(queue: asyncio.Queue[dict[str, Any] | None], task: asyncio.Task[Any],
+                        final_key: str) -> AsyncIterator[bytes]:
+    """Lines from ``queue`` while ``task`` runs, then its result under ``final_key`` or its error.
+
+    The response is already 200 when the work fails, so a failure is the last line:
+    ``{"error": {"kind": ..., "message": ...}}``. If the client goes away, the work is cancelled.
+    """
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (item := await queue.get()) is not None:
+            yield line(item)
+        try:
+            yield line({final_key: task.result()})
+        except FanfoldError as err:
+            yield line({"error": error_to_json(err)})
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer; its work was cancelled."""
+
+
+async def until_disconnect(request: Request, task: asyncio.Task[Any]) -> Any:
+    """``task``'s result, unless the client disconnects first: then the task is cancelled."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()

@@ -1,0 +1,38 @@
+"""Errors to HTTP status codes: the one place the mapping lives."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from .. import errors
+from ..wire import error_to_json
+
+RETRY_AFTER_S = 1
+_STATUS: list[tuple[type[errors.FanfoldError], int]] = [
+    (errors.Unauthorized, 401),
+    (errors.NotFound, 404),
+    (errors.SandboxGone, 409),
+    (errors.CapacityExceeded, 429),
+    (errors.Retryable, 503),
+    (errors.HostNotReady, 503),
+    (errors.InvalidRequest, 422),
+    (errors.BuildFailed, 422),
+    (errors.ExecTimeout, 422),
+    (errors.CommandFailed, 422),
+]
+
+
+def status_for(err: errors.FanfoldError) -> int:
+    """404 unknown, 409 wrong state, 422 bad input, 429/503 retry later, 500 only for our bugs."""
+    for cls, status in _STATUS:
+        if isinstance(err, cls):
+            return status
+    return 500
+
+
+def error_response(err: errors.FanfoldError, status: int | None = None) -> JSONResponse:
+    status = status or status_for(err)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(error_to_json(err), status_code=status, headers=headers)

@@ -1,0 +1,177 @@
+"""The JSON forms of fanfold's data, shared by the server and the remote SDK (no I/O here).
+
+Bytes travel as base64. Every ``*_from_json`` revalidates what it reads, so the server
+can feed client input straight in and get fanfold's own errors back.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from . import errors
+from .errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
+from .images import Image
+from .images.builder import StepEvent
+from .models import ExecResult, FileEntry, Limits, Outcome, OutputChunk, SandboxInfo
+from .spec import EnvSpec
+
+API_PREFIX = "/v1"
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise InvalidRequest(f"{what} must be base64") from None
+
+
+# -- sandboxes, results, files, images ------------------------------------------------------------
+
+
+def info_to_json(info: SandboxInfo) -> dict[str, Any]:
+    return info.to_dict()
+
+
+def info_from_json(data: dict[str, Any]) -> SandboxInfo:
+    return SandboxInfo(**{**data, "limits": Limits(**data["limits"])})
+
+
+def result_to_json(result: ExecResult) -> dict[str, Any]:
+    return {
+        "outcome": result.outcome.value, "exit_code": result.exit_code, "signal": result.signal,
+        "stdout": b64(result.stdout), "stderr": b64(result.stderr),
+        "stdout_truncated": result.stdout_truncated, "stderr_truncated": result.stderr_truncated,
+        "duration_s": result.duration_s, "limits_hit": list(result.limits_hit),
+    }
+
+
+def result_from_json(data: dict[str, Any]) -> ExecResult:
+    return ExecResult(**{
+        **data, "outcome": Outcome(data["outcome"]), "stdout": unb64(data["stdout"], "stdout"),
+        "stderr": unb64(data["stderr"], "stderr"), "limits_hit": tuple(data["limits_hit"]),
+    })
+
+
+def chunk_to_json(chunk: OutputChunk) -> dict[str, Any]:
+    return {"stream": chunk.stream, "data": b64(chunk.data)}
+
+
+def entry_to_json(entry: FileEntry) -> dict[str, Any]:
+    return dict(entry.__dict__)
+
+
+def entry_from_json(data: dict[str, Any]) -> FileEntry:
+    return FileEntry(**data)
+
+
+def image_to_json(image: Image) -> dict[str, Any]:
+    return {
+        "id": image.id, "base": image.base, "layers": list(image.layers), "host_dirs": list(image.host_dirs),
+        "env": [list(pair) for pair in image.env], "workdir": image.workdir,
+        "services": [list(service) for service in image.services],
+    }
+
+
+def image_from_json(data: dict[str, Any]) -> Image:
+    return Image(
+        id=data["id"], base=data["base"], layers=tuple(data["layers"]), host_dirs=tuple(data["host_dirs"]),
+        env=tuple(tuple(pair) for pair in data["env"]), workdir=data["workdir"],
+        services=tuple(tuple(service) for service in data["services"]),
+    )
+
+
+def event_to_json(event: StepEvent) -> dict[str, Any]:
+    return dict(event.__dict__)
+
+
+def event_from_json(data: dict[str, Any]) -> StepEvent:
+    return StepEvent(**data)
+
+
+# -- specs ----------------------------------------------------------------------------------------
+
+
+def spec_to_json(spec: EnvSpec) -> dict[str, Any]:
+    steps = []
+    for step in spec.steps:
+        args = dict(step.args)
+        if step.kind == "env":
+            args = {"vars": dict(args["vars"])}
+        steps.append({"kind": step.kind, **args})
+    return {"base": spec.base, "steps": steps}
+
+
+_STEP_ARGS = {
+    "workdir": ("path",), "copy": ("src", "dst"), "repo": ("src", "dst", "ref"), "run": ("cmd",),
+    "env": ("vars",), "service": ("name", "cmd", "mode"),
+}
+
+
+def spec_from_json(data: Any) -> EnvSpec:
+    """Rebuild a spec through EnvSpec's own methods, so every rule they check applies."""
+    if not isinstance(data, dict) or not isinstance(data.get("base", "host"), str):
+        raise InvalidSpec("a spec is an object with a base name and a list of steps")
+    spec = EnvSpec(data.get("base", "host"))
+    steps = data.get("steps", [])
+    if not isinstance(steps, list):
+        raise InvalidSpec("spec steps must be a list")
+    for number, step in enumerate(steps, start=1):
+        kind = step.get("kind") if isinstance(step, dict) else None
+        if kind not in _STEP_ARGS:
+            raise InvalidSpec(f"step {number}: kind must be one of {', '.join(_STEP_ARGS)}, got {kind!r}")
+        args = {key: value for key, value in step.items() if key != "kind"}
+        unknown = set(args) - set(_STEP_ARGS[kind])
+        if unknown:
+            raise InvalidSpec(f"step {number} ({kind}): unknown fields {', '.join(sorted(unknown))}")
+        try:
+            if kind == "env":
+                variables = args.get("vars")
+                if not isinstance(variables, dict):
+                    raise InvalidSpec(f"step {number} (env): vars must be an object of strings")
+                spec = spec.env(**variables)
+            else:
+                spec = getattr(spec, kind)(**args)
+        except TypeError as err:
+            raise InvalidSpec(f"step {number} ({kind}): {err}") from None
+    return spec
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def error_to_json(err: FanfoldError) -> dict[str, Any]:
+    body: dict[str, Any] = {"kind": err.kind, "message": str(err)}
+    if isinstance(err, BuildFailed):
+        body.update(step=err.step, exit_code=err.exit_code, output_tail=err.output_tail)
+    return body
+
+
+def _error_classes() -> dict[str, type[FanfoldError]]:
+    found: dict[str, type[FanfoldError]] = {}
+    pending: list[type[FanfoldError]] = [FanfoldError]
+    while pending:
+        cls = pending.pop()
+        found[cls.kind] = cls
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def error_from_json(data: Any, status: int) -> FanfoldError:
+    """The exception a server reply stands for; unknown kinds fall back by status code."""
+    if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+        message = f"the server answered {status} without a fanfold error body"
+        return errors.InfrastructureError(message) if status >= 500 else FanfoldError(message)
+    cls = _error_classes().get(data["kind"])
+    message = str(data.get("message", ""))
+    if cls is BuildFailed:
+        return BuildFailed(
+            message, step=data.get("step", ""), exit_code=data.get("exit_code"), output_tail=data.get("output_tail", "")
+        )
+    if cls is None:
+        return errors.InfrastructureError(message) if status in (502, 503, 504) else FanfoldError(message)
+    return cls(message)
