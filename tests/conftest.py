@@ -1,10 +1,19 @@
-"""Shared fixtures: a state directory for the whole run and fleets on it, plus a leak check."""
+"""Shared fixtures: a state directory for the whole run, a real ``fanfold serve`` on it, and
+fleets over every transport (embedded, unix socket, TCP with a token), plus a leak check.
+
+``afleet`` and ``fleet`` are parametrised over the transports, so every test that uses them
+runs against each, and the remote SDK cannot drift from the embedded one.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import select
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,15 +29,68 @@ def config() -> EngineConfig:
     return EngineConfig(state_dir=STATE_DIR)
 
 
-@pytest.fixture
-async def afleet(config: EngineConfig):
-    async with AsyncFleet(config=config) as fleet:
+TRANSPORTS = ["embedded", "unix", "tcp"]
+TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef0"}
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[str]
+    unix_url: str
+    tcp_url: str
+    tokens: dict[str, str]
+
+
+def start_server(state_dir: Path, where: Path, *extra: str) -> Server:
+    """``fanfold serve`` in its own process, on a unix socket and a free TCP port; waits until it listens."""
+    tokens_file = where / "tokens"
+    tokens_file.write_text("".join(f"{tenant} {token}\n" for tenant, token in TOKENS.items()))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fanfold.cli", "--state-dir", str(state_dir), "serve", "--socket", str(where / "ff.sock"),
+         "--port", "0", "--tokens-file", str(tokens_file), *extra],
+        stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("FANFOLD_")},
+    )
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], 120)
+    line = process.stdout.readline() if ready else ""
+    match = re.search(r"listening on (unix://\S+) (http://\S+)", line)
+    if match is None:
+        process.kill()
+        raise RuntimeError(f"fanfold serve did not start: {line!r}")
+    return Server(process, match.group(1), match.group(2), dict(TOKENS))
+
+
+def stop_server(server: Server) -> int:
+    server.process.send_signal(signal.SIGTERM)
+    return server.process.wait(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def server(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
+    """One real server for the session, on the same state directory as the embedded fleets."""
+    running = start_server(config.state_dir, tmp_path_factory.mktemp("server"))
+    yield running
+    assert stop_server(running) == 0
+
+
+def fleet_args(transport: str, request: pytest.FixtureRequest, config: EngineConfig) -> dict[str, object]:
+    if transport == "embedded":
+        return {"config": config}
+    running: Server = request.getfixturevalue("server")
+    if transport == "unix":
+        return {"url": running.unix_url}
+    return {"url": running.tcp_url, "token": running.tokens["alice"]}
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def afleet(request: pytest.FixtureRequest, config: EngineConfig):
+    async with AsyncFleet(**fleet_args(request.param, request, config)) as fleet:
         yield fleet
 
 
-@pytest.fixture(scope="module")
-def fleet(config: EngineConfig):
-    with Fleet(config=config) as handle:
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def fleet(request: pytest.FixtureRequest, config: EngineConfig):
+    with Fleet(**fleet_args(request.param, request, config)) as handle:
         yield handle
 
 
@@ -55,8 +117,9 @@ def leaks(config: EngineConfig) -> dict[str, int]:
     }
 
 
-def run_cli(*args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FANFOLD_STATE_DIR": str(STATE_DIR)}
+def run_cli(*args: str, input: str | None = None, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FANFOLD_STATE_DIR": str(STATE_DIR), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "fanfold.cli", *args], capture_output=True, text=True, env=env, input=input,
         timeout=timeout,

@@ -19,7 +19,7 @@ import httpx
 
 from .. import wire
 from ..engine.core import OnOutput
-from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, SandboxNotFound
+from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec, SandboxNotFound
 from ..images import Image
 from ..images.builder import OnStep
 from ..models import ExecResult, FileEntry, Limits, SandboxInfo
@@ -248,7 +248,7 @@ def _build_request(spec: EnvSpec) -> tuple[bytes, str]:
         if step.kind in ("copy", "repo") and not remote_repo:
             local = Path(args["src"]) if os.path.isabs(args["src"]) else context / args["src"]
             if not local.exists():
-                raise InvalidRequest(f"{step.kind} source {args['src']!r} does not exist (resolved to {local})")
+                raise InvalidSpec(f"{step.kind} source {args['src']!r} does not exist (resolved to {local})")
             name = f"src{number}"
             sources[name] = local
             args["src"] = name

@@ -122,27 +122,31 @@ def read(root_fd: int, path: str, limit: int | None = None) -> bytes:
             return handle.read() if limit is None else handle.read(limit)
 
 
-def write(root_fd: int, path: str, data: bytes, mode: int = 0o644, parents: bool = True) -> None:
-    if parents:
-        makedirs(root_fd, str(PurePosixPath(path).parent))
-    with opened(root_fd, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd, translated(path):
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+def write(root_fd: int, path: str, data: bytes, mode: int = 0o644) -> None:
+    pending = PendingFile(root_fd, path, mode)
+    try:
+        pending.write(data)
+    except BaseException:
+        pending.discard()
+        raise
+    pending.commit()
 
 
-def upload(root_fd: int, local: str, path: str, parents: bool = True) -> int:
+def upload(root_fd: int, local: str, path: str) -> int:
     """Copy a host file into the sandbox; returns the bytes copied."""
-    if parents:
-        makedirs(root_fd, str(PurePosixPath(path).parent))
     try:
         src = open(local, "rb")
     except OSError as err:
         raise InvalidRequest(f"cannot read the local file {local}: {err.strerror}") from None
     with src:
-        mode = stat.S_IMODE(os.fstat(src.fileno()).st_mode)
-        with opened(root_fd, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode) as fd, translated(path):
-            return _copy(src.fileno(), fd)
+        pending = PendingFile(root_fd, path, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
+        try:
+            with translated(path):
+                pending.size = _copy(src.fileno(), pending.fd)
+        except BaseException:
+            pending.discard()
+            raise
+        return pending.commit()
 
 
 def download(root_fd: int, path: str, local: str) -> int:
@@ -168,14 +172,30 @@ def open_reader(root_fd: int, path: str) -> int:
 
 
 class PendingFile:
-    """A file streamed in under a temporary name beside ``path``, renamed into place on commit,
-    so an upload cut off midway never leaves a partial file behind."""
+    """A file written under a temporary name beside ``path`` and renamed into place on commit.
+
+    Every write through the files API goes this way: a write cut off midway never leaves a
+    partial file, and a symlink at ``path`` is replaced rather than followed. A FIFO or
+    device node at ``path`` is refused.
+    """
 
     def __init__(self, root_fd: int, path: str, mode: int = 0o644) -> None:
         self.path = path
         parent, self.name = str(PurePosixPath(path).parent), PurePosixPath(path).name
+        if not self.name:
+            raise InvalidPath(f"{path} is a directory")
         makedirs(root_fd, parent)
         self.parent_fd = open_in(root_fd, parent, os.O_PATH | os.O_DIRECTORY)
+        try:
+            kind = os.stat(self.name, dir_fd=self.parent_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            kind = stat.S_IFREG
+        except OSError as err:
+            os.close(self.parent_fd)
+            raise _error(err, path) from None
+        if not (stat.S_ISREG(kind) or stat.S_ISLNK(kind) or stat.S_ISDIR(kind)):
+            os.close(self.parent_fd)
+            raise InvalidPath(f"{path} is not a regular file or directory")
         self.temp = f".fanfold-upload-{os.urandom(6).hex()}"
         try:
             with translated(path):  # O_EXCL never follows a symlink planted under the temp name

@@ -87,10 +87,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         cls = NotFound if err.status_code == 404 else InvalidRequest
         return error_response(cls(str(err.detail)), err.status_code)
 
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(_: Request, err: BodyTooLarge) -> JSONResponse:
-        return error_response(InvalidRequest(str(err)), 413)
-
     @app.exception_handler(ClientGone)
     async def gone(_: Request, err: ClientGone) -> JSONResponse:
         return error_response(InvalidRequest("the client disconnected; the work was cancelled"), 499)
@@ -104,10 +100,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _describe(item: dict[str, Any]) -> str:
     where = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
     return f"{where or 'body'}: {item.get('msg', 'invalid')}"
-
-
-class BodyTooLarge(Exception):
-    pass
 
 
 class BodyLimit:
@@ -128,16 +120,26 @@ class BodyLimit:
             await error_response(InvalidRequest(self._message()), 413)(scope, receive, send)
             return
         seen = 0
+        refused = False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise BodyTooLarge(self._message())
+                # Answer 413 here: the app only sees the client leave, and its reply is dropped.
+                refused = True
+                await error_response(InvalidRequest(self._message()), 413)(scope, receive, send)
+                return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, counted, send)
+        async def unless_refused(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counted, unless_refused)
 
     def _message(self) -> str:
         return f"the request body is over {self.limit // (1024 * 1024)} MiB: stream large files with PUT .../files/content"

@@ -14,11 +14,12 @@ from .sandboxes import ERRORS
 from .schemas import FileEntryBody, WrittenBody
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/files", tags=["files"])
-PathQuery = Query(min_length=1, max_length=4096, description="Absolute, or relative to the image's workdir.")
+# Paths are checked by the engine, so a bad one is the same InvalidPath on every transport.
+PathQuery = Query(description="Absolute, or relative to the image's workdir.")
 
 
 @router.get("", response_model=list[FileEntryBody], responses=ERRORS)
-async def list_files(request: Request, path: str = Query(".", max_length=4096),
+async def list_files(request: Request, path: str = Query(".", description="A directory; absolute, or relative to the image's workdir."),
                      sandbox_id: str = Depends(owned_sandbox)) -> list[dict[str, Any]]:
     """The entries of a directory."""
     return [entry_to_json(entry) for entry in await engine(request).list_files(sandbox_id, path)]
