@@ -12,10 +12,11 @@ import os
 import tarfile
 import uuid
 from pathlib import Path
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator
 from urllib.parse import quote, urlsplit
 
-import httpx
+import aiohttp
 
 from .. import wire
 from ..engine.core import OnOutput
@@ -29,66 +30,88 @@ CHUNK = 1 << 20
 CREATE_ATTEMPTS = 5
 
 
-def _endpoint(url: str) -> tuple[str, httpx.AsyncHTTPTransport]:
-    """``unix:///run/fanfold.sock`` or ``http(s)://host:port`` to a base URL and a transport."""
+def _endpoint(url: str) -> tuple[str, str | None]:
+    """``unix:///run/fanfold.sock`` or ``http(s)://host:port`` to a base URL and a socket path."""
     parts = urlsplit(url)
     if parts.scheme == "unix":
         if not parts.path:
             raise InvalidRequest(f"a unix URL names a socket path, e.g. unix:///run/fanfold.sock, not {url!r}")
-        return "http://fanfold", httpx.AsyncHTTPTransport(uds=parts.path)
+        return "http://fanfold", parts.path
     if parts.scheme in ("http", "https") and parts.netloc:
-        return url.rstrip("/"), httpx.AsyncHTTPTransport()
+        return url.rstrip("/"), None
     raise InvalidRequest(f"a fanfold server URL is unix:///path/to.sock or http://host:port, not {url!r}")
 
 
 class HttpTransport:
-    """One server, one tenant (the token's); tracks the sandboxes it creates to kill them on close."""
+    """One server, one tenant (the token's); tracks the sandboxes it creates to kill them on close.
+
+    aiohttp carries the calls: its per-request cost is about a third of httpx's here, which
+    is most of what separates a remote exec from an embedded one.
+    """
 
     def __init__(self, url: str, token: str | None) -> None:
         self.url = url
-        base, transport = _endpoint(url)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.AsyncClient(
-            base_url=base, transport=transport, headers=headers,
-            timeout=httpx.Timeout(None, connect=30), limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-        )
+        self._base, self._socket = _endpoint(url)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
         self._created: set[str] = set()
 
     # -- plumbing -----------------------------------------------------------------------------
 
-    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made on first use, inside the loop that will drive it
+            connector = aiohttp.UnixConnector(path=self._socket, limit=256) if self._socket else aiohttp.TCPConnector(limit=256)
+            self._session = aiohttp.ClientSession(
+                self._base, connector=connector, headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+            )
+        return self._session
+
+    @asynccontextmanager
+    async def _request(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A reply whose status is below 400; a fanfold error body raises its exception."""
         try:
-            response = await self._client.request(method, path, **kwargs)
-        except httpx.TransportError as err:
-            raise InfrastructureError(f"cannot reach the fanfold server at {self.url}: {err or type(err).__name__}") from None
-        if response.status_code >= 400:
-            raise _error(response)
-        return response
+            async with self.session.request(method, path, **kwargs) as response:
+                if response.status >= 400:
+                    raise await _error(response)
+                yield response
+        except aiohttp.ClientError as err:
+            raise InfrastructureError(f"lost the fanfold server at {self.url}: {err or type(err).__name__}") from None
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        async with self._request(method, path, **kwargs) as response:
+            return None if response.status == 204 else await response.json(content_type=None)
 
     async def _lines(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
-        """NDJSON lines of a streamed reply; an ``error`` line raises it."""
-        try:
-            async with self._client.stream(method, path, **kwargs) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise _error(response)
-                async for text in response.aiter_lines():
+        """NDJSON lines of a streamed reply (of any length); an ``error`` line raises it."""
+        async with self._request(method, path, **kwargs) as response:
+            pending = b""
+            async for chunk in response.content.iter_any():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for text in lines:
                     if text:
                         item = json.loads(text)
                         if "error" in item:
                             raise wire.error_from_json(item["error"], 200)
                         yield item
-        except httpx.TransportError as err:
-            raise InfrastructureError(f"lost the fanfold server at {self.url}: {err or type(err).__name__}") from None
 
     # -- the engine's surface -----------------------------------------------------------------
 
     async def start(self) -> None:
-        await self._send("GET", "/v1/whoami")
+        """Check that the server answers and takes the token."""
+        try:
+            await self._json("GET", "/v1/whoami")
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         await asyncio.gather(*(self._kill_quietly(i) for i in list(self._created)))
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
         try:
@@ -100,15 +123,16 @@ class HttpTransport:
         if not isinstance(spec, EnvSpec):
             raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
         body, kind = await asyncio.to_thread(_build_request, spec)
-        async for item in self._lines("POST", "/v1/images", content=body, headers={"Content-Type": kind}):
-            if "event" in item and on_step is not None:
-                on_step(wire.event_from_json(item["event"]))
-            elif "image" in item:
-                return wire.image_from_json(item["image"])
+        async with aclosing(self._lines("POST", "/v1/images", data=body, headers={"Content-Type": kind})) as lines:
+            async for item in lines:
+                if "event" in item and on_step is not None:
+                    on_step(wire.event_from_json(item["event"]))
+                elif "image" in item:
+                    return wire.image_from_json(item["image"])
         raise InfrastructureError("the server ended the build without an image")
 
     async def images(self) -> list[Image]:
-        return [wire.image_from_json(i) for i in (await self._send("GET", "/v1/images")).json()]
+        return [wire.image_from_json(i) for i in await self._json("GET", "/v1/images")]
 
     async def create(
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
@@ -122,26 +146,26 @@ class HttpTransport:
         request_id = uuid.uuid4().hex
         for attempt in range(CREATE_ATTEMPTS):
             try:
-                response = await self._send("POST", "/v1/sandboxes", json=body, headers={"X-Request-ID": request_id})
+                data = await self._json("POST", "/v1/sandboxes", json=body, headers={"X-Request-ID": request_id})
                 break
             except (InfrastructureError, CapacityExceeded):
                 if attempt == CREATE_ATTEMPTS - 1:
                     raise
                 await asyncio.sleep(0.2 * 2**attempt)  # the same X-Request-ID makes the retry safe
-        info = wire.info_from_json(response.json())
+        info = wire.info_from_json(data)
         if not detached:
             self._created.add(info.id)
         return info
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
-        return wire.info_from_json((await self._send("GET", _sandbox(sandbox_id))).json())
+        return wire.info_from_json(await self._json("GET", _sandbox(sandbox_id)))
 
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        return [wire.info_from_json(i) for i in (await self._send("GET", "/v1/sandboxes", params=params)).json()]
+        return [wire.info_from_json(i) for i in await self._json("GET", "/v1/sandboxes", params=params)]
 
     async def kill(self, sandbox_id: str) -> None:
-        await self._send("DELETE", _sandbox(sandbox_id))
+        await self._json("DELETE", _sandbox(sandbox_id))
         self._created.discard(sandbox_id)
 
     async def exec(
@@ -155,14 +179,14 @@ class HttpTransport:
                 "stdin": None if stdin is None else wire.b64(bytes(stdin))}
         path = _sandbox(sandbox_id) + "/exec"
         if on_output is None:
-            response = await self._send("POST", path, json=body, headers={"Accept": "application/json"})
-            return wire.result_from_json(response.json())
-        async for item in self._lines("POST", path, json=body):
-            if "result" in item:
-                return wire.result_from_json(item["result"])
-            maybe = on_output(item["stream"], wire.unb64(item["data"], "output"))
-            if maybe is not None:
-                await maybe
+            return wire.result_from_json(await self._json("POST", path, json=body, headers={"Accept": "application/json"}))
+        async with aclosing(self._lines("POST", path, json=body)) as lines:
+            async for item in lines:
+                if "result" in item:
+                    return wire.result_from_json(item["result"])
+                maybe = on_output(item["stream"], wire.unb64(item["data"], "output"))
+                if maybe is not None:
+                    await maybe
         raise InfrastructureError("the server ended the exec stream without a result")
 
     # -- files --------------------------------------------------------------------------------
@@ -171,50 +195,45 @@ class HttpTransport:
         return _sandbox(sandbox_id) + "/files/content"
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return (await self._send("GET", self._content(sandbox_id), params={"path": path})).content
+        async with self._request("GET", self._content(sandbox_id), params={"path": path}) as response:
+            return await response.read()
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644) -> None:
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
-        await self._send("PUT", self._content(sandbox_id), params={"path": path, "mode": mode}, content=bytes(data))
+        await self._json("PUT", self._content(sandbox_id), params={"path": path, "mode": mode}, data=bytes(data))
 
     async def upload(self, sandbox_id: str, local_path: str | Path, path: str) -> int:
         if not Path(local_path).is_file():
             raise InvalidRequest(f"local file {local_path} does not exist or is not a file")
         mode = os.stat(local_path).st_mode & 0o7777
-        response = await self._send(
-            "PUT", self._content(sandbox_id), params={"path": path, "mode": mode}, content=_read_chunks(Path(local_path))
+        written = await self._json(
+            "PUT", self._content(sandbox_id), params={"path": path, "mode": mode}, data=_read_chunks(Path(local_path))
         )
-        return response.json()["bytes"]
+        return written["bytes"]
 
     async def download(self, sandbox_id: str, path: str, local_path: str | Path) -> int:
-        try:
-            async with self._client.stream("GET", self._content(sandbox_id), params={"path": path}) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise _error(response)
-                try:
-                    handle = open(local_path, "wb")
-                except OSError as err:
-                    raise InvalidRequest(f"cannot write the local file {local_path}: {err.strerror}") from None
-                total = 0
-                with handle:
-                    async for chunk in response.aiter_bytes(CHUNK):
-                        await asyncio.to_thread(handle.write, chunk)
-                        total += len(chunk)
-                return total
-        except httpx.TransportError as err:
-            raise InfrastructureError(f"lost the fanfold server at {self.url}: {err or type(err).__name__}") from None
+        async with self._request("GET", self._content(sandbox_id), params={"path": path}) as response:
+            try:
+                handle = open(local_path, "wb")  # opened only once the sandbox file is known to exist
+            except OSError as err:
+                raise InvalidRequest(f"cannot write the local file {local_path}: {err.strerror}") from None
+            total = 0
+            with handle:
+                async for chunk in response.content.iter_chunked(CHUNK):
+                    await asyncio.to_thread(handle.write, chunk)
+                    total += len(chunk)
+            return total
 
     async def list_files(self, sandbox_id: str, path: str = ".") -> list[FileEntry]:
-        response = await self._send("GET", _sandbox(sandbox_id) + "/files", params={"path": path})
-        return [wire.entry_from_json(e) for e in response.json()]
+        entries = await self._json("GET", _sandbox(sandbox_id) + "/files", params={"path": path})
+        return [wire.entry_from_json(e) for e in entries]
 
     async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         params = {"path": path, "recursive": "true" if recursive else "false"}
-        await self._send("DELETE", _sandbox(sandbox_id) + "/files", params=params)
+        await self._json("DELETE", _sandbox(sandbox_id) + "/files", params=params)
 
 
 def _sandbox(sandbox_id: str) -> str:
@@ -223,12 +242,12 @@ def _sandbox(sandbox_id: str) -> str:
     return "/v1/sandboxes/" + quote(sandbox_id, safe="")
 
 
-def _error(response: httpx.Response) -> FanfoldError:
+async def _error(response: aiohttp.ClientResponse) -> FanfoldError:
     try:
-        body = response.json()
+        body = await response.json(content_type=None)
     except ValueError:
         body = None
-    return wire.error_from_json(body, response.status_code)
+    return wire.error_from_json(body, response.status)
 
 
 async def _read_chunks(path: Path) -> AsyncIterator[bytes]:
