@@ -13,6 +13,7 @@ test: setup
 bench: setup
 	bash scripts/setup.sh --bench
 	.venv/bin/python bench/lifecycle.py --json
+	.venv/bin/python bench/api.py --json
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -86,7 +86,6 @@ async def kill(request: Request, sandbox_id: str = Depends(owned_sandbox)) -> Re
 async def exec_command(body: ExecRequest, request: Request, sandbox_id: str = Depends(owned_sandbox)) -> Response:
     """Run a command. Output streams while it runs; a client that disconnects kills the command."""
     fleet: Engine = engine(request)
-    await fleet.get(sandbox_id)
     stdin = None if body.stdin is None else unb64(body.stdin, "stdin")
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     streaming = "application/json" not in request.headers.get("accept", "")
