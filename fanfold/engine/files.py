@@ -1,0 +1,131 @@
+"""The files half of the engine: reads, writes and streams confined to a sandbox's root.
+
+Every write lands under a temporary name and is renamed into place (see
+``safefs.PendingFile``), on every transport, so a broken-off write never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, AsyncIterable, Callable
+
+from ..config import EngineConfig
+from ..errors import InvalidRequest
+from ..host import safefs
+from ..images import LayerStore
+from ..models import FileEntry
+from . import resources
+
+STREAM_CHUNK = 1 << 20
+
+
+class SandboxFiles:
+    """Mixed into Engine, whose ``_row`` checks the sandbox is running."""
+
+    config: EngineConfig
+    store: LayerStore
+
+    def _row(self, sandbox_id: str) -> Any:
+        raise NotImplementedError
+
+    async def _files(self, sandbox_id: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+        row = self._row(sandbox_id)
+        img = self.store.load_image(row["image_id"])
+        target = safefs.normalize(path, img.workdir)
+        root = resources.paths(self.config, sandbox_id).rootfs
+
+        def run() -> Any:
+            fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                return fn(fd, target, *args)
+            finally:
+                os.close(fd)
+
+        return await asyncio.to_thread(run)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await self._files(sandbox_id, path, safefs.read)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
+        await self._files(sandbox_id, path, safefs.write, bytes(data), _check_mode(mode))
+
+    async def upload(self, sandbox_id: str, local_path: str | Path, path: str) -> int:
+        if not Path(local_path).is_file():
+            raise InvalidRequest(f"local file {local_path} does not exist or is not a file")
+        return await self._files(sandbox_id, path, lambda fd, p: safefs.upload(fd, str(local_path), p))
+
+    async def download(self, sandbox_id: str, path: str, local_path: str | Path) -> int:
+        return await self._files(sandbox_id, path, lambda fd, p: safefs.download(fd, p, str(local_path)))
+
+    async def open_file(self, sandbox_id: str, path: str) -> FileStream:
+        """A sandbox file to stream out in chunks; close it (or read it to the end)."""
+        return FileStream(await self._files(sandbox_id, path, safefs.open_reader))
+
+    async def write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
+        """Stream ``chunks`` into a file that appears whole, or not at all; returns its size."""
+        pending = await self._files(sandbox_id, path, safefs.PendingFile, _check_mode(mode))
+        try:
+            batch = bytearray()
+            async for chunk in chunks:
+                batch += chunk
+                if len(batch) >= STREAM_CHUNK:
+                    await asyncio.to_thread(pending.write, bytes(batch))
+                    batch.clear()
+            await asyncio.to_thread(pending.write, bytes(batch))
+            size = await asyncio.to_thread(pending.commit)
+        except BaseException:
+            pending.discard()
+            raise
+        self._row(sandbox_id)  # killed midway: the file went down with the sandbox
+        return size
+
+    async def list_files(self, sandbox_id: str, path: str = ".") -> list[FileEntry]:
+        return await self._files(sandbox_id, path, safefs.listdir)
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await self._files(sandbox_id, path, safefs.remove, recursive)
+
+
+class FileStream:
+    """Chunks of one open sandbox file; the fd closes at the end, on error, or on ``aclose``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def __aiter__(self) -> FileStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.fd < 0:
+            raise StopAsyncIteration
+        try:
+            data = await asyncio.to_thread(os.read, self.fd, STREAM_CHUNK)
+        except BaseException:
+            await self.aclose()
+            raise
+        if not data:
+            await self.aclose()
+            raise StopAsyncIteration
+        return data
+
+    async def aclose(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+def _check_mode(mode: int) -> int:
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise InvalidRequest(f"file mode must be an integer from 0 to 0o7777, got {mode!r}")
+    return mode
