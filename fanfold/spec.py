@@ -14,6 +14,21 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
+_REPO_URL = re.compile(r"^(https?|ssh|git)://[^/]+/|^[A-Za-z0-9_.-]+@[A-Za-z0-9_.-]+:")
+
+
+def is_repo_url(src: str) -> bool:
+    """True for a network git URL (https, http, ssh, git, or scp-style user@host:path);
+    anything else, ``file://`` included, is a local path."""
+    return bool(_REPO_URL.match(src))
+
+
+REMOTE_LOCAL_REPO = (
+    "repo source {src!r} is a local path: a server build can clone only network URLs (https://, ssh://,"
+    " git@host:path); copy a local repository's files instead"
+)
+
+
 def sandbox_path(path: str, *, what: str) -> str:
     """Check an absolute in-sandbox path and return it normalised."""
     if not isinstance(path, str) or not path.startswith("/"):
@@ -65,10 +80,16 @@ class EnvSpec:
 
     def copy(self, src: str | Path, dst: str) -> EnvSpec:
         """Copy a host file or directory into the image at ``dst``."""
+        if not isinstance(src, (str, Path)) or not str(src) or "\0" in str(src):
+            raise InvalidSpec(f"copy source must be a path, got {src!r}")
         return self._add("copy", src=str(src), dst=sandbox_path(dst, what="copy destination"))
 
     def repo(self, src: str, dst: str, ref: str = "HEAD") -> EnvSpec:
         """Clone a git repository (a URL or a local path) at ``ref`` into ``dst``."""
+        if not isinstance(ref, str) or not ref or ref.startswith("-") or "\0" in ref:
+            raise InvalidSpec(f"repo ref must be a branch, tag or commit name, got {ref!r}")
+        if not isinstance(src, (str, Path)) or not str(src):
+            raise InvalidSpec(f"repo source must be a URL or a path, got {src!r}")
         return self._add("repo", src=str(src), dst=sandbox_path(dst, what="repo destination"), ref=ref)
 
     def run(self, cmd: str) -> EnvSpec:

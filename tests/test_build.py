@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -68,22 +69,58 @@ def test_writes_under_usr_in_a_build_stay_in_the_image(fleet):
         assert plain.exec(f"test -e /usr/local/{name}").exit_code == 1
 
 
-def test_repo_step_clones_at_a_commit(fleet, tmp_path):
-    repo = tmp_path / "repo"
+def make_repo(where: Path) -> tuple[Path, list[str]]:
+    repo = where / "repo"
     repo.mkdir()
     git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     (repo / "README").write_text("v1\n")
     subprocess.run(git + ["add", "."], check=True)
     subprocess.run(git + ["commit", "-qm", "v1"], check=True)
-    image = fleet.build(EnvSpec("host").repo(str(repo), "/src"))
+    return repo, git
+
+
+@pytest.fixture
+def git_daemon(tmp_path):
+    """A real git server on loopback (git://), so repo steps clone over the network."""
+    repo, git = make_repo(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = subprocess.Popen(
+        ["git", "daemon", "--export-all", "--reuseaddr", "--listen=127.0.0.1", f"--port={port}",
+         f"--base-path={tmp_path}", str(tmp_path)], stderr=subprocess.PIPE,
+    )
+    url = f"git://127.0.0.1:{port}/repo"
+    for _ in range(500):  # until it answers: it has no readiness signal of its own
+        if subprocess.run(["git", "ls-remote", url], capture_output=True).returncode == 0:
+            break
+    yield repo, git, url
+    daemon.kill()
+    daemon.wait()
+
+
+def test_repo_step_clones_a_url_at_a_commit(fleet, git_daemon):
+    repo, git, url = git_daemon
+    image = fleet.build(EnvSpec("host").repo(url, "/src"))
     (repo / "README").write_text("v2\n")
     subprocess.run(git + ["commit", "-qam", "v2"], check=True)
-    image2 = fleet.build(EnvSpec("host").repo(str(repo), "/src"))
+    image2 = fleet.build(EnvSpec("host").repo(url, "/src"))
     assert image.id != image2.id
     with fleet.create(image) as a, fleet.create(image2) as b:
         assert a.files.read("/src/README") == b"v1\n"
         assert b.exec("cat README && git log --oneline | wc -l", cwd="/src").text == "v2\n2\n"
+
+
+def test_local_repos_clone_in_process_and_are_refused_by_a_server(fleet, tmp_path):
+    repo, _ = make_repo(tmp_path)
+    spec = EnvSpec("host").repo(str(repo), "/src")
+    if fleet.url is not None:  # a server never reads its own host's paths for a client
+        with pytest.raises(InvalidSpec, match="local path"):
+            fleet.build(spec)
+        return
+    with fleet.create(fleet.build(spec)) as sandbox:
+        assert sandbox.files.read("/src/README") == b"v1\n"
 
 
 def test_services_start_at_create(fleet):

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import inspect
+import io
 import json
 import os
 import stat
+import tarfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -148,7 +151,7 @@ async def test_huge_headers_and_bodies_are_refused_and_the_server_lives_on(serve
     async with client(server) as http:
 
         async def endless():
-            for _ in range(80):
+            for _ in range(120):  # past the 96 MiB cap on JSON bodies
                 yield b" " * (1 << 20)
 
         chunked = await http.post("/v1/sandboxes", content=endless(), headers={"Content-Type": "application/json"})
@@ -327,3 +330,64 @@ def test_bad_urls_are_clear_errors():
     for url in ("ftp://host", "unix://", "nothing"):
         with pytest.raises(InvalidRequest, match="URL"):
             AsyncFleet(url)
+
+
+def tar_of(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buffer.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, link, 0o644
+    return info
+
+
+async def test_a_build_never_reads_or_writes_the_servers_own_files(server, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    spec = json.dumps({"base": "host", "steps": [{"kind": "copy", "src": "src0", "dst": "/x"}]}).encode()
+    archives = {
+        "symlinked source": tar_of((member("spec.json"), spec), (member("context/src0", tarfile.SYMTYPE, "/etc"), None)),
+        "dot-dot member": tar_of((member("spec.json"), spec), (member("../escaped"), b"x")),
+        "absolute member": tar_of((member("spec.json"), spec), (member(f"{outside}/abs"), b"x")),
+        "hard link": tar_of((member("spec.json"), spec), (member("context/src0", tarfile.LNKTYPE, "/etc/shadow"), None)),
+        "device node": tar_of((member("spec.json"), spec), (member("context/src0", tarfile.CHRTYPE), None)),
+        "compressed": gzip.compress(tar_of((member("spec.json"), spec))),
+    }
+    async with client(server) as http:
+        for what, body in archives.items():
+            response = await http.post("/v1/images", content=body, headers={"Content-Type": "application/x-tar"})
+            assert response.status_code == 422, (what, response.text)
+        # A symlink planted by one member cannot carry a later member outside.
+        through_link = tar_of(
+            (member("spec.json"), spec), (member("context/src0/README"), b"ok"),
+            (member("context/escape", tarfile.SYMTYPE, str(outside)), None), (member("context/escape/pwned"), b"x"),
+        )
+        response = await http.post("/v1/images", content=through_link, headers={"Content-Type": "application/x-tar"})
+        assert 400 <= response.status_code < 500 and response.json()["kind"], response.text
+        for step in (
+            {"kind": "copy", "src": "/etc/shadow", "dst": "/x"},
+            {"kind": "copy", "src": "a" * 300, "dst": "/x"},
+            {"kind": "repo", "src": "file:///root", "dst": "/x"},
+            {"kind": "repo", "src": "/root", "dst": "/x"},
+            {"kind": "repo", "src": "https://example.invalid/x.git", "dst": "/x", "ref": 1},
+        ):
+            response = await http.post("/v1/images", json={"base": "host", "steps": [step]})
+            assert response.status_code == 422 and response.json()["kind"] == "invalid_spec", (step, response.text)
+    assert list(outside.iterdir()) == []
+
+
+async def test_unauthenticated_callers_are_refused_before_their_body_is_read(server):
+    address = urlsplit(server.tcp_url)
+    reader, writer = await asyncio.open_connection(address.hostname, address.port)
+    writer.write(b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 50000000\r\n\r\n{")
+    await writer.drain()
+    assert (await reader.readline()).startswith(b"HTTP/1.1 401")
+    writer.close()

@@ -20,11 +20,12 @@ import aiohttp
 
 from .. import wire
 from ..engine.core import OnOutput
+from ..engine.files import check_mode
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec, SandboxNotFound
 from ..images import Image
 from ..images.builder import OnStep
 from ..models import ExecResult, FileEntry, Limits, SandboxInfo
-from ..spec import EnvSpec
+from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 
 CHUNK = 1 << 20
 CREATE_ATTEMPTS = 5
@@ -92,7 +93,10 @@ class HttpTransport:
                 *lines, pending = pending.split(b"\n")
                 for text in lines:
                     if text:
-                        item = json.loads(text)
+                        try:
+                            item = json.loads(text)
+                        except ValueError:
+                            raise InfrastructureError(f"the server sent a malformed stream line: {text[:200]!r}") from None
                         if "error" in item:
                             raise wire.error_from_json(item["error"], 200)
                         yield item
@@ -199,6 +203,7 @@ class HttpTransport:
             return await response.read()
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        check_mode(mode)
         if isinstance(data, str):
             data = data.encode()
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -263,13 +268,14 @@ def _build_request(spec: EnvSpec) -> tuple[bytes, str]:
     steps = []
     for number, step in enumerate(spec.steps):
         args = dict(step.args)
-        remote_repo = step.kind == "repo" and ("://" in args["src"] or args["src"].startswith("git@"))
-        if step.kind in ("copy", "repo") and not remote_repo:
+        if step.kind == "repo" and not is_repo_url(args["src"]):
+            raise InvalidSpec(REMOTE_LOCAL_REPO.format(src=args["src"]))
+        if step.kind == "copy":
             local = Path(args["src"]) if os.path.isabs(args["src"]) else context / args["src"]
             if not local.exists():
-                raise InvalidSpec(f"{step.kind} source {args['src']!r} does not exist (resolved to {local})")
+                raise InvalidSpec(f"copy source {args['src']!r} does not exist (resolved to {local})")
             name = f"src{number}"
-            sources[name] = local
+            sources[name] = local.resolve()  # a top-level link is followed, as a local copy does
             args["src"] = name
         steps.append((step.kind, args))
     data = wire.spec_to_json(spec)

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 from typing import Any, Awaitable, Callable
 
 from .._agent.build import agent_binary
@@ -161,6 +162,9 @@ class Engine(SandboxFiles):
                 await self.runtime.delete(sandbox_id)  # a build step whose builder died
                 reaped += 1
         self.store.discard_scratch()
+        for context in (self.config.state_dir / "bundles").glob("context-*"):  # a dead server's build uploads
+            if not _pid_alive(context.name.split("-")[1]):
+                shutil.rmtree(context, ignore_errors=True)
         return {"reaped": reaped}
 
     async def _reap_forever(self) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, AsyncIterable, Callable
 
 from ..config import EngineConfig
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, SandboxGone
 from ..host import safefs
 from ..images import LayerStore
 from ..models import FileEntry
@@ -37,7 +37,10 @@ class SandboxFiles:
         root = resources.paths(self.config, sandbox_id).rootfs
 
         def run() -> Any:
-            fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the call") from None
             try:
                 return fn(fd, target, *args)
             finally:
@@ -53,7 +56,7 @@ class SandboxFiles:
             data = data.encode()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
-        await self._files(sandbox_id, path, safefs.write, bytes(data), _check_mode(mode))
+        await self._files(sandbox_id, path, safefs.write, bytes(data), check_mode(mode))
 
     async def upload(self, sandbox_id: str, local_path: str | Path, path: str) -> int:
         if not Path(local_path).is_file():
@@ -69,7 +72,7 @@ class SandboxFiles:
 
     async def write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
         """Stream ``chunks`` into a file that appears whole, or not at all; returns its size."""
-        pending = await self._files(sandbox_id, path, safefs.PendingFile, _check_mode(mode))
+        pending = await self._files(sandbox_id, path, safefs.PendingFile, check_mode(mode))
         try:
             batch = bytearray()
             async for chunk in chunks:
@@ -125,7 +128,7 @@ class FileStream:
             os.close(self.fd)
 
 
-def _check_mode(mode: int) -> int:
+def check_mode(mode: int) -> int:
     if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
         raise InvalidRequest(f"file mode must be an integer from 0 to 0o7777, got {mode!r}")
     return mode

@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..errors import BuildFailed, InvalidSpec
 from ..runtime import Bind, ContainerSpec, Runtime
-from ..spec import EnvSpec, Step
+from ..spec import EnvSpec, Step, is_repo_url
 from .bases import base_digest, ensure_base, host_dirs
 from .rootfs import fold_host_uppers, mount_rootfs, unmount_rootfs
 from .store import Image, LayerStore
@@ -62,7 +62,7 @@ class Builder:
         context = spec.context or Path.cwd()
         for index, step in enumerate(spec.steps, start=1):
             description = step.describe()
-            digest = _step_digest(digest, step, context)
+            digest = await _off_loop(_step_digest, digest, step, context)  # hashes trees, asks remotes
             if step.kind == "env":
                 env.update(dict(step.arg("vars")))
                 continue
@@ -154,7 +154,7 @@ def _source(src: str, context: Path) -> Path:
 
 
 def _repo_source(src: str, context: Path) -> str:
-    if "://" in src or src.startswith("git@"):
+    if is_repo_url(src):
         return src
     return str(_source(src, context))
 
@@ -162,7 +162,10 @@ def _repo_source(src: str, context: Path) -> str:
 def _resolve_commit(src: str, ref: str) -> str:
     if len(ref) == 40 and all(c in "0123456789abcdef" for c in ref):
         return ref
-    done = subprocess.run(["git", "ls-remote", src, ref], capture_output=True, text=True, timeout=120)
+    try:
+        done = subprocess.run(["git", "ls-remote", "--", src, ref], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise InvalidSpec(f"git repository {src!r} did not answer within 120 s") from None
     lines = done.stdout.split()
     if done.returncode != 0 or not lines:
         raise InvalidSpec(f"cannot resolve {ref!r} in git repository {src!r}: {done.stderr.strip()[-300:]}")
@@ -199,7 +202,7 @@ def _file_step(step: Step, tree: Path, context: Path) -> None:
         src, dst = _repo_source(step.arg("src"), context), tree / step.arg("dst").lstrip("/")
         commit = _resolve_commit(src, step.arg("ref"))
         dst.parent.mkdir(parents=True, exist_ok=True)
-        for argv in (["git", "clone", "--quiet", "--no-hardlinks", src, str(dst)],
+        for argv in (["git", "clone", "--quiet", "--no-hardlinks", "--", src, str(dst)],
                      ["git", "-C", str(dst), "checkout", "--quiet", "--detach", commit]):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
             if done.returncode != 0:

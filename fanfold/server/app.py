@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
@@ -25,9 +26,10 @@ from .schemas import WhoAmI
 from .status import error_response
 
 log = logging.getLogger("fanfold.server")
-MAX_JSON_BODY = 64 * 1024 * 1024
-"""Largest body of a JSON request (exec stdin travels in it); file contents stream without a cap."""
-_STREAMED_BODIES = [("PUT", re.compile(r"^/v1/sandboxes/[^/]+/files/content$")), ("POST", re.compile(r"^/v1/images$"))]
+MAX_JSON_BODY = 96 * 1024 * 1024
+"""Largest JSON request body (64 MiB of exec stdin, base64); file contents and build contexts stream."""
+_FILE_CONTENT = re.compile(r"^/v1/sandboxes/[^/]+/files/content$")
+_OPEN_PATHS = ("/v1/health",)
 
 DESCRIPTION = """Isolated sandboxes for RL rollouts, on one host.
 
@@ -56,7 +58,7 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     app.state.tenants = tenants or Tenants()
     app.state.creates = CreateRegistry(engine)
     _add_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=MAX_JSON_BODY)
+    app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
     for router in (sandboxes.router, files.router, images.router):
         app.include_router(router)
 
@@ -88,7 +90,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(cls(str(err.detail)), err.status_code)
 
     @app.exception_handler(ClientGone)
-    async def gone(_: Request, err: ClientGone) -> JSONResponse:
+    @app.exception_handler(ClientDisconnect)
+    async def gone(_: Request, err: Exception) -> JSONResponse:
         return error_response(InvalidRequest("the client disconnected; the work was cancelled"), 499)
 
     @app.exception_handler(Exception)
@@ -102,20 +105,33 @@ def _describe(item: dict[str, Any]) -> str:
     return f"{where or 'body'}: {item.get('msg', 'invalid')}"
 
 
-class BodyLimit:
-    """Caps JSON request bodies (file uploads and build contexts stream and are exempt)."""
+class Gate:
+    """Before any body is read: the bearer token (401 at once), then the size of JSON bodies
+    (413). File contents and tar build contexts stream, so they are not capped here."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, tenants: Tenants, limit: int) -> None:
         self.app = app
+        self.tenants = tenants
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or any(
-            scope["method"] == method and pattern.match(scope["path"]) for method, pattern in _STREAMED_BODIES
-        ):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["path"] in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        try:
+            scope.setdefault("state", {})["tenant"] = self.tenants.tenant_for(HTTPConnection(scope))
+        except FanfoldError as err:
+            await error_response(err)(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        streamed = (scope["method"] == "PUT" and _FILE_CONTENT.match(scope["path"])) or (
+            scope["method"] == "POST" and scope["path"] == "/v1/images"
+            and headers.get(b"content-type", b"").startswith(b"application/x-tar")
+        )
+        if streamed:
+            await self.app(scope, receive, send)
+            return
+        declared = headers.get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.limit:
             await error_response(InvalidRequest(self._message()), 413)(scope, receive, send)
             return

@@ -30,6 +30,7 @@ class _Entry:
     future: asyncio.Future[SandboxInfo]
     started: float = field(default_factory=time.monotonic)
     claimed: bool = False
+    reaping: bool = False
     reaper: asyncio.TimerHandle | None = None
 
 
@@ -45,6 +46,9 @@ class CreateRegistry:
         fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
         key = (tenant, request_id) if request_id else None
         entry = self._entries.get(key) if key else None
+        if entry is not None and entry.reaping:
+            del self._entries[key]  # came back too late: its sandbox is being killed; make a new one
+            entry = None
         if entry is not None:
             if entry.fingerprint != fingerprint:
                 raise InvalidRequest(f"X-Request-ID {request_id!r} was already used for a different create")
@@ -71,13 +75,14 @@ class CreateRegistry:
         if entry.claimed or entry.future.cancelled() or entry.future.exception() is not None:
             return
         delay = UNCLAIMED_GRACE_S if request_id else 0.0
-        entry.reaper = asyncio.get_running_loop().call_later(
-            delay, lambda: asyncio.ensure_future(self._reap(entry))
-        )
+        entry.reaper = asyncio.get_running_loop().call_later(delay, self._start_reaping, entry)
+
+    def _start_reaping(self, entry: _Entry) -> None:
+        if not entry.claimed:
+            entry.reaping = True  # set now, so a retry arriving before the kill runs starts afresh
+            asyncio.ensure_future(self._reap(entry))
 
     async def _reap(self, entry: _Entry) -> None:
-        if entry.claimed:
-            return
         for key in [k for k, e in self._entries.items() if e is entry]:
             del self._entries[key]
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -15,8 +16,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from ..engine import Engine
-from ..errors import InvalidRequest, InvalidSpec
-from ..spec import EnvSpec
+from ..errors import FanfoldError, InvalidRequest, InvalidSpec
+from ..host import safefs
+from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 from ..wire import event_to_json, image_to_json, spec_from_json
 from .deps import NDJSON, engine, ndjson_events, tenant
 from .sandboxes import ERRORS
@@ -24,7 +26,10 @@ from .schemas import ImageBody
 
 router = APIRouter(prefix="/v1/images", tags=["images"])
 TAR = "application/x-tar"
-_REMOTE_REPO = ("https://", "http://", "git://", "ssh://", "git@")
+_UPLOADED = re.compile(r"^src[0-9]{1,6}$")
+MAX_CONTEXT = 8 << 30
+"""Largest build context (the copy sources) a client may upload."""
+MAX_MEMBERS = 500_000
 
 
 @router.get("", response_model=list[ImageBody], responses=ERRORS, dependencies=[Depends(tenant)])
@@ -46,7 +51,8 @@ async def list_images(request: Request) -> list[dict[str, Any]]:
 async def build(request: Request) -> StreamingResponse:
     """Build a spec into an image; cached layers are reused. Progress streams as it goes."""
     fleet: Engine = engine(request)
-    scratch = Path(tempfile.mkdtemp(prefix="context-", dir=fleet.config.state_dir / "bundles"))
+    # The pid in the name lets reconcile clear what a crashed server left.
+    scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
     try:
         spec = await _read_spec(request, scratch)
     except BaseException:
@@ -70,18 +76,22 @@ async def _read_spec(request: Request, scratch: Path) -> EnvSpec:
     context.mkdir()
     if kind == TAR:
         archive = scratch / "upload.tar"
+        size = 0
         with open(archive, "wb") as handle:
             async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_CONTEXT:
+                    raise InvalidRequest(f"the build context is over {MAX_CONTEXT >> 30} GiB")
                 await asyncio.to_thread(handle.write, chunk)
         await asyncio.to_thread(_extract, archive, scratch)
         try:
             data = json.loads((scratch / "spec.json").read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, UnicodeDecodeError):
             raise InvalidRequest("the build archive needs a spec.json holding the spec as JSON") from None
     elif kind in ("application/json", ""):
         try:
             data = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             raise InvalidRequest("the request body is not valid JSON") from None
     else:
         raise InvalidRequest(f"send the spec as application/json, or as {TAR} with its sources; not {kind!r}")
@@ -91,27 +101,71 @@ async def _read_spec(request: Request, scratch: Path) -> EnvSpec:
 
 
 def _extract(archive: Path, into: Path) -> None:
+    """Unpack an uncompressed tar of regular files, directories and symlinks, each created
+    beneath ``into`` through openat2(RESOLVE_IN_ROOT), so no member name or symlink planted
+    by an earlier member can reach outside. tarfile's own extraction is not used: its
+    filters have had escapes."""
+    root = os.open(into, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    directories: list[tuple[str, int]] = []
     try:
-        with tarfile.open(archive) as tar:
-            tar.extractall(into, filter="data")  # refuses absolute paths, '..', device nodes and setuid bits
-    except (tarfile.TarError, OSError) as err:
-        raise InvalidRequest(f"the build archive is not a usable tar file: {err}") from None
+        with tarfile.open(archive, mode="r:") as tar:
+            for count, member in enumerate(tar):
+                if count >= MAX_MEMBERS:
+                    raise InvalidRequest(f"the build archive has over {MAX_MEMBERS} entries")
+                _extract_member(tar, member, root, directories)
+        for path, mode in reversed(directories):  # modes last: a read-only directory still gets its files
+            with safefs.opened(root, path, os.O_RDONLY | os.O_DIRECTORY) as fd:
+                os.fchmod(fd, mode)
+    except FanfoldError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a malformed archive is bad input, whatever broke
+        raise InvalidRequest(f"the build archive is not a usable uncompressed tar: {type(err).__name__}: {err}") from None
     finally:
+        os.close(root)
         os.unlink(archive)
 
 
+def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int,
+                    directories: list[tuple[str, int]]) -> None:
+    parts = [p for p in PurePosixPath(member.name).parts if p not in ("", ".")]
+    if not parts or PurePosixPath(member.name).is_absolute() or ".." in parts or "\0" in member.name:
+        raise InvalidRequest(f"the build archive has a bad member name {member.name!r}")
+    path = "/" + "/".join(parts)
+    mode = member.mode & 0o777  # never setuid/setgid/sticky
+    if member.isdir():
+        safefs.makedirs(root, path)
+        directories.append((path, mode))
+    elif member.isfile():
+        source = tar.extractfile(member)
+        assert source is not None
+        pending = safefs.PendingFile(root, path, mode)
+        try:
+            while chunk := source.read(1 << 20):
+                pending.write(chunk)
+            os.fchmod(pending.fd, mode)
+        except BaseException:
+            pending.discard()
+            raise
+        pending.commit()
+    elif member.issym():
+        parent = str(PurePosixPath(path).parent)
+        safefs.makedirs(root, parent)
+        with safefs.opened(root, parent, os.O_PATH | os.O_DIRECTORY) as fd, safefs.translated(path):
+            os.symlink(member.linkname, PurePosixPath(path).name, dir_fd=fd)  # created, never followed here
+    else:
+        raise InvalidRequest(f"the build archive may hold files, directories and symlinks only, not {member.name!r}")
+
+
 def _check_sources(spec: EnvSpec, context: Path) -> None:
-    """A remote spec reads only what its client sent: never the server's own files."""
+    """A remote spec reads only what its client uploaded, never the server's own files."""
     for step in spec.steps:
-        if step.kind not in ("copy", "repo"):
-            continue
-        src = step.arg("src")
-        if step.kind == "repo" and src.startswith(_REMOTE_REPO):
-            continue
-        if PurePosixPath(src).is_absolute() or ".." in PurePosixPath(src).parts:
-            raise InvalidSpec(
-                f"{step.kind} source {src!r}: a server build reads sources from the uploaded context only;"
-                " the SDK uploads them for you"
-            )
-        if not (context / src).exists():
-            raise InvalidSpec(f"{step.kind} source {src!r} was not uploaded with the spec")
+        src = step.arg("src") if step.kind in ("copy", "repo") else None
+        if step.kind == "repo" and not is_repo_url(src):
+            raise InvalidSpec(REMOTE_LOCAL_REPO.format(src=src))
+        if step.kind == "copy":
+            uploaded = context / src if _UPLOADED.match(src) else None
+            if uploaded is None or uploaded.is_symlink() or not uploaded.exists():
+                raise InvalidSpec(
+                    f"copy source {src!r} was not uploaded with the spec: a server build reads only the sources"
+                    " sent with it (the SDK sends them for you)"
+                )

@@ -15,6 +15,7 @@ import uvicorn
 
 from ..config import DEFAULT_SOCKET, EngineConfig
 from ..errors import HostNotReady, InvalidRequest
+from ..host import setup
 from .app import create_app
 from .auth import Tenants
 
@@ -33,6 +34,8 @@ def serve(
     finish, cancel the rest, and destroy every sandbox the server owns (not detached ones)."""
     if port is not None and not len(tenants):
         raise InvalidRequest("serving over TCP needs at least one token")
+    if not setup.is_root():
+        raise HostNotReady("fanfold serve runs the engine, which needs root (mounts, cgroups): run it as root")
     _raise_fd_limit()
     sockets: list[socket.socket] = []
     urls: list[str] = []
@@ -52,6 +55,8 @@ def serve(
             timeout_graceful_shutdown=max(1, round(grace_s)), backlog=4096, **_fast_parts(),
         ), lambda: announce(urls))
         server.run(sockets=sockets)
+        if not server.started:
+            raise HostNotReady("the server could not start its engine: see the log above, and `fanfold doctor`")
     finally:
         for sock in sockets:
             sock.close()

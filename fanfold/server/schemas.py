@@ -47,7 +47,8 @@ class ExecRequest(_Body):
     env: dict[str, str] = Field(default_factory=dict)
     stdin: str | None = Field(None, description="Standard input, base64.")
     timeout: float | None = Field(None, gt=0, le=86400, description="Seconds before the command is killed.")
-    max_output: int | None = Field(None, ge=0, le=1 << 30, description="Bytes kept of each of stdout and stderr.")
+    max_output: int | None = Field(None, ge=0, le=64 << 20,
+                                   description="Bytes kept of each of stdout and stderr (default 16 MiB, at most 64 MiB).")
 
 
 class ExecResultBody(BaseModel):
