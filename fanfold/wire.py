@@ -13,11 +13,8 @@ from . import errors
 from .errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
 from .images import Image
 from .images.builder import StepEvent
-from .models import ExecResult, FileEntry, Limits, Outcome, OutputChunk, SandboxInfo
+from .models import ExecResult, FileEntry, Limits, Outcome, SandboxInfo
 from .spec import EnvSpec
-
-API_PREFIX = "/v1"
-
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
@@ -55,10 +52,6 @@ def result_from_json(data: dict[str, Any]) -> ExecResult:
         **data, "outcome": Outcome(data["outcome"]), "stdout": unb64(data["stdout"], "stdout"),
         "stderr": unb64(data["stderr"], "stderr"), "limits_hit": tuple(data["limits_hit"]),
     })
-
-
-def chunk_to_json(chunk: OutputChunk) -> dict[str, Any]:
-    return {"stream": chunk.stream, "data": b64(chunk.data)}
 
 
 def entry_to_json(entry: FileEntry) -> dict[str, Any]:

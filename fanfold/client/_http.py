@@ -20,10 +20,11 @@ import aiohttp
 
 from .. import wire
 from ..engine.core import OnOutput
-from ..engine.files import check_mode
+from ..engine.execution import check_exec_args
+from ..engine.files import check_mode, file_bytes
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec, SandboxNotFound
 from ..images import Image
-from ..images.builder import OnStep
+from ..images.builder import OnStep, source_path
 from ..models import ExecResult, FileEntry, Limits, SandboxInfo
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 
@@ -177,10 +178,10 @@ class HttpTransport:
         stdin: bytes | str | None = None, timeout: float | None = None, max_output: int | None = None,
         on_output: OnOutput | None = None,
     ) -> ExecResult:
-        if isinstance(stdin, str):
-            stdin = stdin.encode()
+        # The engine's own checks, so bad arguments fail here exactly as they do in-process.
+        _, stdin_bytes, _ = check_exec_args(cmd, stdin, timeout, max_output, 0)
         body = {"cmd": cmd, "cwd": cwd, "env": env or {}, "timeout": timeout, "max_output": max_output,
-                "stdin": None if stdin is None else wire.b64(bytes(stdin))}
+                "stdin": None if stdin_bytes is None else wire.b64(stdin_bytes)}
         path = _sandbox(sandbox_id) + "/exec"
         if on_output is None:
             return wire.result_from_json(await self._json("POST", path, json=body, headers={"Accept": "application/json"}))
@@ -203,12 +204,8 @@ class HttpTransport:
             return await response.read()
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        check_mode(mode)
-        if isinstance(data, str):
-            data = data.encode()
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
-        await self._json("PUT", self._content(sandbox_id), params={"path": path, "mode": mode}, data=bytes(data))
+        params = {"path": path, "mode": check_mode(mode)}
+        await self._json("PUT", self._content(sandbox_id), params=params, data=file_bytes(data))
 
     async def upload(self, sandbox_id: str, local_path: str | Path, path: str) -> int:
         if not Path(local_path).is_file():
@@ -264,24 +261,16 @@ async def _read_chunks(path: Path) -> AsyncIterator[bytes]:
 def _build_request(spec: EnvSpec) -> tuple[bytes, str]:
     """The spec as JSON, or, when it copies local sources, a tar of spec.json and those sources."""
     context = spec.context or Path.cwd()
-    sources: dict[str, Path] = {}
-    steps = []
-    for number, step in enumerate(spec.steps):
-        args = dict(step.args)
-        if step.kind == "repo" and not is_repo_url(args["src"]):
-            raise InvalidSpec(REMOTE_LOCAL_REPO.format(src=args["src"]))
-        if step.kind == "copy":
-            local = Path(args["src"]) if os.path.isabs(args["src"]) else context / args["src"]
-            if not local.exists():
-                raise InvalidSpec(f"copy source {args['src']!r} does not exist (resolved to {local})")
-            name = f"src{number}"
-            sources[name] = local.resolve()  # a top-level link is followed, as a local copy does
-            args["src"] = name
-        steps.append((step.kind, args))
     data = wire.spec_to_json(spec)
-    for item, (_, args) in zip(data["steps"], steps):
-        if "src" in args:
-            item["src"] = args["src"]
+    sources: dict[str, Path] = {}
+    for number, (step, item) in enumerate(zip(spec.steps, data["steps"])):
+        if step.kind == "repo" and not is_repo_url(item["src"]):
+            raise InvalidSpec(REMOTE_LOCAL_REPO.format(src=item["src"]))
+        if step.kind == "copy":
+            name = f"src{number}"
+            # A top-level link is followed, as an in-process copy does.
+            sources[name] = source_path(item["src"], context).resolve()
+            item["src"] = name
     if not sources:
         return json.dumps(data).encode(), "application/json"
     buffer = io.BytesIO()

@@ -52,11 +52,7 @@ class SandboxFiles:
         return await self._files(sandbox_id, path, safefs.read)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        if isinstance(data, str):
-            data = data.encode()
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
-        await self._files(sandbox_id, path, safefs.write, bytes(data), check_mode(mode))
+        await self._files(sandbox_id, path, safefs.write, file_bytes(data), check_mode(mode))
 
     async def upload(self, sandbox_id: str, local_path: str | Path, path: str) -> int:
         if not Path(local_path).is_file():
@@ -72,8 +68,7 @@ class SandboxFiles:
 
     async def write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
         """Stream ``chunks`` into a file that appears whole, or not at all; returns its size."""
-        pending = await self._files(sandbox_id, path, safefs.PendingFile, check_mode(mode))
-        try:
+        with await self._files(sandbox_id, path, safefs.PendingFile, check_mode(mode)) as pending:
             batch = bytearray()
             async for chunk in chunks:
                 batch += chunk
@@ -81,12 +76,8 @@ class SandboxFiles:
                     await asyncio.to_thread(pending.write, bytes(batch))
                     batch.clear()
             await asyncio.to_thread(pending.write, bytes(batch))
-            size = await asyncio.to_thread(pending.commit)
-        except BaseException:
-            pending.discard()
-            raise
         self._row(sandbox_id)  # killed midway: the file went down with the sandbox
-        return size
+        return pending.size
 
     async def list_files(self, sandbox_id: str, path: str = ".") -> list[FileEntry]:
         return await self._files(sandbox_id, path, safefs.listdir)
@@ -100,7 +91,6 @@ class FileStream:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.size = os.fstat(fd).st_size
 
     def __aiter__(self) -> FileStream:
         return self
@@ -126,6 +116,15 @@ class FileStream:
     def __del__(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
+
+
+def file_bytes(data: bytes | str) -> bytes:
+    """File contents as bytes (str is UTF-8), or InvalidRequest."""
+    if isinstance(data, str):
+        return data.encode()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidRequest(f"file data must be bytes or str, got {type(data).__name__}")
+    return bytes(data)
 
 
 def check_mode(mode: int) -> int:

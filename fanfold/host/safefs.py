@@ -115,21 +115,13 @@ def makedirs(root_fd: int, path: str) -> None:
 
 
 def read(root_fd: int, path: str, limit: int | None = None) -> bytes:
-    with opened(root_fd, path, os.O_RDONLY) as fd, translated(path):
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise InvalidPath(f"{path} is a directory: use list()")
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read() if limit is None else handle.read(limit)
+    with os.fdopen(open_reader(root_fd, path), "rb") as handle, translated(path):
+        return handle.read() if limit is None else handle.read(limit)
 
 
 def write(root_fd: int, path: str, data: bytes, mode: int = 0o644) -> None:
-    pending = PendingFile(root_fd, path, mode)
-    try:
+    with PendingFile(root_fd, path, mode) as pending:
         pending.write(data)
-    except BaseException:
-        pending.discard()
-        raise
-    pending.commit()
 
 
 def upload(root_fd: int, local: str, path: str) -> int:
@@ -138,15 +130,10 @@ def upload(root_fd: int, local: str, path: str) -> int:
         src = open(local, "rb")
     except OSError as err:
         raise InvalidRequest(f"cannot read the local file {local}: {err.strerror}") from None
-    with src:
-        pending = PendingFile(root_fd, path, stat.S_IMODE(os.fstat(src.fileno()).st_mode))
-        try:
-            with translated(path):
-                pending.size = _copy(src.fileno(), pending.fd)
-        except BaseException:
-            pending.discard()
-            raise
-        return pending.commit()
+    with src, PendingFile(root_fd, path, stat.S_IMODE(os.fstat(src.fileno()).st_mode)) as pending:
+        with translated(path):
+            pending.size = _copy(src.fileno(), pending.fd)
+    return pending.size
 
 
 def download(root_fd: int, path: str, local: str) -> int:
@@ -176,7 +163,8 @@ class PendingFile:
 
     Every write through the files API goes this way: a write cut off midway never leaves a
     partial file, and a symlink at ``path`` is replaced rather than followed. A FIFO or
-    device node at ``path`` is refused.
+    device node at ``path`` is refused. As a context manager it commits on success and
+    discards on any exception.
     """
 
     def __init__(self, root_fd: int, path: str, mode: int = 0o644) -> None:
@@ -204,6 +192,15 @@ class PendingFile:
             os.close(self.parent_fd)
             raise
         self.size = 0
+
+    def __enter__(self) -> PendingFile:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
 
     def write(self, data: bytes) -> None:
         with translated(self.path):

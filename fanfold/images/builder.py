@@ -62,7 +62,8 @@ class Builder:
         context = spec.context or Path.cwd()
         for index, step in enumerate(spec.steps, start=1):
             description = step.describe()
-            digest = await _off_loop(_step_digest, digest, step, context)  # hashes trees, asks remotes
+            inputs = await _off_loop(_step_inputs, step, context)  # hashes trees, asks remotes
+            digest = _step_digest(digest, step, inputs)
             if step.kind == "env":
                 env.update(dict(step.arg("vars")))
                 continue
@@ -77,7 +78,7 @@ class Builder:
                 continue
             report(StepEvent(index, total, description, "running"))
             try:
-                await self._make_layer(step, digest, tuple(layers), dirs, env, workdir, context)
+                await self._make_layer(step, digest, tuple(layers), dirs, env, workdir, context, inputs)
             except BuildFailed:
                 report(StepEvent(index, total, description, "failed"))
                 raise
@@ -90,7 +91,7 @@ class Builder:
         self.store.save_image(image)
         return image
 
-    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context) -> None:
+    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs) -> None:
         async with self.store.alock(digest):
             if self.store.has_layer(digest):
                 return
@@ -101,7 +102,7 @@ class Builder:
                 else:
                     tree = scratch / "upper"
                     tree.mkdir()
-                    await _off_loop(_file_step, step, tree, context)
+                    await _off_loop(_file_step, step, tree, context, inputs)
                 self.store.commit(tree, digest)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -130,23 +131,27 @@ class Builder:
         return fold_host_uppers(scratch, dirs)
 
 
-def _step_digest(parent: str, step: Step, context: Path) -> str:
-    # A local source counts by its content, not its path, so the same files sent to a server
-    # (which unpacks them elsewhere) reuse the layers built in-process, and the reverse.
+def _step_inputs(step: Step, context: Path) -> dict[str, object]:
+    """What a step's layer depends on. A local source counts by its content, not its path,
+    so the same files sent to a server (which unpacks them elsewhere) reuse the layers
+    built in-process. A repo's ref is resolved here, once: the clone checks out this commit."""
     args = dict(step.args)
     if step.kind == "copy":
-        args["src"] = _tree_hash(_source(step.arg("src"), context))
+        args["src"] = _tree_hash(source_path(step.arg("src"), context))
     elif step.kind == "repo":
-        source = _repo_source(step.arg("src"), context)
-        args["commit"] = _resolve_commit(source, step.arg("ref"))
-        if source != step.arg("src") or os.path.isabs(source):
-            args["src"] = "local"  # a path, not a URL
-    inputs: dict[str, object] = {"kind": step.kind, "args": sorted([k, v] for k, v in args.items())}
-    payload = parent + json.dumps(inputs, sort_keys=True, default=list)
+        args["commit"] = _resolve_commit(_repo_source(step.arg("src"), context), step.arg("ref"))
+        if not is_repo_url(step.arg("src")):
+            args["src"] = "local"
+    return args
+
+
+def _step_digest(parent: str, step: Step, inputs: dict[str, object]) -> str:
+    payload = parent + json.dumps({"kind": step.kind, "args": sorted([k, v] for k, v in inputs.items())},
+                                  sort_keys=True, default=list)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _source(src: str, context: Path) -> Path:
+def source_path(src: str, context: Path) -> Path:
     path = (context / src) if not os.path.isabs(src) else Path(src)
     if not path.exists():
         raise InvalidSpec(f"copy source {src!r} does not exist (resolved to {path})")
@@ -156,7 +161,7 @@ def _source(src: str, context: Path) -> Path:
 def _repo_source(src: str, context: Path) -> str:
     if is_repo_url(src):
         return src
-    return str(_source(src, context))
+    return str(source_path(src, context))
 
 
 def _resolve_commit(src: str, ref: str) -> str:
@@ -188,11 +193,11 @@ def _tree_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _file_step(step: Step, tree: Path, context: Path) -> None:
+def _file_step(step: Step, tree: Path, context: Path, inputs: dict[str, object]) -> None:
     if step.kind == "workdir":
         (tree / step.arg("path").lstrip("/")).mkdir(parents=True, exist_ok=True)
     elif step.kind == "copy":
-        src, dst = _source(step.arg("src"), context), tree / step.arg("dst").lstrip("/")
+        src, dst = source_path(step.arg("src"), context), tree / step.arg("dst").lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
             shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
@@ -200,7 +205,7 @@ def _file_step(step: Step, tree: Path, context: Path) -> None:
             shutil.copy2(src, dst)
     elif step.kind == "repo":
         src, dst = _repo_source(step.arg("src"), context), tree / step.arg("dst").lstrip("/")
-        commit = _resolve_commit(src, step.arg("ref"))
+        commit = str(inputs["commit"])
         dst.parent.mkdir(parents=True, exist_ok=True)
         for argv in (["git", "clone", "--quiet", "--no-hardlinks", "--", src, str(dst)],
                      ["git", "-C", str(dst), "checkout", "--quiet", "--detach", commit]):

@@ -23,7 +23,7 @@ from .auth import Tenants
 from .creates import CreateRegistry
 from .deps import ClientGone, tenant
 from .schemas import WhoAmI
-from .status import error_response
+from .status import bug_body, error_response
 
 log = logging.getLogger("fanfold.server")
 MAX_JSON_BODY = 96 * 1024 * 1024
@@ -97,7 +97,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def bug(_: Request, err: Exception) -> JSONResponse:
         log.exception("fanfold server: unexpected error")
-        return JSONResponse({"kind": "internal_error", "message": f"fanfold bug: {type(err).__name__}: {err}"}, 500)
+        return JSONResponse(bug_body(err), 500)
 
 
 def _describe(item: dict[str, Any]) -> str:

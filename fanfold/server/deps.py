@@ -13,6 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ..engine import Engine
 from ..errors import FanfoldError, SandboxNotFound
 from ..wire import error_to_json
+from .status import bug_body
 
 log = logging.getLogger("fanfold.server")
 _bearer = HTTPBearer(auto_error=False, description="A token given to `fanfold serve`; optional on the unix socket.")
@@ -60,11 +61,9 @@ async def ndjson_events(queue: asyncio.Queue[dict[str, Any] | None], task: async
             yield line({"error": error_to_json(err)})
         except Exception as err:  # noqa: BLE001 - the 200 is gone: a bug still ends the stream in a line
             log.exception("fanfold server: unexpected error in a stream")
-            yield line({"error": {"kind": "internal_error", "message": f"fanfold bug: {type(err).__name__}: {err}"}})
+            yield line({"error": bug_body(err)})
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await _cancel(task)
 
 
 class ClientGone(Exception):
@@ -83,9 +82,14 @@ async def until_disconnect(request: Request, task: asyncio.Task[Any]) -> Any:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await _cancel(task)
     if task.cancelled():
         raise ClientGone()
     return task.result()
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` unless it is done, and wait until it has let go of what it held."""
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -138,15 +138,10 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int,
     elif member.isfile():
         source = tar.extractfile(member)
         assert source is not None
-        pending = safefs.PendingFile(root, path, mode)
-        try:
+        with safefs.PendingFile(root, path, mode) as pending:
             while chunk := source.read(1 << 20):
                 pending.write(chunk)
             os.fchmod(pending.fd, mode)
-        except BaseException:
-            pending.discard()
-            raise
-        pending.commit()
     elif member.issym():
         parent = str(PurePosixPath(path).parent)
         safefs.makedirs(root, parent)

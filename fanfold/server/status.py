@@ -30,6 +30,11 @@ def status_for(err: errors.FanfoldError) -> int:
     return 500
 
 
+def bug_body(err: Exception) -> dict[str, str]:
+    """The body of a 500: an error that is not a FanfoldError is fanfold's own bug."""
+    return {"kind": "internal_error", "message": f"fanfold bug: {type(err).__name__}: {err}"}
+
+
 def error_response(err: errors.FanfoldError, status: int | None = None) -> JSONResponse:
     status = status or status_for(err)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
