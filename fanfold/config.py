@@ -11,6 +11,8 @@ DEFAULT_STATE_DIR = "/var/lib/fanfold"
 RUNTIMES = ("crun", "runc")
 DEFAULT_SOCKET = "/run/fanfold.sock"
 """Where ``fanfold serve`` listens by default (mode 0600)."""
+DEFAULT_CRIU = "/usr/local/lib/fanfold/criu/criu"
+"""Where set-up installs the CRIU it builds (``scripts/criu.sh``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +29,12 @@ class EngineConfig:
     """Mirror debootstrap uses for the ``debian:bookworm`` base."""
     max_output_bytes: int = 16 * 1024 * 1024
     """Default cap on each of stdout and stderr kept per exec."""
+    criu: str = field(default_factory=lambda: os.environ.get("FANFOLD_CRIU", DEFAULT_CRIU))
+    """The CRIU binary that checkpoints memory (snapshot with memory, fork, suspend)."""
+    pressure_memory_mb: int = 512
+    """Below this much available host memory the reaper evicts sticky sandboxes, lowest priority first."""
+    pressure_disk_mb: int = 1024
+    """Below this much free space in the state dir the reaper evicts sticky sandboxes too."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())

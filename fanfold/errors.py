@@ -8,8 +8,10 @@
     ├── NotFound
     │   ├── ImageNotFound
     │   ├── SandboxNotFound
+    │   ├── SnapshotNotFound
     │   └── FileNotFoundInSandbox
     ├── SandboxGone             the sandbox was destroyed (deadline, kill, crash)
+    ├── SnapshotInUse           a snapshot that sandboxes or later snapshots still need
     ├── BuildFailed             a spec step exited non-zero
     ├── ExecTimeout             raised only by ``check=True`` callers on a timeout
     ├── CommandFailed           raised only by ``check=True`` callers on non-zero exit
@@ -18,6 +20,7 @@
     └── Retryable               try again; nothing was left behind
         ├── CapacityExceeded
         └── InfrastructureError the runtime, the kernel or the agent failed
+            └── CheckpointFailed CRIU could not dump or restore; the sandbox runs on
 
 Errors from crun, the kernel, the agent and HTTP are translated into these at the edge,
 in one place each; none leaks raw.
@@ -74,6 +77,12 @@ class SandboxNotFound(NotFound):
     kind = "sandbox_not_found"
 
 
+class SnapshotNotFound(NotFound):
+    """No snapshot with that id or name (never taken, deleted, or collected by gc)."""
+
+    kind = "snapshot_not_found"
+
+
 class FileNotFoundInSandbox(NotFound):
     """The path does not exist inside the sandbox."""
 
@@ -84,6 +93,12 @@ class SandboxGone(FanfoldError):
     """The sandbox was destroyed while in use (deadline, kill or crash)."""
 
     kind = "sandbox_gone"
+
+
+class SnapshotInUse(FanfoldError):
+    """The snapshot cannot be deleted: sandboxes or later snapshots are made from it."""
+
+    kind = "snapshot_in_use"
 
 
 class BuildFailed(FanfoldError):
@@ -138,3 +153,9 @@ class InfrastructureError(Retryable):
     """The runtime, the kernel or the in-sandbox agent failed; not the caller's fault."""
 
     kind = "infrastructure_error"
+
+
+class CheckpointFailed(InfrastructureError):
+    """CRIU could not checkpoint or restore; the sandbox keeps running and nothing is left behind."""
+
+    kind = "checkpoint_failed"

@@ -100,6 +100,22 @@ class ExecResult:
         return data
 
 
+class Persistence(str, enum.Enum):
+    """What becomes of a sandbox when it goes idle, and whether it outlives its creator."""
+
+    EPHEMERAL = "ephemeral"
+    """Dies with the client that made it; idle or suspended, it is destroyed."""
+    STICKY = "sticky"
+    """Kept (suspended when idle) as a cache; under memory or disk pressure evicted, lowest priority first."""
+    PERSISTENT = "persistent"
+    """Kept (suspended when idle) until killed or its deadline."""
+
+
+STATES = ("creating", "running", "paused", "suspended", "destroying")
+"""``paused``: frozen, memory resident. ``suspended``: memory on disk, no processes.
+Any call on a paused or suspended sandbox wakes it first."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SandboxInfo:
     """What the engine knows of one sandbox."""
@@ -107,15 +123,71 @@ class SandboxInfo:
     id: str
     state: str
     image_id: str
+    """The image at the root of its lineage."""
     limits: Limits
     labels: dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
     deadline_at: float | None = None
     detached: bool = False
-    """True when the sandbox outlives the process that created it (CLI ``create``)."""
+    """True when the sandbox outlives the process that created it (CLI ``create``, sticky, persistent)."""
+    source: str = ""
+    """The image or snapshot id it was made from, and that ``reset()`` returns it to."""
+    persistence: str = "ephemeral"
+    priority: int = 0
+    """0-10, for sticky sandboxes: under pressure the lowest go first."""
+    idle_timeout: float | None = None
+    """Seconds without a call before it is suspended (ephemeral: destroyed)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotInfo:
+    """An immutable checkpoint of a sandbox: its disk, and with ``memory`` its processes."""
+
+    id: str
+    parent: str
+    """The snapshot or image the sandbox was made from: snapshots form a tree rooted at images."""
+    image_id: str
+    sandbox_id: str
+    """The sandbox it was taken from."""
+    memory: bool
+    kind: str
+    """``snapshot`` (asked for), ``fork`` (made by fork) or ``suspend`` (holds a suspended sandbox)."""
+    created_at: float
+    size_bytes: int = 0
+    name: str | None = None
+    """A named snapshot is kept by ``gc``; so is any a sandbox or later snapshot needs."""
+    limits: Limits | None = None
+    """Sandboxes restored from a memory snapshot keep these limits."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkResult:
+    """What ``fork(count)`` made, and what it cost the parent."""
+
+    parent_id: str
+    children: tuple[SandboxInfo, ...]
+    snapshot_id: str
+    """The memory snapshot the children were restored from (``reset()`` returns them there)."""
+    parent_pause_ms: float
+    """How long the parent's processes were frozen."""
+    total_ms: float
+    setup: tuple[ExecResult, ...] = ()
+    """The result of ``cmd`` in each child, in order, when one was given."""
+    user_random_copied: bool = True
+    """Always true: random state held in process memory (seeded PRNGs, OpenSSL pools) is copied
+    into every child with the rest of memory. Kernel randomness (/dev/urandom, getrandom) is
+    fresh in each. Pass ``cmd`` to reseed or change an identity in each child."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["setup"] = [result.to_dict() for result in self.setup]
+        return data
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -671,7 +671,7 @@ static int listen_on(const char *path)
 int main(int argc, char **argv)
 {
 	const char *listen_path = NULL;
-	int acc = 0;
+	int acc = 0, ready_fd = -1;
 	socklen_t alen = sizeof acc;
 	struct pollfd *pfd = NULL;
 	size_t pcap = 0;
@@ -694,6 +694,8 @@ int main(int argc, char **argv)
 	/* check fd 3 before opening anything that could land on it */
 	if (getsockopt(3, SOL_SOCKET, SO_ACCEPTCONN, &acc, &alen) == 0 && acc)
 		listen_fd = 3;
+	else if (listen_path && fcntl(3, F_GETFD) >= 0)
+		ready_fd = 3; /* the host waits on this pipe until we listen */
 	/* keep 0-2 open so pipe fds never land there (see child()) */
 	for (int fd = 0; fd < 3; fd++)
 		if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
@@ -704,6 +706,18 @@ int main(int argc, char **argv)
 	if (listen_fd < 0) {
 		fprintf(stderr, "fanfold-agent: no listening socket on fd 3 (use --listen PATH)\n");
 		return 1;
+	}
+	if (ready_fd >= 0) {
+		int nul = open("/dev/null", O_RDWR);
+		/* stdio inherited from the host would tie the sandbox to host files that a
+		 * checkpoint cannot carry; from here on our output goes nowhere */
+		for (int fd = 0; nul >= 0 && fd < 3; fd++)
+			dup2(nul, fd);
+		if (nul > 2)
+			close(nul);
+		if (write(ready_fd, "r", 1) != 1)
+			return 1;
+		close(ready_fd);
 	}
 	/* whatever we inherited (fd 3 included) must not leak into commands */
 	close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);

@@ -9,6 +9,7 @@ die with it; ``detached`` ones (the CLI's ``create``) live until removed or thei
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -16,7 +17,8 @@ import os
 import re
 import secrets
 import shutil
-from typing import Any, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from .._agent.build import agent_binary
 from .._agent.client import AgentClient, AgentUnreachable
@@ -28,13 +30,18 @@ from ..errors import (
 from ..host import cgroups, safefs, setup
 from ..images import Image, LayerStore
 from ..images.builder import DEFAULT_PATH, Builder, OnStep
-from ..models import ExecResult, Limits, SandboxInfo
+from ..models import ExecResult, Limits, Persistence, SandboxInfo, SnapshotInfo
 from ..runtime import get_runtime
+from ..runtime.criu import Criu
 from ..spec import BASES, EnvSpec
 from . import db as dbmod
 from . import resources
 from .execution import build_result, check_exec_args
 from .files import SandboxFiles
+from .gate import Gate
+from .snapshots import PREFIX as SNAPSHOT_PREFIX
+from .snapshots import SnapshotStore
+from .states import SandboxStates, _limits_of
 
 log = logging.getLogger("fanfold.engine")
 OnOutput = Callable[[str, bytes], Awaitable[None] | None]
@@ -63,7 +70,7 @@ def _pid_alive(pid: str) -> bool:
     return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
 
-class Engine(SandboxFiles):
+class Engine(SandboxFiles, SandboxStates):
     """The async core every client drives, in-process or through the server."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -73,6 +80,7 @@ class Engine(SandboxFiles):
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._destroying: dict[str, asyncio.Future[None]] = {}
+        self._gates: dict[str, Gate] = {}
         self._creating: set[asyncio.Task[object]] = set()
         self._closing = False
         self._started = False
@@ -98,6 +106,8 @@ class Engine(SandboxFiles):
         self.builder = Builder(self.store, self.runtime, mirror=cfg.debian_mirror, scratch_run=cfg.state_dir / "bundles")
         self.agent = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self._db = dbmod.Database(cfg.state_dir / "fanfold.db")
+        self.criu = Criu(cfg.criu)
+        self.snaps = SnapshotStore(cfg.state_dir, self.store, self._db)
         self._started = True
         await self.reconcile()
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -150,7 +160,7 @@ class Engine(SandboxFiles):
         leftovers = await self.runtime.list_ids()
         leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
         leftovers |= cgroups.leftover_ids(self.config.cgroup_parent)
-        leftovers |= {p.stem for p in self.config.run_dir.glob("*.sock")}
+        leftovers |= {p.name for p in self.config.run_dir.glob("sb-*")}
         # Rows are written before resources exist: reading them after the scan keeps
         # another engine's create in flight from looking like a leftover.
         known = {row["id"] for row in self.db.rows()}
@@ -162,6 +172,7 @@ class Engine(SandboxFiles):
                 await self.runtime.delete(sandbox_id)  # a build step whose builder died
                 reaped += 1
         self.store.discard_scratch()
+        self.snaps.discard_orphans()
         for context in (self.config.state_dir / "bundles").glob("context-*"):  # a dead server's build uploads
             if not _pid_alive(context.name.split("-")[1]):
                 shutil.rmtree(context, ignore_errors=True)
@@ -177,6 +188,7 @@ class Engine(SandboxFiles):
                         await self._destroy(row["id"])
                     elif row["owner"] != self.owner and not _owner_alive(row["owner"]):
                         await self._destroy(row["id"])
+                await self._apply_policies()
             except Exception:  # noqa: BLE001 - the reaper must outlive any one failure
                 log.exception("fanfold reaper: a pass failed; retrying in a second")
 
@@ -213,10 +225,15 @@ class Engine(SandboxFiles):
         deadline: float | None = None,
         detached: bool = False,
         tenant: str = "",
+        persistence: str = "ephemeral",
+        priority: int = 0,
+        idle_timeout: float | None = None,
     ) -> SandboxInfo:
-        """Start a sandbox from ``image``; it is running when this returns.
+        """Start a sandbox from an image or a snapshot (id or name); it is running when this returns.
 
-        ``tenant`` names the server token the sandbox belongs to ("" for local callers).
+        From a memory snapshot it continues where the snapshot stopped, with the snapshot's
+        cpu, memory and pids limits. ``tenant`` names the server token the sandbox belongs to
+        ("" for local callers). Sticky and persistent sandboxes outlive their creator.
         """
         if self._closing or not self._started:
             raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
@@ -224,14 +241,15 @@ class Engine(SandboxFiles):
         if task is not None:
             self._creating.add(task)
         try:
-            return await self._create(image, limits, env, labels, deadline, detached, tenant)
+            return await self._create(
+                image, limits, env, labels, deadline, detached, tenant, _persistence(persistence, priority, idle_timeout),
+            )
         finally:
             if task is not None:
                 self._creating.discard(task)
 
-    async def _create(self, image, limits, env, labels, deadline, detached, tenant) -> SandboxInfo:  # type: ignore[no-untyped-def]
-        limits = limits or Limits()
-        if not isinstance(limits, Limits):
+    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy) -> SandboxInfo:  # type: ignore[no-untyped-def]
+        if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
         env, labels = _check_strings(env, "env"), _check_strings(labels, "labels")
         for key in labels:
@@ -239,20 +257,19 @@ class Engine(SandboxFiles):
                 raise InvalidRequest(f"bad label name {key!r}: letters, digits and _.:/- up to 128")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0):
             raise InvalidRequest(f"deadline must be a positive number of seconds, got {deadline!r}")
-        img = await self.image(image)
+        source, img, snapshot = await self._source(image)
+        limits = _limits_of(snapshot, limits) if snapshot is not None and snapshot.memory else limits or Limits()
+        persistence, priority, idle_timeout = policy
         sandbox_id = "sb-" + secrets.token_hex(6)
         now = dbmod.now()
         info = SandboxInfo(
             id=sandbox_id, state="creating", image_id=img.id, limits=limits, labels=labels, created_at=now,
-            deadline_at=now + deadline if deadline else None, detached=detached,
+            deadline_at=now + deadline if deadline else None, detached=detached or persistence != "ephemeral",
+            source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
         )
-        self.db.insert(info, owner="detached" if detached else self.owner, env=env, tenant=tenant)
+        self.db.insert(info, owner="detached" if info.detached else self.owner, env=env, layers=(), tenant=tenant)
         try:
-            pid = await resources.provision(
-                self.config, self.store, self.runtime, self.agent, sandbox_id, img, limits, self._base_env(img, sandbox_id, {}),
-            )
-            if img.services:
-                await self._wait_services(sandbox_id, img)
+            pid, layers = await self._start(sandbox_id, source, limits)
         except BaseException as err:
             await asyncio.shield(self._destroy(sandbox_id))
             if isinstance(err, OSError):
@@ -262,12 +279,45 @@ class Engine(SandboxFiles):
         if row is None or row["state"] != "creating":  # killed or reaped while it was starting
             await asyncio.shield(self._destroy(sandbox_id))
             raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created")
-        self.db.set_state(sandbox_id, "running", pid=pid)
+        self.db.update(sandbox_id, state="running", pid=pid, layers=layers)
         if deadline:
             self._timers[sandbox_id] = asyncio.get_running_loop().call_later(
                 deadline, lambda: asyncio.ensure_future(self._destroy(sandbox_id))
             )
-        return SandboxInfo(**{**info.__dict__, "state": "running"})
+        return dataclasses.replace(info, state="running")
+
+    async def _source(self, ref: str | Image | SnapshotInfo) -> tuple[str, Image, SnapshotInfo | None]:
+        """What a sandbox is made from: (source id, root image, snapshot or None)."""
+        if isinstance(ref, SnapshotInfo):
+            ref = ref.id
+        if isinstance(ref, str) and ref not in BASES and not ref.startswith("img-"):
+            row = self.db.snapshot(ref)
+            if row is not None or ref.startswith(SNAPSHOT_PREFIX):
+                snapshot = dbmod.snapshot_info(self.snaps.row(ref))
+                return snapshot.id, self.store.load_image(snapshot.image_id), snapshot
+        img = await self.image(ref)  # type: ignore[arg-type]
+        return img.id, img, None
+
+    async def _start(self, sandbox_id: str, source: str, limits: Limits) -> tuple[int, tuple[str, ...]]:
+        """Bring up a sandbox's disk and processes from its source; return PID 1 and its layers."""
+        if source.startswith(SNAPSHOT_PREFIX):
+            row = self.snaps.row(source)
+            layers = tuple(json.loads(row["layers"]))
+            img = dataclasses.replace(self.store.load_image(row["image_id"]), layers=layers)
+            if row["memory"]:
+                pid = await resources.restore(
+                    self.config, self.store, self.criu, self.agent, sandbox_id, layers, img.host_dirs,
+                    self.snaps.memory_dir(source), limits,
+                )
+                return pid, layers
+        else:
+            img = self.store.load_image(source)
+        pid = await resources.provision(
+            self.config, self.store, self.runtime, self.agent, sandbox_id, img, limits, self._base_env(img, sandbox_id, {}),
+        )
+        if img.services:
+            await self._wait_services(sandbox_id, img)
+        return pid, img.layers
 
     async def _wait_services(self, sandbox_id: str, img: Image) -> None:
         try:
@@ -287,15 +337,47 @@ class Engine(SandboxFiles):
         merged.update(extra)
         return [f"{key}={value}" for key, value in merged.items()]
 
-    def _row(self, sandbox_id: str) -> Any:
+    def _known(self, sandbox_id: str) -> Any:
+        """The row of a live sandbox (running, paused or suspended)."""
         if not isinstance(sandbox_id, str) or not sandbox_id:
             raise SandboxNotFound(f"bad sandbox id {sandbox_id!r}")
         row = self.db.get(sandbox_id)
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
-        if row["state"] != "running":
+        if row["state"] not in ("running", "paused", "suspended"):
             raise SandboxGone(f"sandbox {sandbox_id} is {row['state']}")
         return row
+
+    def _gate(self, sandbox_id: str) -> Gate:
+        gate = self._gates.get(sandbox_id)
+        if gate is None:
+            gate = self._gates[sandbox_id] = Gate()
+        return gate
+
+    @asynccontextmanager
+    async def _changing(self, sandbox_id: str, *, wake: bool = True) -> AsyncIterator[Any]:
+        """Hold the sandbox alone (no call in flight); with ``wake``, paused or suspended is woken first."""
+        self._known(sandbox_id)
+        async with self._gate(sandbox_id).change():
+            row = self._known(sandbox_id)
+            if wake and row["state"] != "running":
+                await self._wake_locked(row)
+                row = self._known(sandbox_id)
+            self.db.touch(sandbox_id)
+            yield row
+
+    @asynccontextmanager
+    async def _using(self, sandbox_id: str) -> AsyncIterator[Any]:
+        """Hold the sandbox for a call, waking it first if paused or suspended."""
+        if self._known(sandbox_id)["state"] != "running":
+            async with self._changing(sandbox_id):
+                pass
+        async with self._gate(sandbox_id).call():
+            row = self._known(sandbox_id)
+            if row["state"] != "running":
+                raise SandboxGone(f"sandbox {sandbox_id} was {row['state']} by another call; try again")
+            self.db.touch(sandbox_id)
+            yield row
 
     def _agent(self, sandbox_id: str) -> AgentClient:
         return AgentClient(str(resources.paths(self.config, sandbox_id).socket))
@@ -342,6 +424,14 @@ class Engine(SandboxFiles):
             self.db.set_state(sandbox_id, "destroying")
         await resources.release(self.config, self.runtime, sandbox_id, row["pid"] if row is not None else None)
         self.db.delete(sandbox_id)
+        self._gates.pop(sandbox_id, None)
+        # A sandbox's suspend images die with it, and so does a fork's snapshot with its last child.
+        spent = self._own_suspends(sandbox_id)
+        if row is not None and row["source"].startswith(SNAPSHOT_PREFIX):
+            source = self.db.snapshot(row["source"])
+            if source is not None and source["kind"] == "fork":
+                spent.add(source["id"])
+        await asyncio.to_thread(self.snaps.collect, spent)
 
     # -- exec ---------------------------------------------------------------------------------
 
@@ -358,8 +448,12 @@ class Engine(SandboxFiles):
         on_output: OnOutput | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (a shell string or an argv list) in the sandbox and return its typed result."""
-        row = self._row(sandbox_id)
         argv, stdin_bytes, limit = check_exec_args(cmd, stdin, timeout, max_output, self.config.max_output_bytes)
+        async with self._using(sandbox_id) as row:
+            return await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output)
+
+    async def _exec(self, row, argv, cwd, env, stdin_bytes, timeout, limit, on_output) -> ExecResult:  # type: ignore[no-untyped-def]
+        sandbox_id = row["id"]
         img = self.store.load_image(row["image_id"])
         workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
         merged = {**json.loads(row["env"]), **_check_strings(env, "env")}
@@ -376,8 +470,8 @@ class Engine(SandboxFiles):
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             if sandbox_id in self._destroying:
                 await asyncio.shield(self._destroying[sandbox_id])
-            row = self.db.get(sandbox_id)
-            if row is None or row["state"] != "running":
+            now_row = self.db.get(sandbox_id)
+            if now_row is None or now_row["state"] != "running":
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
             raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
         after = cgroups.counters(self.config.cgroup_parent, sandbox_id)
@@ -393,3 +487,17 @@ def _check_strings(value: dict[str, str] | None, what: str) -> dict[str, str]:
         if not key or "=" in key or "\0" in key or "\0" in item:
             raise InvalidRequest(f"bad {what} entry {key!r}: no '=', NUL or empty names")
     return dict(value)
+
+
+def _persistence(persistence: str, priority: int, idle_timeout: float | None) -> tuple[str, int, float | None]:
+    names = [p.value for p in Persistence]
+    value = persistence.value if isinstance(persistence, Persistence) else persistence
+    if value not in names:
+        raise InvalidRequest(f"persistence must be one of {', '.join(names)}, got {persistence!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 10:
+        raise InvalidRequest(f"priority must be a whole number from 0 to 10, got {priority!r}")
+    if idle_timeout is not None and (
+        isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) or idle_timeout <= 0
+    ):
+        raise InvalidRequest(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
+    return value, priority, None if idle_timeout is None else float(idle_timeout)

@@ -7,7 +7,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from ..models import Limits, SandboxInfo
+from ..models import Limits, SandboxInfo, SnapshotInfo
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -25,7 +25,32 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     tenant TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_owner ON sandboxes(owner);
+CREATE TABLE IF NOT EXISTS snapshots (
+    id TEXT PRIMARY KEY,
+    parent TEXT NOT NULL,
+    image_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    layers TEXT NOT NULL,
+    memory INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT UNIQUE,
+    limits TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    tenant TEXT NOT NULL DEFAULT ''
+);
 """
+# Columns added after the first release: (name, SQL type and default). Old databases get them.
+LATER_COLUMNS = [
+    ("tenant", "TEXT NOT NULL DEFAULT ''"),
+    ("source", "TEXT NOT NULL DEFAULT ''"),
+    ("layers", "TEXT NOT NULL DEFAULT '[]'"),
+    ("persistence", "TEXT NOT NULL DEFAULT 'ephemeral'"),
+    ("priority", "INTEGER NOT NULL DEFAULT 0"),
+    ("idle_timeout", "REAL"),
+    ("active_at", "REAL NOT NULL DEFAULT 0"),
+    ("suspended_to", "TEXT"),
+]
 
 
 class Database:
@@ -37,18 +62,22 @@ class Database:
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)
         columns = {row[1] for row in self.conn.execute("PRAGMA table_info(sandboxes)")}
-        if "tenant" not in columns:  # a database made before the server existed
-            self.conn.execute("ALTER TABLE sandboxes ADD COLUMN tenant TEXT NOT NULL DEFAULT ''")
+        for name, kind in LATER_COLUMNS:
+            if name not in columns:
+                self.conn.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {kind}")
+        self.conn.row_factory = sqlite3.Row
 
     def close(self) -> None:
         self.conn.close()
 
-    def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str], tenant: str = "") -> None:
+    def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str], layers: tuple[str, ...], tenant: str = "") -> None:
         self.conn.execute(
             "INSERT INTO sandboxes (id, state, image_id, owner, detached, limits, labels, env, created_at, deadline_at,"
-            " tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " tenant, source, layers, persistence, priority, idle_timeout, active_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (info.id, info.state, info.image_id, owner, int(info.detached), json.dumps(info.limits.__dict__),
-             json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at, tenant),
+             json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at, tenant, info.source,
+             json.dumps(list(layers)), info.persistence, info.priority, info.idle_timeout, info.created_at),
         )
 
     def set_state(self, sandbox_id: str, state: str, *, pid: int | None = None) -> None:
@@ -57,15 +86,48 @@ class Database:
         else:
             self.conn.execute("UPDATE sandboxes SET state=?, pid=? WHERE id=?", (state, pid, sandbox_id))
 
+    def move(self, sandbox_id: str, old: tuple[str, ...], new: str) -> bool:
+        """Change state only from one of ``old``: the one engine that wins a race does the work."""
+        marks = ",".join("?" * len(old))
+        cursor = self.conn.execute(f"UPDATE sandboxes SET state=? WHERE id=? AND state IN ({marks})", (new, sandbox_id, *old))
+        return cursor.rowcount == 1
+
+    def update(self, sandbox_id: str, **fields: object) -> None:
+        names = ", ".join(f"{name}=?" for name in fields)
+        values = [json.dumps(list(v)) if isinstance(v, tuple) else v for v in fields.values()]
+        self.conn.execute(f"UPDATE sandboxes SET {names} WHERE id=?", (*values, sandbox_id))
+
+    def touch(self, sandbox_id: str) -> None:
+        self.conn.execute("UPDATE sandboxes SET active_at=? WHERE id=?", (now(), sandbox_id))
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def insert_snapshot(self, info: SnapshotInfo, *, layers: tuple[str, ...], tenant: str) -> None:
+        self.conn.execute(
+            "INSERT INTO snapshots (id, parent, image_id, sandbox_id, layers, memory, kind, name, limits, size_bytes,"
+            " created_at, tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (info.id, info.parent, info.image_id, info.sandbox_id, json.dumps(list(layers)), int(info.memory),
+             info.kind, info.name, json.dumps(info.limits.__dict__ if info.limits else Limits().__dict__),
+             info.size_bytes, info.created_at, tenant),
+        )
+
+    def snapshot(self, ref: str) -> sqlite3.Row | None:
+        """A snapshot by id or name."""
+        return self.conn.execute("SELECT * FROM snapshots WHERE id=? OR name=?", (ref, ref)).fetchone()
+
+    def snapshot_rows(self) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM snapshots ORDER BY created_at").fetchall()
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self.conn.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
+
     def delete(self, sandbox_id: str) -> None:
         self.conn.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))
 
     def get(self, sandbox_id: str) -> sqlite3.Row | None:
-        self.conn.row_factory = sqlite3.Row
         return self.conn.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
 
     def rows(self) -> list[sqlite3.Row]:
-        self.conn.row_factory = sqlite3.Row
         return self.conn.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
 
 
@@ -73,7 +135,16 @@ def row_info(row: sqlite3.Row) -> SandboxInfo:
     return SandboxInfo(
         id=row["id"], state=row["state"], image_id=row["image_id"], limits=Limits(**json.loads(row["limits"])),
         labels=json.loads(row["labels"]), created_at=row["created_at"], deadline_at=row["deadline_at"],
-        detached=bool(row["detached"]),
+        detached=bool(row["detached"]), source=row["source"], persistence=row["persistence"],
+        priority=row["priority"], idle_timeout=row["idle_timeout"],
+    )
+
+
+def snapshot_info(row: sqlite3.Row) -> SnapshotInfo:
+    return SnapshotInfo(
+        id=row["id"], parent=row["parent"], image_id=row["image_id"], sandbox_id=row["sandbox_id"],
+        memory=bool(row["memory"]), kind=row["kind"], created_at=row["created_at"], size_bytes=row["size_bytes"],
+        name=row["name"], limits=Limits(**json.loads(row["limits"])),
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any, AsyncIterable, Callable
+from typing import Any, AsyncContextManager, AsyncIterable, Callable
 
 from ..config import EngineConfig
 from ..errors import InvalidRequest, SandboxGone
@@ -22,16 +22,23 @@ STREAM_CHUNK = 1 << 20
 
 
 class SandboxFiles:
-    """Mixed into Engine, whose ``_row`` checks the sandbox is running."""
+    """Mixed into Engine, whose ``_using`` holds a sandbox running for the length of a call."""
 
     config: EngineConfig
     store: LayerStore
 
-    def _row(self, sandbox_id: str) -> Any:
+    def _using(self, sandbox_id: str) -> AsyncContextManager[Any]:
+        raise NotImplementedError
+
+    def _known(self, sandbox_id: str) -> Any:
         raise NotImplementedError
 
     async def _files(self, sandbox_id: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
-        row = self._row(sandbox_id)
+        async with self._using(sandbox_id) as row:
+            return await self._in_root(row, path, fn, *args)
+
+    async def _in_root(self, row: Any, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+        sandbox_id = row["id"]
         img = self.store.load_image(row["image_id"])
         target = safefs.normalize(path, img.workdir)
         root = resources.paths(self.config, sandbox_id).rootfs
@@ -68,15 +75,16 @@ class SandboxFiles:
 
     async def write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
         """Stream ``chunks`` into a file that appears whole, or not at all; returns its size."""
-        with await self._files(sandbox_id, path, safefs.PendingFile, check_mode(mode)) as pending:
-            batch = bytearray()
-            async for chunk in chunks:
-                batch += chunk
-                if len(batch) >= STREAM_CHUNK:
-                    await asyncio.to_thread(pending.write, bytes(batch))
-                    batch.clear()
-            await asyncio.to_thread(pending.write, bytes(batch))
-        self._row(sandbox_id)  # killed midway: the file went down with the sandbox
+        async with self._using(sandbox_id) as row:
+            with await self._in_root(row, path, safefs.PendingFile, check_mode(mode)) as pending:
+                batch = bytearray()
+                async for chunk in chunks:
+                    batch += chunk
+                    if len(batch) >= STREAM_CHUNK:
+                        await asyncio.to_thread(pending.write, bytes(batch))
+                        batch.clear()
+                await asyncio.to_thread(pending.write, bytes(batch))
+        self._known(sandbox_id)  # killed midway: the file went down with the sandbox
         return pending.size
 
     async def list_files(self, sandbox_id: str, path: str = ".") -> list[FileEntry]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +15,12 @@ from ..host import cgroups, mounts, setup
 from ..images import Image, LayerStore
 from ..images.rootfs import mount_rootfs
 from ..models import Limits
+from ..host.spawn import run
 from ..runtime import Bind, ContainerSpec, Runtime
+from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
 
 AGENT_PATH = "/.fanfold/agent"
+CHANNEL_PATH = "/.fanfold/run"
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,12 @@ class Paths:
     """Where one sandbox's pieces live on the host."""
 
     root: Path
-    socket: Path
+    channel: Path
+    """A host dir mounted into the sandbox at CHANNEL_PATH, where the agent binds its socket."""
+
+    @property
+    def socket(self) -> Path:
+        return self.channel / "agent.sock"
 
     @property
     def disk(self) -> Path:
@@ -41,7 +49,7 @@ class Paths:
 
 
 def paths(config: EngineConfig, sandbox_id: str) -> Paths:
-    return Paths(config.state_dir / "sandboxes" / sandbox_id, config.run_dir / f"{sandbox_id}.sock")
+    return Paths(config.state_dir / "sandboxes" / sandbox_id, config.run_dir / sandbox_id)
 
 
 async def provision(
@@ -58,22 +66,88 @@ async def provision(
     # and makes destroy a single unmount.
     mounts.mount_tmpfs(where.disk, limits.disk_mb)
     mount_rootfs(store, image.layers, image.host_dirs, where.rootfs, where.disk)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    where.channel.mkdir(mode=0o700)
+    args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
+    for name, cmd, mode in image.services:
+        args += [f"--{mode}", name, cmd]
+    spec = ContainerSpec(
+        id=sandbox_id, rootfs=where.rootfs, args=args, env=env, cwd="/", hostname=sandbox_id,
+        limits=limits, binds=channel_binds(agent, where),
+        cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
+        oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
+    )
+    # The agent binds its own socket (inside the sandbox, so a checkpoint carries it) and
+    # says so on this pipe; end of file first means it died.
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     try:
-        listener.bind(str(where.socket))
-        listener.listen(512)
-        args = [AGENT_PATH]
-        for name, cmd, mode in image.services:
-            args += [f"--{mode}", name, cmd]
-        spec = ContainerSpec(
-            id=sandbox_id, rootfs=where.rootfs, args=args, env=env, cwd="/", hostname=sandbox_id,
-            limits=limits, binds=[Bind(str(agent), AGENT_PATH)],
-            cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
-            oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
-        )
-        return await runtime.start(spec, where.bundle, listener.fileno())
+        pid = await runtime.start(spec, where.bundle, ready_w)
+        os.close(ready_w)
+        ready_w = -1
+        if await asyncio.wait_for(_read_once(ready_r), 30) != b"r":
+            raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {_log_tail(where.bundle)}")
+        return pid
     finally:
-        listener.close()  # the agent holds its own copy; once it dies, connects are refused
+        os.close(ready_r)
+        if ready_w >= 0:
+            os.close(ready_w)
+
+
+async def restore(
+    config: EngineConfig, store: LayerStore, criu: Criu, agent: Path, sandbox_id: str,
+    layers: tuple[str, ...], host_dirs: tuple[str, ...], images: Path, limits: Limits,
+) -> int:
+    """Mount a new disk and root over ``layers`` and restore the memory ``images`` into them.
+
+    Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
+    """
+    where = paths(config, sandbox_id)
+    where.disk.mkdir(parents=True)
+    mounts.mount_tmpfs(where.disk, limits.disk_mb)
+    mount_rootfs(store, layers, host_dirs, where.rootfs, where.disk)
+    where.channel.mkdir(mode=0o700)
+    where.bundle.mkdir()
+    binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
+    binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})
+    pid = await criu.restore(
+        images, work=where.bundle, root=where.rootfs, cgroup=f"/{config.cgroup_parent}/{sandbox_id}", binds=binds,
+    )
+    # The image holds the source's freezer state (frozen while it was dumped) and hostname.
+    cgroups.thaw(config.cgroup_parent, sandbox_id)
+    done = await run(["nsenter", "-t", str(pid), "-u", "hostname", sandbox_id], timeout=30)
+    if done.returncode != 0:
+        raise InfrastructureError(f"naming restored sandbox {sandbox_id} failed: {done.stderr.decode()[-300:]}")
+    return pid
+
+
+def criu_mounts(host_dirs: tuple[str, ...]) -> Mounts:
+    return Mounts(agent=AGENT_PATH, channel=CHANNEL_PATH, host_dirs=host_dirs)
+
+
+def channel_binds(agent: Path, where: Paths) -> list[Bind]:
+    """The agent binary and the channel dir, as every sandbox of this host sees them."""
+    return [Bind(str(agent), AGENT_PATH), Bind(str(where.channel), CHANNEL_PATH, readonly=False)]
+
+
+async def _read_once(fd: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        if not got.done():
+            got.set_result(os.read(fd, 16))
+
+    loop.add_reader(fd, readable)
+    try:
+        return await got
+    finally:
+        loop.remove_reader(fd)
+
+
+def _log_tail(bundle: Path) -> str:
+    try:
+        return (bundle / "runtime.log").read_text(errors="replace")[-1500:].strip() or "(no output)"
+    except OSError:
+        return "(no log)"
 
 
 def _in_sandbox_cgroup(pid: int, cgroup: str) -> bool:
@@ -100,10 +174,7 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     for point in mounts.mounts_under(where.root):
         mounts.umount(point)
     cgroups.remove(config.cgroup_parent, sandbox_id)
-    try:
-        os.unlink(where.socket)
-    except FileNotFoundError:
-        pass
+    shutil.rmtree(where.channel, ignore_errors=True)
     if mounts.mounts_under(where.root):  # never recurse into a live mount
         raise InfrastructureError(f"sandbox {sandbox_id} still has mounts under {where.root}")
     shutil.rmtree(where.root, ignore_errors=True)

@@ -128,3 +128,37 @@ def leftover_ids(parent: str) -> set[str]:
         if directory.is_dir():
             ids.update(p.name for p in directory.iterdir() if p.is_dir())
     return ids
+
+
+def _freezer(parent: str, sandbox_id: str) -> tuple[Path, str, str, str]:
+    """The file that freezes a sandbox, what to write to freeze and thaw, and the file to poll."""
+    rel = f"{parent}/{sandbox_id}"
+    if is_v2_only():
+        base = Path("/sys/fs/cgroup") / rel
+        return base / "cgroup.freeze", "1", "0", str(base / "cgroup.events")
+    root = v1_roots().get("freezer")
+    if root is None:  # hybrid host without a v1 freezer: cgroup2 has one
+        base = v2_roots()[0] / rel
+        return base / "cgroup.freeze", "1", "0", str(base / "cgroup.events")
+    return root / rel / "freezer.state", "FROZEN", "THAWED", str(root / rel / "freezer.state")
+
+
+def is_frozen_text(text: str) -> bool:
+    return text.strip() == "FROZEN" or "frozen 1" in text
+
+
+def freeze_start(parent: str, sandbox_id: str) -> str:
+    """Ask the kernel to freeze every process of a sandbox; returns the file to poll until frozen."""
+    control, frozen, _, poll = _freezer(parent, sandbox_id)
+    control.write_text(frozen)
+    return poll
+
+
+def thaw(parent: str, sandbox_id: str) -> None:
+    control, _, thawed, _ = _freezer(parent, sandbox_id)
+    control.write_text(thawed)
+
+
+def freezer_dir(parent: str, sandbox_id: str) -> Path:
+    """The sandbox's cgroup in the hierarchy that freezes it (CRIU's --freeze-cgroup)."""
+    return _freezer(parent, sandbox_id)[0].parent

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 from ..host import mounts
@@ -52,6 +54,28 @@ def fold_host_uppers(scratch: Path, host_dirs: tuple[str, ...]) -> Path:
         if source.is_dir() and any(source.iterdir()):
             _merge(source, upper / host_dir.lstrip("/"))
     return upper
+
+
+def copy_upper(scratch: Path, host_dirs: tuple[str, ...], target: Path) -> None:
+    """Copy a live sandbox's writes (``scratch`` uppers) into ``target`` as one layer tree.
+
+    Blocking: run it off the event loop, with the sandbox frozen so the copy is consistent.
+    ``cp -a`` keeps what makes a tree a layer: whiteout devices and opaque-dir xattrs.
+    """
+    _cp(scratch / "upper", target)
+    for host_dir in host_dirs:
+        source = scratch / f"{_upper_name(host_dir)}-upper"
+        if source.is_dir() and any(source.iterdir()):
+            staged = target.with_name(target.name + f".{_upper_name(host_dir)}")
+            _cp(source, staged)
+            _merge(staged, target / host_dir.lstrip("/"))
+            shutil.rmtree(staged, ignore_errors=True)
+
+
+def _cp(source: Path, target: Path) -> None:
+    done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OSError(f"copying {source} failed: {done.stderr.strip()[-500:]}")
 
 
 def _merge(source: Path, target: Path) -> None:

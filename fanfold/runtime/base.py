@@ -1,6 +1,6 @@
 """The runtime contract: turn a root filesystem and a config into running processes.
 
-A backend starts a sandbox's PID 1 (the agent) detached, with one listening socket
+A backend starts a sandbox's PID 1 (the agent) detached, with one host descriptor
 handed to it as fd 3, runs build steps in the foreground, and deletes sandboxes.
 Everything else (mounts, the agent protocol, files) is the engine's business.
 """
@@ -48,8 +48,8 @@ class Runtime(Protocol):
 
     name: str
 
-    async def start(self, spec: ContainerSpec, bundle: Path, listen_fd: int) -> int:
-        """Start ``spec`` detached with ``listen_fd`` as its fd 3; return PID 1's host pid."""
+    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
+        """Start ``spec`` detached with ``pass_fd`` as its fd 3; return PID 1's host pid."""
         ...
 
     async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:

@@ -85,11 +85,11 @@ class OciRuntime:
         bundle.mkdir(parents=True, exist_ok=True)
         (bundle / "config.json").write_text(json.dumps(oci_config(spec)))
 
-    async def start(self, spec: ContainerSpec, bundle: Path, listen_fd: int) -> int:
+    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
         self._write_bundle(spec, bundle)
         log, pidfile = bundle / "runtime.log", bundle / "pid"
         argv = self._argv("run", "--detach", "--preserve-fds", "1", "--pid-file", str(pidfile), "--bundle", str(bundle), spec.id)
-        done = await run(argv, fds={3: listen_fd}, log=str(log), timeout=60)
+        done = await run(argv, fds={3: pass_fd}, log=str(log), timeout=60)
         if done.returncode != 0:
             raise InfrastructureError(f"{self.name} could not start sandbox {spec.id}: {_tail(log)}")
         return int(pidfile.read_text().strip())

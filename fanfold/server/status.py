@@ -12,6 +12,7 @@ _STATUS: list[tuple[type[errors.FanfoldError], int]] = [
     (errors.Unauthorized, 401),
     (errors.NotFound, 404),
     (errors.SandboxGone, 409),
+    (errors.SnapshotInUse, 409),
     (errors.CapacityExceeded, 429),
     (errors.Retryable, 503),
     (errors.HostNotReady, 503),

@@ -1,0 +1,277 @@
+"""Changes of a sandbox's state: snapshot, fork, pause, suspend, resume, reset.
+
+Mixed into Engine. Each runs with the sandbox's gate held alone (no command or file call
+in flight), so what is frozen and copied is a state no host call is halfway through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointFailed, InfrastructureError, InvalidRequest, SandboxGone
+from ..host import cgroups
+from ..images.rootfs import copy_upper
+from ..models import ExecResult, ForkResult, Limits, SandboxInfo, SnapshotInfo
+from . import db as dbmod
+from . import resources
+from . import snapshots as snapmod
+
+if TYPE_CHECKING:
+    from .core import Engine
+
+log = logging.getLogger("fanfold.engine")
+MAX_FORK = 64
+FREEZE_TIMEOUT_S = 10.0
+
+
+class SandboxStates:
+    """Snapshot, fork, pause/unpause, suspend/resume and reset, for Engine."""
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    async def snapshot(self: Engine, sandbox_id: str, *, memory: bool = False, name: str | None = None) -> SnapshotInfo:
+        """Checkpoint the sandbox's disk (and with ``memory``, its processes); it keeps running."""
+        if not isinstance(memory, bool):
+            raise InvalidRequest(f"memory must be True or False, got {memory!r}")
+        name = snapmod.check_name(name)
+        if name is not None and self.db.snapshot(name) is not None:
+            raise InvalidRequest(f"a snapshot named {name!r} exists already: pick another name")
+        async with self._changing(sandbox_id) as row:
+            info, _ = await self._take(row, memory=memory, kind="snapshot", name=name, leave_running=True)
+            return info
+
+    async def _take(
+        self: Engine, row: Any, *, memory: bool, kind: str, name: str | None = None, leave_running: bool
+    ) -> tuple[SnapshotInfo, float]:
+        """Freeze, copy the disk, maybe dump memory, thaw; return the snapshot and the pause in ms."""
+        sandbox_id = row["id"]
+        img = self.store.load_image(row["image_id"])
+        snapshot_id = snapmod.new_id()
+        staged = self.snaps.staging(snapshot_id)
+        where = resources.paths(self.config, sandbox_id)
+        was_paused = row["state"] == "paused"
+        frozen_at = time.perf_counter()
+        try:
+            await self._freeze(sandbox_id)
+            try:
+                await asyncio.to_thread(copy_upper, where.disk, img.host_dirs, staged / "layer")
+                if memory:
+                    (staged / "memory").mkdir()
+                    await self.criu.dump(
+                        row["pid"], staged / "memory", root=where.rootfs, mounts=resources.criu_mounts(img.host_dirs),
+                        freezer=cgroups.freezer_dir(self.config.cgroup_parent, sandbox_id), leave_running=leave_running,
+                    )
+            finally:
+                if not was_paused:
+                    _thaw_quietly(self.config.cgroup_parent, sandbox_id)
+            pause_ms = (time.perf_counter() - frozen_at) * 1000
+            layers = tuple(json.loads(row["layers"]))
+            info = SnapshotInfo(
+                id=snapshot_id, parent=row["source"], image_id=row["image_id"], sandbox_id=sandbox_id, memory=memory,
+                kind=kind, created_at=dbmod.now(), name=name, limits=dbmod.row_info(row).limits,
+            )
+            return self.snaps.commit(staged, info, layers + (snapshot_id,), row["tenant"]), pause_ms
+        except OSError as err:
+            raise CheckpointFailed(f"snapshot of {sandbox_id} failed: {err}") from None
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    async def _freeze(self: Engine, sandbox_id: str) -> None:
+        poll = Path(cgroups.freeze_start(self.config.cgroup_parent, sandbox_id))
+        deadline = time.monotonic() + FREEZE_TIMEOUT_S
+        while not cgroups.is_frozen_text(poll.read_text()):
+            if time.monotonic() > deadline:
+                _thaw_quietly(self.config.cgroup_parent, sandbox_id)
+                raise InfrastructureError(f"sandbox {sandbox_id} did not freeze within {FREEZE_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.0005)
+
+    async def snapshots(self: Engine, *, tenant: str | None = None) -> list[SnapshotInfo]:
+        """Every snapshot (of ``tenant`` only, when given), oldest first; ``parent`` links the tree."""
+        rows = self.db.snapshot_rows()
+        return [dbmod.snapshot_info(r) for r in rows if tenant is None or r["tenant"] == tenant]
+
+    async def get_snapshot(self: Engine, snapshot_id: str) -> SnapshotInfo:
+        return dbmod.snapshot_info(self.snaps.row(snapshot_id))
+
+    def resolve_snapshot(self: Engine, ref: str) -> str | None:
+        """The snapshot id for an id or name, or None when it is neither."""
+        row = self.db.snapshot(ref) if isinstance(ref, str) and ref else None
+        return None if row is None else row["id"]
+
+    def snapshot_tenant(self: Engine, ref: str) -> str | None:
+        row = self.db.snapshot(ref) if isinstance(ref, str) and ref else None
+        return None if row is None else row["tenant"]
+
+    async def delete_snapshot(self: Engine, snapshot_id: str) -> None:
+        """Delete a snapshot no sandbox or later snapshot stands on."""
+        await asyncio.to_thread(self.snaps.delete, snapshot_id)
+
+    async def gc(self: Engine, *, tenant: str | None = None) -> list[str]:
+        """Delete every snapshot that has no name and that no sandbox or kept snapshot needs."""
+        return await asyncio.to_thread(self.snaps.collect, None, tenant)
+
+    # -- fork ---------------------------------------------------------------------------------
+
+    async def fork(self: Engine, sandbox_id: str, count: int, *, cmd: str | list[str] | None = None) -> ForkResult:
+        """``count`` live copies of a running sandbox; it pauses only while its memory is dumped.
+
+        Each child has its own disk copy, processes, pid and network namespaces, hostname,
+        sandbox id and kernel randomness. ``cmd`` runs in each child right after the fork.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK:
+            raise InvalidRequest(f"count must be a whole number from 1 to {MAX_FORK}, got {count!r}")
+        started = time.perf_counter()
+        async with self._changing(sandbox_id) as row:
+            snap, pause_ms = await self._take(row, memory=True, kind="fork", leave_running=True)
+            parent = dbmod.row_info(row)
+            env = json.loads(row["env"])
+        made = await asyncio.gather(*(
+            self.create(
+                snap.id, limits=parent.limits, env=env, labels=parent.labels, detached=parent.detached,
+                tenant=row["tenant"], persistence=parent.persistence, priority=parent.priority,
+                idle_timeout=parent.idle_timeout,
+            ) for _ in range(count)
+        ), return_exceptions=True)
+        children = [c for c in made if isinstance(c, SandboxInfo)]
+        failed = [c for c in made if isinstance(c, BaseException)]
+        if failed:
+            await asyncio.gather(*(self._destroy(c.id) for c in children), return_exceptions=True)
+            await asyncio.to_thread(self.snaps.collect, {snap.id})
+            raise failed[0]
+        setup: tuple[ExecResult, ...] = ()
+        if cmd is not None:
+            setup = tuple(await asyncio.gather(*(self.exec(c.id, cmd) for c in children)))
+        return ForkResult(
+            parent_id=sandbox_id, children=tuple(children), snapshot_id=snap.id, parent_pause_ms=round(pause_ms, 2),
+            total_ms=round((time.perf_counter() - started) * 1000, 2), setup=setup,
+        )
+
+    # -- pause, suspend, resume, reset --------------------------------------------------------
+
+    async def pause(self: Engine, sandbox_id: str) -> SandboxInfo:
+        """Freeze every process; memory stays resident. The next call (or ``unpause``) thaws it."""
+        async with self._changing(sandbox_id, wake=False) as row:
+            if row["state"] == "running":
+                await self._freeze(sandbox_id)
+                self.db.set_state(sandbox_id, "paused")
+            elif row["state"] == "suspended":
+                raise InvalidRequest(f"sandbox {sandbox_id} is suspended: resume() it before pausing")
+        return await self.get(sandbox_id)
+
+    async def unpause(self: Engine, sandbox_id: str) -> SandboxInfo:
+        """Thaw a paused sandbox (a running one is left as it is)."""
+        async with self._changing(sandbox_id):
+            pass  # waking is what _changing does
+        return await self.get(sandbox_id)
+
+    async def suspend(self: Engine, sandbox_id: str) -> SandboxInfo:
+        """Checkpoint memory and disk to the state dir and release every process and byte of RAM."""
+        async with self._changing(sandbox_id, wake=False) as row:
+            if row["state"] != "suspended":
+                await self._suspend_locked(row)
+        return await self.get(sandbox_id)
+
+    async def _suspend_locked(self: Engine, row: Any) -> None:
+        sandbox_id = row["id"]
+        snap, _ = await self._take(row, memory=True, kind="suspend", leave_running=False)
+        await resources.release(self.config, self.runtime, sandbox_id, row["pid"])
+        self.db.update(sandbox_id, state="suspended", pid=None, suspended_to=snap.id, layers=_layers(row) + (snap.id,))
+
+    async def resume(self: Engine, sandbox_id: str) -> SandboxInfo:
+        """Bring a suspended (or paused) sandbox back, processes and all, where it stopped."""
+        async with self._changing(sandbox_id):
+            pass
+        return await self.get(sandbox_id)
+
+    async def _wake_locked(self: Engine, row: Any) -> None:
+        sandbox_id = row["id"]
+        if row["state"] == "paused":
+            cgroups.thaw(self.config.cgroup_parent, sandbox_id)
+            self.db.set_state(sandbox_id, "running")
+        elif row["state"] == "suspended":
+            snapshot_id = row["suspended_to"]
+            img = self.store.load_image(row["image_id"])
+            limits = dbmod.row_info(row).limits
+            try:
+                pid = await resources.restore(
+                    self.config, self.store, self.criu, self.agent, sandbox_id, _layers(row), img.host_dirs,
+                    self.snaps.memory_dir(snapshot_id), limits,
+                )
+            except BaseException:
+                await asyncio.shield(resources.release(self.config, self.runtime, sandbox_id))
+                raise
+            self.db.update(sandbox_id, state="running", pid=pid, suspended_to=None)
+            self.snaps.drop_memory(snapshot_id)
+
+    async def reset(self: Engine, sandbox_id: str) -> SandboxInfo:
+        """Back to exactly the image or snapshot the sandbox was made from: disk, processes, memory."""
+        async with self._changing(sandbox_id, wake=False) as row:
+            await resources.release(self.config, self.runtime, sandbox_id, row["pid"])
+            self.db.update(sandbox_id, state="creating", pid=None, suspended_to=None)
+            try:
+                pid, layers = await self._start(sandbox_id, row["source"], dbmod.row_info(row).limits)
+            except BaseException:
+                await asyncio.shield(self._destroy(sandbox_id))
+                raise
+            self.db.update(sandbox_id, state="running", pid=pid, layers=layers)
+            await asyncio.to_thread(self.snaps.collect, self._own_suspends(sandbox_id))
+        return await self.get(sandbox_id)
+
+    def _own_suspends(self: Engine, sandbox_id: str) -> set[str]:
+        return {r["id"] for r in self.db.snapshot_rows() if r["kind"] == "suspend" and r["sandbox_id"] == sandbox_id}
+
+    # -- idle and pressure --------------------------------------------------------------------
+
+    async def _apply_policies(self: Engine) -> None:
+        """Suspend (or destroy, if ephemeral) idle sandboxes; evict sticky ones under pressure."""
+        now = dbmod.now()
+        for row in self.db.rows():
+            mine = row["owner"] in (self.owner, "detached")
+            idle = row["idle_timeout"] is not None and now - row["active_at"] > row["idle_timeout"]
+            if not (mine and idle and row["state"] in ("running", "paused")) or self._gate(row["id"]).busy:
+                continue
+            try:
+                if row["persistence"] == "ephemeral":
+                    await self._destroy(row["id"])
+                else:
+                    await self.suspend(row["id"])
+            except (SandboxGone, CheckpointFailed, InfrastructureError) as err:
+                log.warning("fanfold: idle sandbox %s: %s", row["id"], err)
+        if self._under_pressure():
+            sticky = [r for r in self.db.rows() if r["persistence"] == "sticky" and r["state"] != "destroying"]
+            if sticky:
+                victim = min(sticky, key=lambda r: (r["priority"], r["active_at"]))
+                log.warning("fanfold: host under pressure; evicting sticky sandbox %s", victim["id"])
+                await self._destroy(victim["id"])
+
+    def _under_pressure(self: Engine) -> bool:
+        available_kb = 0
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    available_kb = int(line.split()[1])
+        disk = shutil.disk_usage(self.config.state_dir)
+        return available_kb < self.config.pressure_memory_mb * 1024 or disk.free < self.config.pressure_disk_mb << 20
+
+
+def _layers(row: Any) -> tuple[str, ...]:
+    return tuple(json.loads(row["layers"]))
+
+
+def _thaw_quietly(parent: str, sandbox_id: str) -> None:
+    try:
+        cgroups.thaw(parent, sandbox_id)
+    except OSError:
+        pass  # the sandbox is gone: nothing left to thaw
+
+
+def _limits_of(snapshot: SnapshotInfo, asked: Limits | None) -> Limits:
+    """A memory snapshot's processes keep the cpu, memory and pids limits they were dumped with."""
+    base = snapshot.limits or Limits()
+    return base if asked is None else Limits(cpus=base.cpus, memory_mb=base.memory_mb, pids=base.pids, disk_mb=asked.disk_mb)

@@ -1,0 +1,98 @@
+"""CRIU, driven through its command line: dump a sandbox's process tree, restore it as a new one.
+
+A sandbox's tree is all descendants of its agent (PID 1), so nothing in it has a parent
+outside. The mounts we make (the agent binary, the channel dir, the ``host`` base's
+overlaid dirs) are external: named at dump, and at restore pointed at the new sandbox's
+own paths. The rest (proc, dev, tmpfs, sysfs, the network namespace) CRIU carries itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointFailed, HostNotReady
+from ..host.spawn import run
+
+AGENT_KEY = "fanfold-agent"
+CHANNEL_KEY = "fanfold-channel"
+# Restoring: CRIU's network lock would run iptables four times (~50 ms); nothing in a
+# frozen sandbox talks to the outside, so there is nothing to lock.
+COMMON = ["--network-lock", "skip", "--tcp-established", "--file-locks", "--manage-cgroups=full", "-v2"]
+
+
+def host_dir_key(host_dir: str) -> str:
+    return "fanfold-host" + host_dir.replace("/", "-")
+
+
+@dataclass(frozen=True)
+class Mounts:
+    """Mount points (inside the sandbox) that CRIU must leave to us."""
+
+    agent: str
+    channel: str
+    host_dirs: tuple[str, ...]
+
+    def dump_args(self) -> list[str]:
+        pairs = [(self.agent, AGENT_KEY), (self.channel, CHANNEL_KEY)]
+        pairs += [(d, host_dir_key(d)) for d in self.host_dirs]
+        return ["--external", "mnt[]"] + [arg for point, key in pairs for arg in ("--external", f"mnt[{point}]:{key}")]
+
+
+class Criu:
+    """One CRIU binary; every failure becomes a CheckpointFailed that quotes CRIU's log."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+
+    def check_installed(self) -> None:
+        if not (Path(self.binary).is_file() or shutil.which(self.binary)):
+            raise HostNotReady(
+                f"CRIU is not installed at {self.binary}: run `bash scripts/criu.sh` (or `make setup`) to build it;"
+                " memory snapshots, fork and suspend need it"
+            )
+
+    async def dump(
+        self, pid: int, images: Path, *, root: Path, mounts: Mounts, freezer: Path, leave_running: bool
+    ) -> None:
+        """Dump the tree under ``pid`` into ``images``; with ``leave_running`` it goes on, else it is killed."""
+        self.check_installed()
+        argv = [self.binary, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--root", str(root),
+                "--freeze-cgroup", str(freezer), *COMMON, *mounts.dump_args()]
+        if leave_running:
+            argv.append("--leave-running")
+        done = await run(argv, timeout=300)
+        if done.returncode != 0:
+            raise CheckpointFailed(f"CRIU could not checkpoint the sandbox: {_log_errors(images / 'dump.log')}")
+
+    async def restore(
+        self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str]
+    ) -> int:
+        """Restore ``images`` as a new tree rooted at ``root``, in cgroup ``cgroup``; return its PID 1.
+
+        ``binds`` maps each external key to the host path the new sandbox uses for it.
+        ``work`` (the new sandbox's own dir) takes the log and pid file, so restores of
+        one image can run at once.
+        """
+        self.check_installed()
+        pidfile = work / "restored.pid"
+        pidfile.unlink(missing_ok=True)
+        argv = [self.binary, "restore", "-D", str(images), "-W", str(work), "-o", "restore.log", "--root", str(root),
+                "--cgroup-root", cgroup, "--restore-detached", "--pidfile", str(pidfile), "--ext-mount-map", "auto",
+                *COMMON]
+        for key, path in binds.items():
+            argv += ["--external", f"mnt[{key}]:{path}"]
+        done = await run(argv, timeout=300)
+        if done.returncode != 0 or not pidfile.exists():
+            raise CheckpointFailed(f"CRIU could not restore the snapshot: {_log_errors(work / 'restore.log')}")
+        return int(pidfile.read_text().strip())
+
+
+def _log_errors(log: Path, lines: int = 6) -> str:
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no CRIU log)"
+    errors = [line.strip() for line in text if "Error" in line and "RLIMIT_NOFILE" not in line]
+    return " | ".join((errors or text)[-lines:])[-1500:] or "(empty CRIU log)"
