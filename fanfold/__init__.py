@@ -8,11 +8,12 @@
             print(sandbox.exec("python3 -m unittest").outcome)
 """
 
-from .client import AsyncFiles, AsyncFleet, AsyncSandbox, Files, Fleet, Sandbox
+from .client import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox, Files, Fleet, Fork, Sandbox
 from .config import EngineConfig
 from .errors import (
     BuildFailed,
     CapacityExceeded,
+    CheckpointFailed,
     CommandFailed,
     ExecTimeout,
     FanfoldError,
@@ -28,11 +29,23 @@ from .errors import (
     Retryable,
     SandboxGone,
     SandboxNotFound,
+    SnapshotInUse,
+    SnapshotNotFound,
     Unauthorized,
 )
 from .images import Image
 from .images.builder import StepEvent
-from .models import ExecResult, FileEntry, Limits, Outcome, OutputChunk, SandboxInfo
+from .models import (
+    ExecResult,
+    FileEntry,
+    ForkResult,
+    Limits,
+    Outcome,
+    OutputChunk,
+    Persistence,
+    SandboxInfo,
+    SnapshotInfo,
+)
 from .spec import EnvSpec
 
 __version__ = "0.1.0"
@@ -40,9 +53,11 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncFiles",
     "AsyncFleet",
+    "AsyncFork",
     "AsyncSandbox",
     "BuildFailed",
     "CapacityExceeded",
+    "CheckpointFailed",
     "CommandFailed",
     "EngineConfig",
     "EnvSpec",
@@ -53,6 +68,8 @@ __all__ = [
     "FileNotFoundInSandbox",
     "Files",
     "Fleet",
+    "Fork",
+    "ForkResult",
     "HostNotReady",
     "Image",
     "ImageNotFound",
@@ -65,11 +82,15 @@ __all__ = [
     "NotFound",
     "Outcome",
     "OutputChunk",
+    "Persistence",
     "Retryable",
     "Sandbox",
     "SandboxGone",
     "SandboxInfo",
     "SandboxNotFound",
+    "SnapshotInUse",
+    "SnapshotInfo",
+    "SnapshotNotFound",
     "StepEvent",
     "Unauthorized",
 ]

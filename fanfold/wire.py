@@ -13,8 +13,9 @@ from . import errors
 from .errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
 from .images import Image
 from .images.builder import StepEvent
-from .models import ExecResult, FileEntry, Limits, Outcome, SandboxInfo
+from .models import ExecResult, FileEntry, ForkResult, Limits, Outcome, Persistence, SandboxInfo, SnapshotInfo
 from .spec import EnvSpec
+
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
@@ -27,15 +28,40 @@ def unb64(text: str, what: str) -> bytes:
         raise InvalidRequest(f"{what} must be base64") from None
 
 
-# -- sandboxes, results, files, images ------------------------------------------------------------
+# -- sandboxes, snapshots, forks, results, files, images ------------------------------------------
 
 
 def info_to_json(info: SandboxInfo) -> dict[str, Any]:
-    return info.to_dict()
+    return {**info.to_dict(), "persistence": Persistence(info.persistence).value}
 
 
 def info_from_json(data: dict[str, Any]) -> SandboxInfo:
+    # source, persistence, priority and idle_timeout keep their defaults from servers that predate them.
     return SandboxInfo(**{**data, "limits": Limits(**data["limits"])})
+
+
+def snapshot_to_json(snapshot: SnapshotInfo) -> dict[str, Any]:
+    return snapshot.to_dict()
+
+
+def snapshot_from_json(data: dict[str, Any]) -> SnapshotInfo:
+    limits = data.get("limits")
+    return SnapshotInfo(**{**data, "limits": None if limits is None else Limits(**limits)})
+
+
+def fork_to_json(fork: ForkResult) -> dict[str, Any]:
+    return {
+        "parent_id": fork.parent_id, "children": [info_to_json(child) for child in fork.children],
+        "snapshot_id": fork.snapshot_id, "parent_pause_ms": fork.parent_pause_ms, "total_ms": fork.total_ms,
+        "setup": [result_to_json(result) for result in fork.setup], "user_random_copied": fork.user_random_copied,
+    }
+
+
+def fork_from_json(data: dict[str, Any]) -> ForkResult:
+    return ForkResult(**{
+        **data, "children": tuple(info_from_json(child) for child in data["children"]),
+        "setup": tuple(result_from_json(result) for result in data.get("setup", ())),
+    })
 
 
 def result_to_json(result: ExecResult) -> dict[str, Any]:

@@ -29,4 +29,7 @@ if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
     touch "$stamp"
 fi
 
+# CRIU >= 4.1 for memory snapshots, fork and suspend (Debian 12's 3.17 fails `criu check`).
+bash scripts/criu.sh
+
 .venv/bin/fanfold doctor --fix

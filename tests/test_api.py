@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 import fanfold
-from fanfold import AsyncFiles, AsyncFleet, AsyncSandbox, EnvSpec, Files, Fleet, Limits, Sandbox
+from fanfold import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox, EnvSpec, Files, Fleet, Fork, Limits, Sandbox
 from fanfold.errors import FanfoldError, InvalidRequest, InvalidSpec
 
 
@@ -19,7 +19,9 @@ def test_all_is_sorted_and_complete():
     assert public_errors <= set(fanfold.__all__)
 
 
-@pytest.mark.parametrize("sync_cls,async_cls", [(Fleet, AsyncFleet), (Sandbox, AsyncSandbox), (Files, AsyncFiles)])
+@pytest.mark.parametrize("sync_cls,async_cls", [
+    (Fleet, AsyncFleet), (Sandbox, AsyncSandbox), (Files, AsyncFiles), (Fork, AsyncFork),
+])
 def test_sync_and_async_twins_match(sync_cls, async_cls):
     def public(cls):
         return {n: m for n, m in inspect.getmembers(cls) if not n.startswith("_") and callable(m)}
@@ -66,3 +68,26 @@ def test_spec_is_immutable_and_chainable():
 def test_bad_specs_are_rejected(make):
     with pytest.raises(InvalidSpec):
         make()
+
+
+def test_snapshots_and_forks_survive_the_wire():
+    from fanfold import ExecResult, ForkResult, Outcome, SandboxInfo, SnapshotInfo
+    from fanfold import wire
+
+    info = SandboxInfo(id="sb-1", state="running", image_id="img-1", limits=Limits(), source="snap-1",
+                       persistence="sticky", priority=3, idle_timeout=60.0)
+    snapshot = SnapshotInfo(id="snap-1", parent="img-1", image_id="img-1", sandbox_id="sb-0", memory=True,
+                            kind="snapshot", created_at=1.0, size_bytes=4096, name="base", limits=Limits(memory_mb=256))
+    fork = ForkResult(parent_id="sb-0", children=(info,), snapshot_id="snap-2", parent_pause_ms=1.5, total_ms=20.0,
+                      setup=(ExecResult(outcome=Outcome.EXITED, exit_code=0, stdout=b"\xff"),))
+    assert wire.info_from_json(wire.info_to_json(info)) == info
+    assert wire.snapshot_from_json(wire.snapshot_to_json(snapshot)) == snapshot
+    assert wire.fork_from_json(wire.fork_to_json(fork)) == fork
+    old_server = {k: v for k, v in wire.info_to_json(info).items()
+                  if k not in ("source", "persistence", "priority", "idle_timeout")}
+    assert wire.info_from_json(old_server).persistence == "ephemeral"
+
+
+async def test_bad_persistence_is_refused_before_any_call():
+    with pytest.raises(InvalidRequest, match="persistence"):
+        await AsyncFleet("unix:///nonexistent.sock").create(persistence="forever")

@@ -53,3 +53,39 @@ def test_errors_are_one_clear_line():
                  ["run", "--memory-mb", "1", "--", "true"]):
         done = run_cli(*args)
         assert done.returncode == 2 and "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_snapshot_fork_and_lifecycle_commands():
+    created = run_cli("create", "--memory-mb", "128", "--persistence", "persistent", "--priority", "3")
+    sandbox_id = created.stdout.strip()
+    try:
+        shown = [s for s in json.loads(run_cli("ls", "--json").stdout) if s["id"] == sandbox_id][0]
+        assert (shown["persistence"], shown["priority"]) == ("persistent", 3)
+        name = f"cli-{sandbox_id}"
+        taken = run_cli("snapshot", sandbox_id, "--name", name)
+        assert taken.returncode == 0 and taken.stdout.startswith("snap-"), taken.stderr
+        snapshot_id = taken.stdout.strip()
+        listed = json.loads(run_cli("snapshots", "--json").stdout)
+        assert [s["name"] for s in listed if s["id"] == snapshot_id] == [name]
+        tree = run_cli("snapshots", "--tree").stdout
+        assert shown["image_id"] in tree and snapshot_id in tree and name in tree
+        table = run_cli("snapshots").stdout
+        assert snapshot_id in table
+        for verb, state in (("pause", "paused"), ("unpause", "running"), ("suspend", "suspended"),
+                            ("resume", "running"), ("reset", "running")):
+            done = run_cli(verb, sandbox_id)
+            assert done.stdout == f"{sandbox_id} {state}\n", (verb, done.stderr)
+        forked = run_cli("fork", sandbox_id, "-n", "2", "--cmd", "true")
+        assert forked.returncode == 0 and "parent paused" in forked.stderr, forked.stderr
+        children = forked.stdout.split()
+        assert len(children) == 2 and all(c.startswith("sb-") for c in children)
+        assert run_cli("exec", children[0], "--", "hostname").stdout == children[0] + "\n"  # outlived `fork`
+        assert run_cli("rm", *children).returncode == 0
+        from_snapshot = run_cli("create", "--image", name, "--memory-mb", "128").stdout.strip()
+        assert run_cli("rm-snapshot", snapshot_id).returncode == 2  # in use by from_snapshot
+        assert run_cli("rm", from_snapshot).returncode == 0
+        assert run_cli("rm-snapshot", name).stdout == name + "\n"
+        assert run_cli("gc").returncode == 0
+        assert snapshot_id not in run_cli("snapshots").stdout
+    finally:
+        run_cli("rm", sandbox_id)

@@ -68,8 +68,17 @@ def test_no_input_gets_a_5xx_or_hangs(case, server, live_sandbox):
     auth = {"Authorization": f"Bearer {TOKENS['alice']}"}
     response = case.call(base_url=server.tcp_url, headers=auth, timeout=60)
     assert response.status_code < 500, (case.operation.path, response.status_code, response.text[:500])
-    if response.status_code == 201:  # a fuzzed create made a sandbox: it goes now, not at shutdown
-        httpx.delete(f"{server.tcp_url}/v1/sandboxes/{response.json()['id']}", headers=auth, timeout=60)
+    if response.status_code == 201:  # a fuzzed create, fork or snapshot made something: it goes now, not at shutdown
+        remove_made(server, auth, response.json())
     if response.status_code >= 400:
         body = response.json()
         assert isinstance(body, dict) and body.get("kind") and "message" in body, body
+
+
+def remove_made(server, auth: dict[str, str], made: dict) -> None:  # type: ignore[type-arg]
+    """Delete a snapshot taken; kill the sandboxes a create or fork made (a fork's snapshot goes with the last)."""
+    with httpx.Client(base_url=server.tcp_url, headers=auth, timeout=60) as http:
+        if "parent" in made:
+            assert http.delete(f"/v1/snapshots/{made['id']}").status_code == 204
+        for child in made.get("children", [made] if "state" in made else []):
+            http.delete(f"/v1/sandboxes/{child['id']}")

@@ -47,7 +47,12 @@ async def test_openapi_documents_every_verb(server):
         ("GET", "/v1/sandboxes/{sandbox_id}"), ("DELETE", "/v1/sandboxes/{sandbox_id}"),
         ("POST", "/v1/sandboxes/{sandbox_id}/exec"), ("GET", "/v1/sandboxes/{sandbox_id}/files"),
         ("DELETE", "/v1/sandboxes/{sandbox_id}/files"), ("GET", "/v1/sandboxes/{sandbox_id}/files/content"),
-        ("PUT", "/v1/sandboxes/{sandbox_id}/files/content"),
+        ("PUT", "/v1/sandboxes/{sandbox_id}/files/content"), ("POST", "/v1/sandboxes/{sandbox_id}/snapshot"),
+        ("POST", "/v1/sandboxes/{sandbox_id}/fork"), ("POST", "/v1/sandboxes/{sandbox_id}/pause"),
+        ("POST", "/v1/sandboxes/{sandbox_id}/unpause"), ("POST", "/v1/sandboxes/{sandbox_id}/suspend"),
+        ("POST", "/v1/sandboxes/{sandbox_id}/resume"), ("POST", "/v1/sandboxes/{sandbox_id}/reset"),
+        ("GET", "/v1/snapshots"), ("GET", "/v1/snapshots/{snapshot_id}"), ("DELETE", "/v1/snapshots/{snapshot_id}"),
+        ("POST", "/v1/snapshots/gc"),
     } <= routes
 
 
@@ -86,6 +91,87 @@ async def test_a_tenant_sees_and_touches_only_its_own_sandboxes(server):
     assert response.status_code == 404 and response.json()["kind"] == "sandbox_not_found"
 
 
+async def test_a_tenant_sees_and_touches_only_its_own_snapshots(server):
+    async with AsyncFleet(server.tcp_url, token=TOKENS["alice"]) as alice, \
+            AsyncFleet(server.tcp_url, token=TOKENS["bob"]) as bob:
+        sandbox = await alice.create()
+        taken = await sandbox.snapshot(name=f"alices-{sandbox.id}")
+        assert taken.id in {s.id for s in await alice.snapshots()}
+        assert taken.id not in {s.id for s in await bob.snapshots()}
+        assert (await alice.get_snapshot(taken.name)).id == taken.id  # a name works where an id does
+        for attempt in (bob.get_snapshot(taken.id), bob.get_snapshot(taken.name), bob.delete_snapshot(taken.id),
+                        bob.create(taken.id), bob.create(taken.name)):
+            with pytest.raises(fe.SnapshotNotFound):
+                await attempt
+        for verb in ("pause", "unpause", "suspend", "resume", "reset"):
+            with pytest.raises(SandboxNotFound):
+                await getattr(bob._transport, verb)(sandbox.id)
+        for attempt in (bob._transport.snapshot(sandbox.id), bob._transport.fork(sandbox.id, 1)):
+            with pytest.raises(SandboxNotFound):
+                await attempt
+        assert taken.id not in await bob.gc()
+        async with client(server, "bob") as http:
+            for response in (await http.get(f"/v1/snapshots/{taken.id}"),
+                             await http.delete(f"/v1/snapshots/{taken.id}"),
+                             await http.post("/v1/sandboxes", json={"image": taken.id})):
+                assert response.status_code == 404 and response.json()["kind"] == "snapshot_not_found", response.text
+        async with await alice.create(taken) as copy:
+            assert copy.info.source == taken.id
+        await sandbox.kill()
+        await alice.delete_snapshot(taken.id)
+        with pytest.raises(fe.SnapshotNotFound):
+            await alice.get_snapshot(taken.id)
+
+
+async def test_a_snapshot_named_like_a_base_does_not_shadow_it_for_others(server):
+    async with AsyncFleet(server.tcp_url, token=TOKENS["alice"]) as alice, \
+            AsyncFleet(server.tcp_url, token=TOKENS["bob"]) as bob:
+        async with await alice.create() as sandbox:
+            squatter = await sandbox.snapshot(name="host")
+        try:
+            async with await bob.create("host") as theirs:
+                assert theirs.info.source.startswith("img-")
+        finally:
+            await alice.delete_snapshot(squatter.id)
+
+
+async def test_fork_children_die_with_the_remote_fleet_that_made_them(server):
+    async with AsyncFleet(server.tcp_url, token=TOKENS["alice"]) as keeper:
+        async with AsyncFleet(server.tcp_url, token=TOKENS["alice"]) as fleet:
+            parent = await fleet.create()
+            fork = await parent.fork(2)
+            assert len(fork.children) == 2 and fork.result.parent_id == parent.id
+            assert [c.id for c in fork.children] == [c.id for c in fork.result.children]
+            ids = {parent.id, *(c.id for c in fork.children)}
+        assert not ids & {s.id for s in await keeper.list()}
+        detached = await keeper.create(detached=True)
+        try:
+            async with AsyncFleet(server.tcp_url, token=TOKENS["alice"]) as fleet:
+                kept = await (await fleet.get(detached.id)).fork(1)
+            assert kept.children[0].id in {s.id for s in await keeper.list()}  # a detached parent's children stay
+            await kept.kill()
+        finally:
+            await detached.kill()
+        snapshots = {s.id for s in await keeper.snapshots()}
+        assert fork.result.snapshot_id not in snapshots and kept.result.snapshot_id not in snapshots  # went with them
+
+
+async def test_a_retried_fork_with_one_request_id_makes_one_set_of_children(server):
+    async with client(server) as http:
+        parent = (await http.post("/v1/sandboxes", json={"memory_mb": 128})).json()["id"]
+        headers = {"X-Request-ID": "fork-retry-0001"}
+        first, second = await asyncio.gather(*(
+            http.post(f"/v1/sandboxes/{parent}/fork", json={"count": 2}, headers=headers) for _ in range(2)
+        ))
+        assert first.status_code == second.status_code == 201, first.text
+        assert first.json()["children"] == second.json()["children"]
+        other = await http.post(f"/v1/sandboxes/{parent}/fork", json={"count": 1}, headers=headers)
+        assert other.status_code == 422
+        for child in first.json()["children"]:
+            assert (await http.delete(f"/v1/sandboxes/{child['id']}")).status_code == 204
+        assert (await http.delete(f"/v1/sandboxes/{parent}")).status_code == 204
+
+
 async def test_a_retried_create_with_one_request_id_makes_one_sandbox(server):
     body = {"memory_mb": 64, "labels": {"test": "idempotent"}}
     async with client(server) as http:
@@ -113,7 +199,7 @@ def test_errors_map_to_status_codes_in_one_place():
         fe.SandboxNotFound: 404, fe.ImageNotFound: 404, fe.FileNotFoundInSandbox: 404, fe.SandboxGone: 409,
         fe.InvalidRequest: 422, fe.InvalidPath: 422, fe.InvalidSpec: 422, fe.LimitExceeded: 422, fe.BuildFailed: 422,
         fe.CapacityExceeded: 429, fe.InfrastructureError: 503, fe.HostNotReady: 503, fe.Unauthorized: 401,
-        fe.FanfoldError: 500,
+        fe.SnapshotNotFound: 404, fe.SnapshotInUse: 409, fe.CheckpointFailed: 503, fe.FanfoldError: 500,
     }
     for cls, status in expected.items():
         assert status_for(cls("x")) == status, cls

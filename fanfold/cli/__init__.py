@@ -9,14 +9,17 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
+from rich.tree import Tree
 
 from ..client import Fleet
 from ..config import DEFAULT_SOCKET, EngineConfig
+from ..engine.states import MAX_FORK
 from ..errors import FanfoldError
 from ..host import doctor as doctor_checks
 from ..host import setup
 from ..images.builder import StepEvent
+from ..models import Persistence, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 
 console = Console(stderr=True)
@@ -35,7 +38,8 @@ def _fleet(ctx: click.Context, *, local: bool = False) -> Fleet:
 
 def _limits_options(fn):  # type: ignore[no-untyped-def]
     for option in reversed([
-        click.option("--image", default="host", show_default=True, help="Image id or base name (host, debian:bookworm)."),
+        click.option("--image", default="host", show_default=True,
+                     help="Image id or base name (host, debian:bookworm), or a snapshot id or name."),
         click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota in cores."),
         click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit."),
         click.option("--pids", type=int, default=256, show_default=True, help="Most processes at once."),
@@ -173,13 +177,24 @@ def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cmd) -> None: 
 @_limits_options
 @click.option("--deadline", type=float, default=None, help="Destroy it after this many seconds.")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Label (repeatable).")
+@click.option("--persistence", type=click.Choice([p.value for p in Persistence]), default="ephemeral",
+              show_default=True, help="When idle: ephemeral is destroyed, sticky is suspended and may be evicted "
+                                      "under pressure, persistent is suspended and kept.")
+@click.option("--priority", type=click.IntRange(0, 10), default=0, show_default=True,
+              help="Eviction order of sticky sandboxes under pressure: the lowest go first.")
+@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Suspend it (ephemeral: destroy it) after this long without a call.")
 @click.pass_context
-def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels) -> None:  # type: ignore[no-untyped-def]
-    """Create a sandbox that outlives this command; print its id."""
+def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  # type: ignore[no-untyped-def]
+           persistence, priority, idle_timeout) -> None:
+    """Create a sandbox that outlives this command; print its id.
+
+    --image also takes a snapshot id or name, to start from a snapshot.
+    """
     with _fleet(ctx) as fleet:
         sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
                                env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
-                               detached=True)
+                               detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout)
     click.echo(sandbox.id)
 
 
@@ -226,6 +241,135 @@ def rm(ctx: click.Context, sandbox_ids: tuple[str, ...], everything: bool) -> No
         for sandbox_id in targets:
             fleet.get(sandbox_id).kill()
             click.echo(sandbox_id)
+
+
+@main.command()
+@click.argument("sandbox_id", metavar="SANDBOX")
+@click.option("--memory", is_flag=True, help="Also checkpoint the running processes (CRIU), not only the disk.")
+@click.option("--name", default=None, help="Name it: gc keeps it, and --image takes the name. Letters, digits, _.- "
+                                          "(up to 128, not starting with snap-).")
+@click.option("--json", "as_json", is_flag=True, help="Print the snapshot as JSON.")
+@click.pass_context
+def snapshot(ctx: click.Context, sandbox_id: str, memory: bool, name: str | None, as_json: bool) -> None:
+    """Snapshot SANDBOX (it runs on); print the snapshot's id.
+
+    Start sandboxes from it with `fanfold create --image ID` (or its name).
+    """
+    with _fleet(ctx) as fleet:
+        taken = fleet.get(sandbox_id).snapshot(memory=memory, name=name)
+    click.echo(json.dumps(taken.to_dict()) if as_json else taken.id)
+
+
+@main.command()
+@click.argument("sandbox_id", metavar="SANDBOX")
+@click.option("-n", "--count", type=click.IntRange(1, MAX_FORK), default=1, show_default=True, help="How many children.")
+@click.option("--cmd", default=None, help="Shell command to run in each child once it is restored (e.g. to reseed).")
+@click.pass_context
+def fork(ctx: click.Context, sandbox_id: str, count: int, cmd: str | None) -> None:
+    """Fork running SANDBOX, memory and processes included; print the children's ids, one a line.
+
+    The parent is frozen only while it is checkpointed; how long goes to stderr. Children
+    live as their parent does: those of a `fanfold create` sandbox outlive this command.
+    """
+    with _fleet(ctx) as fleet:
+        made = fleet.get(sandbox_id).fork(count, cmd=cmd)
+    for child in made.children:
+        click.echo(child.id)
+    console.print(f"parent paused {made.result.parent_pause_ms:.1f} ms; {count} children in "
+                  f"{made.result.total_ms:.0f} ms", highlight=False)
+    for child, result in zip(made.children, made.result.setup):
+        if not result.ok:
+            console.print(f"[yellow]--cmd in {child.id}: {result.outcome.value}, exit code {result.exit_code}[/yellow]",
+                          highlight=False)
+
+
+def _lifecycle_command(verb: str, summary: str) -> None:
+    @click.pass_context
+    def command(ctx: click.Context, sandbox_id: str) -> None:
+        with _fleet(ctx) as fleet:
+            info: SandboxInfo = getattr(fleet.get(sandbox_id), verb)()
+        click.echo(f"{info.id} {info.state}")
+
+    command.__doc__ = summary
+    main.command(name=verb)(click.argument("sandbox_id", metavar="SANDBOX")(command))
+
+
+for _verb, _summary in {
+    "pause": "Freeze SANDBOX's processes; memory stays resident. Any later call wakes it.",
+    "unpause": "Thaw paused SANDBOX.",
+    "suspend": "Checkpoint SANDBOX's processes to disk and stop them, freeing memory. Any later call resumes it.",
+    "resume": "Restore suspended SANDBOX's processes from disk.",
+    "reset": "Return SANDBOX to the image or snapshot it was made from (same id, fresh disk and processes).",
+}.items():
+    _lifecycle_command(_verb, _summary)
+
+
+@main.command()
+@click.option("--tree", is_flag=True, help="Show the lineage: images at the roots, each snapshot below its parent.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of snapshots.")
+@click.pass_context
+def snapshots(ctx: click.Context, tree: bool, as_json: bool) -> None:
+    """List snapshots."""
+    with _fleet(ctx) as fleet:
+        found = sorted(fleet.snapshots(), key=lambda s: s.created_at)
+    if as_json:
+        click.echo(json.dumps([s.to_dict() for s in found]))
+        return
+    if tree:
+        Console().print(_lineage(found))
+        return
+    # Whole ids, for copying, in 80 columns; the sandbox each was taken from is in --tree and --json.
+    table = Table(Column("ID", no_wrap=True), Column("NAME", overflow="fold"), Column("PARENT", no_wrap=True), "KIND",
+                  "MEM", Column("SIZE", no_wrap=True, justify="right"), box=None, pad_edge=False)
+    for s in found:
+        table.add_row(s.id, s.name or "", s.parent, s.kind, "yes" if s.memory else "no", _size(s.size_bytes))
+    Console().print(table)
+
+
+def _lineage(found: list[SnapshotInfo]) -> Tree:
+    """Snapshots below their parents; a parent that is not a listed snapshot is an image, at a root."""
+    top = Tree("[bold]snapshots[/bold]", hide_root=True)
+    nodes: dict[str, Tree] = {}
+    for s in found:  # oldest first, so a parent is placed before its children
+        parent = nodes.get(s.parent)
+        if parent is None:
+            parent = nodes[s.parent] = top.add(f"[bold]{s.parent}[/bold]")
+        label = f"{s.id}" + (f" [cyan]{s.name}[/cyan]" if s.name else "")
+        label += f" [dim]{s.kind}{', memory' if s.memory else ''}, {_size(s.size_bytes)}, from {s.sandbox_id}[/dim]"
+        nodes[s.id] = parent.add(label)
+    return top
+
+
+def _size(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KiB", "MiB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GiB"
+
+
+@main.command(name="rm-snapshot")
+@click.argument("snapshot_ids", metavar="SNAPSHOT...", nargs=-1, required=True)
+@click.pass_context
+def rm_snapshot(ctx: click.Context, snapshot_ids: tuple[str, ...]) -> None:
+    """Delete snapshots by id or name; one still in use by sandboxes or later snapshots is refused."""
+    with _fleet(ctx) as fleet:
+        for snapshot_id in snapshot_ids:
+            fleet.delete_snapshot(snapshot_id)
+            click.echo(snapshot_id)
+
+
+@main.command()
+@click.pass_context
+def gc(ctx: click.Context) -> None:
+    """Delete the snapshots that are unnamed and that no sandbox or later snapshot needs; print their ids."""
+    with _fleet(ctx) as fleet:
+        removed = fleet.gc()
+    for snapshot_id in removed:
+        click.echo(snapshot_id)
+    console.print(f"removed {len(removed)} snapshot{'' if len(removed) == 1 else 's'}", highlight=False)
 
 
 @main.command()

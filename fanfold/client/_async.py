@@ -4,8 +4,9 @@ with one (``unix:///run/fanfold.sock``, ``http://host:port``) it talks to ``fanf
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from ..config import EngineConfig, env_token, env_url
 from ..engine import Engine
@@ -13,7 +14,7 @@ from ..engine.core import OnOutput
 from ..errors import InvalidRequest, SandboxNotFound
 from ..images import Image
 from ..images.builder import OnStep
-from ..models import ExecResult, FileEntry, Limits, OutputChunk, SandboxInfo
+from ..models import ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 from ._http import HttpTransport
 from ._transport import Transport
@@ -62,7 +63,7 @@ class AsyncFleet:
 
     async def create(
         self,
-        image: str | Image = "host",
+        image: str | Image | SnapshotInfo = "host",
         *,
         cpus: float = 1.0,
         memory_mb: int = 512,
@@ -72,10 +73,21 @@ class AsyncFleet:
         labels: dict[str, str] | None = None,
         deadline: float | None = None,
         detached: bool = False,
+        persistence: Persistence | str = Persistence.EPHEMERAL,
+        priority: int = 0,
+        idle_timeout: float | None = None,
     ) -> AsyncSandbox:
-        """Start a sandbox from an image, image id or base name; ``deadline`` in seconds."""
+        """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
+
+        ``deadline`` and ``idle_timeout`` are in seconds; ``persistence`` and ``priority`` (0-10)
+        say what becomes of it when idle or when the host runs short (see ``Persistence``).
+        """
         limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
-        info = await self._transport.create(image, limits=limits, env=env, labels=labels, deadline=deadline, detached=detached)
+        source = image.id if isinstance(image, SnapshotInfo) else image
+        info = await self._transport.create(
+            source, limits=limits, env=env, labels=labels, deadline=deadline, detached=detached,
+            persistence=_persistence(persistence), priority=priority, idle_timeout=idle_timeout,
+        )
         return AsyncSandbox(self, info)
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
@@ -85,6 +97,29 @@ class AsyncFleet:
     async def list(self, *, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         """Every sandbox on the host, optionally only those carrying ``labels``."""
         return await self._transport.list(labels)
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot (of this tenant, on a server); ``parent`` links them into trees rooted at images."""
+        return await self._transport.snapshots()
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return await self._transport.get_snapshot(snapshot_id)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot; SnapshotInUse while sandboxes or later snapshots are made from it."""
+        await self._transport.delete_snapshot(snapshot_id)
+
+    async def gc(self) -> list[str]:
+        """Delete the snapshots that are unnamed and that nothing needs; returns their ids."""
+        return await self._transport.gc()
+
+
+def _persistence(value: Persistence | str) -> str:
+    try:
+        return Persistence(value).value
+    except ValueError:
+        choices = ", ".join(p.value for p in Persistence)
+        raise InvalidRequest(f"persistence must be one of {choices}, got {value!r}") from None
 
 
 class AsyncSandbox:
@@ -164,6 +199,62 @@ class AsyncSandbox:
         """Reload and return what the engine knows of this sandbox."""
         self.info = await self._transport.get(self.id)
         return self.info
+
+    async def snapshot(self, *, memory: bool = False, name: str | None = None) -> SnapshotInfo:
+        """Snapshot the disk, and with ``memory`` the processes too; the sandbox runs on.
+
+        Pass the result (or its ``name``) to ``fleet.create`` to start sandboxes from it.
+        """
+        return await self._transport.snapshot(self.id, memory=memory, name=name)
+
+    async def fork(self, count: int, *, cmd: str | list[str] | None = None) -> AsyncFork:
+        """``count`` running copies of this sandbox, processes and memory included.
+
+        The parent is frozen only while it is checkpointed (``result.parent_pause_ms``).
+        ``cmd`` runs in each child once it is restored, e.g. to reseed random state.
+        """
+        result = await self._transport.fork(self.id, count, cmd=cmd)
+        return AsyncFork(children=[AsyncSandbox(self._fleet, info) for info in result.children], result=result)
+
+    async def pause(self) -> SandboxInfo:
+        """Freeze its processes; memory stays resident. Any later call wakes it."""
+        return await self._life(self._transport.pause)
+
+    async def unpause(self) -> SandboxInfo:
+        return await self._life(self._transport.unpause)
+
+    async def suspend(self) -> SandboxInfo:
+        """Checkpoint its processes to disk and stop them, freeing memory. Any later call resumes it."""
+        return await self._life(self._transport.suspend)
+
+    async def resume(self) -> SandboxInfo:
+        return await self._life(self._transport.resume)
+
+    async def reset(self) -> SandboxInfo:
+        """Return it to the image or snapshot it was made from: same id, fresh disk and processes."""
+        return await self._life(self._transport.reset)
+
+    async def _life(self, verb: Callable[[str], Awaitable[SandboxInfo]]) -> SandboxInfo:
+        self.info = await verb(self.id)
+        return self.info
+
+
+@dataclass(frozen=True)
+class AsyncFork:
+    """What ``AsyncSandbox.fork`` made. ``async with`` kills the children on exit."""
+
+    children: list[AsyncSandbox]
+    result: ForkResult
+
+    async def __aenter__(self) -> AsyncFork:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()
+
+    async def kill(self) -> None:
+        """Destroy every child; the parent runs on."""
+        await asyncio.gather(*(child.kill() for child in self.children))
 
 
 class AsyncFiles:

@@ -22,14 +22,18 @@ from .. import wire
 from ..engine.core import OnOutput
 from ..engine.execution import check_exec_args
 from ..engine.files import check_mode, file_bytes
-from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec, SandboxNotFound
+from ..errors import (
+    CapacityExceeded, CheckpointFailed, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec,
+    SandboxNotFound, SnapshotNotFound,
+)
 from ..images import Image
 from ..images.builder import OnStep, source_path
-from ..models import ExecResult, FileEntry, Limits, SandboxInfo
+from ..models import ExecResult, FileEntry, ForkResult, Limits, SandboxInfo, SnapshotInfo
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 
 CHUNK = 1 << 20
 CREATE_ATTEMPTS = 5
+"""Tries of a create or fork (one X-Request-ID: the server makes its sandboxes once)."""
 
 
 def _endpoint(url: str) -> tuple[str, str | None]:
@@ -45,7 +49,7 @@ def _endpoint(url: str) -> tuple[str, str | None]:
 
 
 class HttpTransport:
-    """One server, one tenant (the token's); tracks the sandboxes it creates to kill them on close.
+    """One server, one tenant (the token's); tracks the sandboxes it creates or forks to kill them on close.
 
     aiohttp carries the calls: its per-request cost is about a third of httpx's here, which
     is most of what separates a remote exec from an embedded one.
@@ -139,27 +143,36 @@ class HttpTransport:
     async def images(self) -> list[Image]:
         return [wire.image_from_json(i) for i in await self._json("GET", "/v1/images")]
 
+    async def _make(self, path: str, body: dict[str, Any]) -> Any:
+        """POST a create or fork, retried on connection loss and 429/503 under one X-Request-ID."""
+        request_id = uuid.uuid4().hex
+        for attempt in range(CREATE_ATTEMPTS):
+            try:
+                return await self._json("POST", path, json=body, headers={"X-Request-ID": request_id})
+            except (InfrastructureError, CapacityExceeded) as err:
+                # A failed checkpoint fails the same way again: only the caller knows whether to retry it.
+                if attempt == CREATE_ATTEMPTS - 1 or isinstance(err, CheckpointFailed):
+                    raise
+                await asyncio.sleep(0.2 * 2**attempt)  # the same X-Request-ID makes the retry safe
+
+    def _track(self, info: SandboxInfo) -> None:
+        """Kill it on close, unless it is meant to outlive this client."""
+        if not info.detached and info.persistence == "ephemeral":
+            self._created.add(info.id)
+
     async def create(
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
+        persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
     ) -> SandboxInfo:
         limits = limits or Limits()
         body = {
             "image": image.id if isinstance(image, Image) else image, **limits.__dict__,
             "env": env or {}, "labels": labels or {}, "deadline": deadline, "detached": detached,
+            "persistence": persistence, "priority": priority, "idle_timeout": idle_timeout,
         }
-        request_id = uuid.uuid4().hex
-        for attempt in range(CREATE_ATTEMPTS):
-            try:
-                data = await self._json("POST", "/v1/sandboxes", json=body, headers={"X-Request-ID": request_id})
-                break
-            except (InfrastructureError, CapacityExceeded):
-                if attempt == CREATE_ATTEMPTS - 1:
-                    raise
-                await asyncio.sleep(0.2 * 2**attempt)  # the same X-Request-ID makes the retry safe
-        info = wire.info_from_json(data)
-        if not detached:
-            self._created.add(info.id)
+        info = wire.info_from_json(await self._make("/v1/sandboxes", body))
+        self._track(info)
         return info
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
@@ -172,6 +185,52 @@ class HttpTransport:
     async def kill(self, sandbox_id: str) -> None:
         await self._json("DELETE", _sandbox(sandbox_id))
         self._created.discard(sandbox_id)
+
+    # -- snapshots, forks and the sandbox's life ----------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, *, memory: bool = False, name: str | None = None) -> SnapshotInfo:
+        body = {"memory": memory, "name": name}
+        return wire.snapshot_from_json(await self._json("POST", _sandbox(sandbox_id) + "/snapshot", json=body))
+
+    async def fork(self, sandbox_id: str, count: int, *, cmd: str | list[str] | None = None) -> ForkResult:
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise InvalidRequest(f"count must be a whole number of children, got {count!r}")
+        if cmd is not None:
+            check_exec_args(cmd, None, None, None, 0)
+        result = wire.fork_from_json(await self._make(_sandbox(sandbox_id) + "/fork", {"count": count, "cmd": cmd}))
+        for child in result.children:
+            self._track(child)
+        return result
+
+    async def _life(self, sandbox_id: str, verb: str) -> SandboxInfo:
+        return wire.info_from_json(await self._json("POST", f"{_sandbox(sandbox_id)}/{verb}"))
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        return await self._life(sandbox_id, "pause")
+
+    async def unpause(self, sandbox_id: str) -> SandboxInfo:
+        return await self._life(sandbox_id, "unpause")
+
+    async def suspend(self, sandbox_id: str) -> SandboxInfo:
+        return await self._life(sandbox_id, "suspend")
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        return await self._life(sandbox_id, "resume")
+
+    async def reset(self, sandbox_id: str) -> SandboxInfo:
+        return await self._life(sandbox_id, "reset")
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        return [wire.snapshot_from_json(s) for s in await self._json("GET", "/v1/snapshots")]
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return wire.snapshot_from_json(await self._json("GET", _snapshot(snapshot_id)))
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._json("DELETE", _snapshot(snapshot_id))
+
+    async def gc(self) -> list[str]:
+        return (await self._json("POST", "/v1/snapshots/gc"))["removed"]
 
     async def exec(
         self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -242,6 +301,12 @@ def _sandbox(sandbox_id: str) -> str:
     if not isinstance(sandbox_id, str) or not sandbox_id or "/" in sandbox_id:
         raise SandboxNotFound(f"bad sandbox id {sandbox_id!r}")
     return "/v1/sandboxes/" + quote(sandbox_id, safe="")
+
+
+def _snapshot(snapshot_id: str) -> str:
+    if not isinstance(snapshot_id, str) or not snapshot_id or "/" in snapshot_id:
+        raise SnapshotNotFound(f"bad snapshot id {snapshot_id!r}")
+    return "/v1/snapshots/" + quote(snapshot_id, safe="")
 
 
 async def _error(response: aiohttp.ClientResponse) -> FanfoldError:

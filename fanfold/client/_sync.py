@@ -6,15 +6,16 @@ Each call runs on the fleet's private event loop thread (see ``_portal``).
 from __future__ import annotations
 
 import atexit
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..config import EngineConfig
 from ..images import Image
 from ..images.builder import OnStep
-from ..models import ExecResult, FileEntry, OutputChunk, SandboxInfo
+from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
-from ._async import AsyncFiles, AsyncFleet, AsyncSandbox
+from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
 from ._portal import Portal
 
 OnOutputSync = Callable[[str, bytes], None]
@@ -80,7 +81,7 @@ class Fleet:
 
     def create(
         self,
-        image: str | Image = "host",
+        image: str | Image | SnapshotInfo = "host",
         *,
         cpus: float = 1.0,
         memory_mb: int = 512,
@@ -90,11 +91,19 @@ class Fleet:
         labels: dict[str, str] | None = None,
         deadline: float | None = None,
         detached: bool = False,
+        persistence: Persistence | str = Persistence.EPHEMERAL,
+        priority: int = 0,
+        idle_timeout: float | None = None,
     ) -> Sandbox:
-        """Start a sandbox from an image, image id or base name; ``deadline`` in seconds."""
+        """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
+
+        ``deadline`` and ``idle_timeout`` are in seconds; ``persistence`` and ``priority`` (0-10)
+        say what becomes of it when idle or when the host runs short (see ``Persistence``).
+        """
         inner = self._call(self._async.create(
             image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, env=env, labels=labels,
-            deadline=deadline, detached=detached,
+            deadline=deadline, detached=detached, persistence=persistence, priority=priority,
+            idle_timeout=idle_timeout,
         ))
         return Sandbox(self, inner)
 
@@ -105,6 +114,21 @@ class Fleet:
     def list(self, *, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         """Every sandbox on the host, optionally only those carrying ``labels``."""
         return self._call(self._async.list(labels=labels))
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot (of this tenant, on a server); ``parent`` links them into trees rooted at images."""
+        return self._call(self._async.snapshots())
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return self._call(self._async.get_snapshot(snapshot_id))
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete a snapshot; SnapshotInUse while sandboxes or later snapshots are made from it."""
+        self._call(self._async.delete_snapshot(snapshot_id))
+
+    def gc(self) -> list[str]:
+        """Delete the snapshots that are unnamed and that nothing needs; returns their ids."""
+        return self._call(self._async.gc())
 
 
 class Sandbox:
@@ -170,6 +194,61 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         """Reload and return what the engine knows of this sandbox."""
         return self._fleet._call(self._async.refresh())
+
+    def snapshot(self, *, memory: bool = False, name: str | None = None) -> SnapshotInfo:
+        """Snapshot the disk, and with ``memory`` the processes too; the sandbox runs on.
+
+        Pass the result (or its ``name``) to ``fleet.create`` to start sandboxes from it.
+        """
+        return self._fleet._call(self._async.snapshot(memory=memory, name=name))
+
+    def fork(self, count: int, *, cmd: str | list[str] | None = None) -> Fork:
+        """``count`` running copies of this sandbox, processes and memory included.
+
+        The parent is frozen only while it is checkpointed (``result.parent_pause_ms``).
+        ``cmd`` runs in each child once it is restored, e.g. to reseed random state.
+        """
+        inner: AsyncFork = self._fleet._call(self._async.fork(count, cmd=cmd))
+        children = [Sandbox(self._fleet, child) for child in inner.children]
+        return Fork(children=children, result=inner.result, _fleet=self._fleet, _async=inner)
+
+    def pause(self) -> SandboxInfo:
+        """Freeze its processes; memory stays resident. Any later call wakes it."""
+        return self._fleet._call(self._async.pause())
+
+    def unpause(self) -> SandboxInfo:
+        return self._fleet._call(self._async.unpause())
+
+    def suspend(self) -> SandboxInfo:
+        """Checkpoint its processes to disk and stop them, freeing memory. Any later call resumes it."""
+        return self._fleet._call(self._async.suspend())
+
+    def resume(self) -> SandboxInfo:
+        return self._fleet._call(self._async.resume())
+
+    def reset(self) -> SandboxInfo:
+        """Return it to the image or snapshot it was made from: same id, fresh disk and processes."""
+        return self._fleet._call(self._async.reset())
+
+
+@dataclass(frozen=True)
+class Fork:
+    """What ``Sandbox.fork`` made. ``with`` kills the children on exit."""
+
+    children: list[Sandbox]
+    result: ForkResult
+    _fleet: Fleet = field(repr=False, compare=False)
+    _async: AsyncFork = field(repr=False, compare=False)
+
+    def __enter__(self) -> Fork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        """Destroy every child; the parent runs on."""
+        self._fleet._call(self._async.kill())
 
 
 class Files:

@@ -157,6 +157,8 @@ class Engine(SandboxFiles, SandboxStates):
             if dead or expired or broken:
                 await self._destroy(sandbox_id)
                 reaped += 1
+            elif row["claimed_by"] and not _owner_alive(row["claimed_by"]):
+                self.db.unclaim(sandbox_id)  # an engine died mid idle-suspend
         leftovers = await self.runtime.list_ids()
         leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
         leftovers |= cgroups.leftover_ids(self.config.cgroup_parent)

@@ -50,6 +50,7 @@ LATER_COLUMNS = [
     ("idle_timeout", "REAL"),
     ("active_at", "REAL NOT NULL DEFAULT 0"),
     ("suspended_to", "TEXT"),
+    ("claimed_by", "TEXT"),
 ]
 
 
@@ -96,6 +97,16 @@ class Database:
         names = ", ".join(f"{name}=?" for name in fields)
         values = [json.dumps(list(v)) if isinstance(v, tuple) else v for v in fields.values()]
         self.conn.execute(f"UPDATE sandboxes SET {names} WHERE id=?", (*values, sandbox_id))
+
+    def claim(self, sandbox_id: str, owner: str) -> bool:
+        """Take a sandbox for a policy action (idle suspend) so one engine of several does it."""
+        cursor = self.conn.execute(
+            "UPDATE sandboxes SET claimed_by=? WHERE id=? AND claimed_by IS NULL", (owner, sandbox_id)
+        )
+        return cursor.rowcount == 1
+
+    def unclaim(self, sandbox_id: str) -> None:
+        self.conn.execute("UPDATE sandboxes SET claimed_by=NULL WHERE id=?", (sandbox_id,))
 
     def touch(self, sandbox_id: str) -> None:
         self.conn.execute("UPDATE sandboxes SET active_at=? WHERE id=?", (now(), sandbox_id))

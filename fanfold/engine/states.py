@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -56,6 +57,7 @@ class SandboxStates:
         staged = self.snaps.staging(snapshot_id)
         where = resources.paths(self.config, sandbox_id)
         was_paused = row["state"] == "paused"
+        await _agent_settled(row["pid"])
         frozen_at = time.perf_counter()
         try:
             await self._freeze(sandbox_id)
@@ -236,13 +238,15 @@ class SandboxStates:
             idle = row["idle_timeout"] is not None and now - row["active_at"] > row["idle_timeout"]
             if not (mine and idle and row["state"] in ("running", "paused")) or self._gate(row["id"]).busy:
                 continue
-            try:
-                if row["persistence"] == "ephemeral":
-                    await self._destroy(row["id"])
-                else:
+            if row["persistence"] == "ephemeral":
+                await self._destroy(row["id"])
+            elif self.db.claim(row["id"], self.owner):
+                try:
                     await self.suspend(row["id"])
-            except (SandboxGone, CheckpointFailed, InfrastructureError) as err:
-                log.warning("fanfold: idle sandbox %s: %s", row["id"], err)
+                except (SandboxGone, CheckpointFailed, InfrastructureError) as err:
+                    log.warning("fanfold: idle sandbox %s: %s", row["id"], err)
+                finally:
+                    self.db.unclaim(row["id"])
         if self._under_pressure():
             sticky = [r for r in self.db.rows() if r["persistence"] == "sticky" and r["state"] != "destroying"]
             if sticky:
@@ -258,6 +262,27 @@ class SandboxStates:
                     available_kb = int(line.split()[1])
         disk = shutil.disk_usage(self.config.state_dir)
         return available_kb < self.config.pressure_memory_mb * 1024 or disk.free < self.config.pressure_disk_mb << 20
+
+
+async def _agent_settled(pid: int, timeout: float = 5.0) -> None:
+    """Wait until the agent holds no host connection but its listener.
+
+    The agent closes a connection just after sending its last frame, so the host can be
+    done with a call a moment before the agent is; CRIU cannot carry a connection whose
+    peer is gone. With the gate held no new call comes, so this only waits out that moment.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            return  # gone: the dump reports it
+        if sum(link.startswith("socket:") for link in links) <= 1:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointFailed("the sandbox's agent still holds a connection (a process in the sandbox"
+                                   " connected to it?); try again")
+        await asyncio.sleep(0.001)
 
 
 def _layers(row: Any) -> tuple[str, ...]:

@@ -131,16 +131,26 @@ def leftover_ids(parent: str) -> set[str]:
 
 
 def _freezer(parent: str, sandbox_id: str) -> tuple[Path, str, str, str]:
-    """The file that freezes a sandbox, what to write to freeze and thaw, and the file to poll."""
+    """The file that freezes a sandbox, what to write to freeze and thaw, and the file to poll.
+
+    cgroup2's freezer first (also in hybrid mode): v1's can stay FREEZING for good while
+    tasks fork, which is why runc toggles it in a retry loop.
+    """
     rel = f"{parent}/{sandbox_id}"
-    if is_v2_only():
-        base = Path("/sys/fs/cgroup") / rel
-        return base / "cgroup.freeze", "1", "0", str(base / "cgroup.events")
-    root = v1_roots().get("freezer")
-    if root is None:  # hybrid host without a v1 freezer: cgroup2 has one
-        base = v2_roots()[0] / rel
-        return base / "cgroup.freeze", "1", "0", str(base / "cgroup.events")
-    return root / rel / "freezer.state", "FROZEN", "THAWED", str(root / rel / "freezer.state")
+    roots = (Path("/sys/fs/cgroup"),) if is_v2_only() else v2_roots()
+    for root in roots:
+        base = root / rel
+        if (base / "cgroup.freeze").exists():
+            return base / "cgroup.freeze", "1", "0", str(base / "cgroup.events")
+    base = v1_roots().get("freezer", Path("/sys/fs/cgroup/freezer")) / rel
+    return base / "freezer.state", "FROZEN", "THAWED", str(base / "freezer.state")
+
+
+def frozen(parent: str, sandbox_id: str) -> bool:
+    try:
+        return is_frozen_text(Path(_freezer(parent, sandbox_id)[3]).read_text())
+    except OSError:
+        return False
 
 
 def is_frozen_text(text: str) -> bool:
@@ -155,8 +165,15 @@ def freeze_start(parent: str, sandbox_id: str) -> str:
 
 
 def thaw(parent: str, sandbox_id: str) -> None:
+    """Thaw in every freezer the sandbox has: a restore may bring back a v1 FROZEN state too."""
     control, _, thawed, _ = _freezer(parent, sandbox_id)
     control.write_text(thawed)
+    v1 = v1_roots().get("freezer")
+    if v1 is not None and control.name != "freezer.state":
+        try:
+            (v1 / parent / sandbox_id / "freezer.state").write_text("THAWED")
+        except FileNotFoundError:
+            pass
 
 
 def freezer_dir(parent: str, sandbox_id: str) -> Path:

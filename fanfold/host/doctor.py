@@ -8,6 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import EngineConfig
 from . import cgroups, setup
 
 
@@ -84,15 +85,22 @@ def check_kernel() -> Check:
                  "use Linux 5.6 or newer")
 
 
-def check_criu() -> Check:
-    path = shutil.which("criu")
-    if path is None:
-        return Check("criu", False, "not installed (needed for memory snapshots, fork and suspend)",
-                     "`make setup` builds a working CRIU", required=False)
+def check_criu(criu: str | None = None) -> Check:
+    """The CRIU that fanfold uses (``EngineConfig().criu``), not whichever ``criu`` is on PATH."""
+    configured = criu or EngineConfig().criu
+    fix = "run `bash scripts/criu.sh` (or `make setup`): builds CRIU >= 4.1"
+    path = configured if "/" in configured else shutil.which(configured)
+    if path is None or not os.access(path, os.X_OK):
+        return Check("criu", False, f"{configured} not installed (needed for memory snapshots, fork and suspend)",
+                     fix, required=False)
+    _, version_out = _run([path, "--version"], timeout=10)
+    version = next((line.split(":", 1)[1].strip() for line in version_out.splitlines()
+                    if line.startswith("Version:")), "unknown version")
     code, out = _run([path, "check"])
-    tail = out.splitlines()[-1] if out else ""
-    return Check("criu", code == 0, f"`criu check`: {tail or 'ok'}",
-                 "install CRIU >= 4.1 (`make setup` builds one)", required=False)
+    if code == 0 and "Looks good" in out:
+        return Check("criu", True, f"{version} ({path}): looks good", required=False)
+    tail = out.splitlines()[-1] if out else f"exit status {code}"
+    return Check("criu", False, f"{version} ({path}): `criu check` failed: {tail}", fix, required=False)
 
 
 def check_debootstrap() -> Check:

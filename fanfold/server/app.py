@@ -18,7 +18,7 @@ from .. import __version__
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, NotFound
-from . import files, images, sandboxes
+from . import files, images, sandboxes, snapshots
 from .auth import Tenants
 from .creates import CreateRegistry
 from .deps import ClientGone, tenant
@@ -34,9 +34,9 @@ _OPEN_PATHS = ("/v1/health",)
 DESCRIPTION = """Isolated sandboxes for RL rollouts, on one host.
 
 Authenticate with `Authorization: Bearer <token>` (optional on the unix socket). Errors are
-JSON `{"kind", "message"}`: 401 bad token, 404 unknown sandbox (or another tenant's),
-409 wrong state, 413 body too large, 422 bad input, 429/503 retry after `Retry-After`
-seconds, 500 only for fanfold's own bugs.
+JSON `{"kind", "message"}`: 401 bad token, 404 unknown sandbox or snapshot (or another
+tenant's), 409 wrong state or a snapshot still in use, 413 body too large, 422 bad input,
+429/503 retry after `Retry-After` seconds, 500 only for fanfold's own bugs.
 """
 
 
@@ -59,7 +59,7 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     app.state.creates = CreateRegistry(engine)
     _add_error_handlers(app)
     app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
-    for router in (sandboxes.router, files.router, images.router):
+    for router in (sandboxes.router, snapshots.router, files.router, images.router):
         app.include_router(router)
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])

@@ -1,8 +1,9 @@
-"""Idempotent creates: one ``X-Request-ID`` per tenant gives one sandbox, however often it is retried.
+"""Idempotent creates and forks: one ``X-Request-ID`` per tenant gives one sandbox (or one
+set of fork children), however often it is retried.
 
 A create runs apart from the request that started it, so a client that drops the
-connection and retries with the same ID gets the sandbox the first call made. A sandbox
-whose creator vanished and never came back for it is killed after a grace period.
+connection and retries with the same ID gets the sandboxes the first call made. Sandboxes
+whose creator vanished and never came back for them are killed after a grace period.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any, Awaitable, Callable
 
 from ..engine import Engine
 from ..errors import InvalidRequest
-from ..models import SandboxInfo
+from ..models import ForkResult, SandboxInfo
+
+Made = SandboxInfo | ForkResult
 
 KEEP_S = 3600.0
 """How long a request ID is remembered."""
@@ -27,7 +30,7 @@ UNCLAIMED_GRACE_S = 60.0
 @dataclass
 class _Entry:
     fingerprint: str
-    future: asyncio.Future[SandboxInfo]
+    future: asyncio.Future[Made]
     started: float = field(default_factory=time.monotonic)
     claimed: bool = False
     reaping: bool = False
@@ -40,7 +43,7 @@ class CreateRegistry:
         self._entries: dict[tuple[str, str], _Entry] = {}
 
     def start(self, tenant: str, request_id: str | None, params: dict[str, Any],
-              run: Callable[[], Awaitable[SandboxInfo]]) -> _Entry:
+              run: Callable[[], Awaitable[Made]]) -> _Entry:
         """The entry for this request ID, starting the create if it is the first call."""
         self._prune()
         fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
@@ -85,10 +88,13 @@ class CreateRegistry:
     async def _reap(self, entry: _Entry) -> None:
         for key in [k for k, e in self._entries.items() if e is entry]:
             del self._entries[key]
-        try:
-            await self._engine.kill(entry.future.result().id)
-        except Exception:  # noqa: BLE001 - already gone is fine
-            pass
+        made = entry.future.result()
+        children = made.children if isinstance(made, ForkResult) else (made,)
+        for info in children:
+            try:
+                await self._engine.kill(info.id)
+            except Exception:  # noqa: BLE001 - already gone is fine
+                pass
 
     def _prune(self) -> None:
         now = time.monotonic()

@@ -1,4 +1,4 @@
-"""What every route needs: the engine, the caller's tenant, and a sandbox the tenant owns."""
+"""What every route needs: the engine, the caller's tenant, and a sandbox or snapshot the tenant owns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..engine import Engine
-from ..errors import FanfoldError, SandboxNotFound
+from ..errors import FanfoldError, SandboxNotFound, SnapshotNotFound
+from ..spec import BASES
 from ..wire import error_to_json
 from .status import bug_body
 
@@ -38,6 +39,27 @@ def owned_sandbox(
     if engine(request).tenant_of(sandbox_id) != caller:
         raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
     return sandbox_id
+
+
+def owned_snapshot(
+    request: Request,
+    snapshot_id: str = Path(description="A snapshot id, or the name it was given."),
+    caller: str = Depends(tenant),
+) -> str:
+    """The snapshot's id, when it exists and belongs to the caller; another tenant's is a 404 too."""
+    resolved = engine(request).resolve_snapshot(snapshot_id)
+    if resolved is None or engine(request).snapshot_tenant(resolved) != caller:
+        raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
+    return resolved
+
+
+def check_source(request: Request, ref: str, caller: str) -> None:
+    """A create's image may name a snapshot: then it must be the caller's (else 404, as for sandboxes)."""
+    if ref in BASES or ref.startswith("img-"):
+        return  # an image, whatever snapshot names exist: the engine reads it so, and images are shared
+    resolved = engine(request).resolve_snapshot(ref)
+    if resolved is not None and engine(request).snapshot_tenant(resolved) != caller:
+        raise SnapshotNotFound(f"no snapshot {ref!r}")
 
 
 def line(obj: dict[str, Any]) -> bytes:

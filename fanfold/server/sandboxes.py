@@ -1,9 +1,9 @@
-"""Routes of sandboxes: create, get, list, kill and exec."""
+"""Routes of sandboxes: create, get, list, kill, exec, fork, and pause, suspend, reset and their undoing."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -11,14 +11,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..engine import Engine
 from ..errors import InvalidRequest
 from ..models import Limits
-from ..wire import b64, info_to_json, result_to_json, unb64
-from .deps import NDJSON, engine, ndjson_events, owned_sandbox, tenant, until_disconnect
-from .schemas import CreateRequest, ErrorBody, ExecRequest, ExecResultBody, SandboxBody
+from ..wire import b64, fork_to_json, info_to_json, result_to_json, unb64
+from .creates import Made
+from .deps import NDJSON, check_source, engine, ndjson_events, owned_sandbox, tenant, until_disconnect
+from .schemas import CreateRequest, ErrorBody, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (401, 404, 409, 413, 422, 429, 503)
 }
+RequestID = Header(None, alias="X-Request-ID", max_length=128,
+                   description="Retrying with the same ID returns what the first call made, never more.")
 
 
 @router.post("", status_code=201, response_model=SandboxBody, responses=ERRORS)
@@ -26,24 +29,31 @@ async def create(
     body: CreateRequest,
     request: Request,
     caller: str = Depends(tenant),
-    request_id: str | None = Header(None, alias="X-Request-ID", max_length=128,
-                                    description="Retrying with the same ID returns the same sandbox."),
+    request_id: str | None = RequestID,
 ) -> dict[str, Any]:
-    """Start a sandbox; it is running when this answers."""
+    """Start a sandbox from an image or one of the caller's snapshots; it is running when this answers."""
     fleet: Engine = engine(request)
+    check_source(request, body.image, caller)
     limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb)
-    params = body.model_dump()
-    registry = request.app.state.creates
-    entry = registry.start(caller, request_id, params, lambda: fleet.create(
+    info = await _once(request, caller, request_id, body.model_dump(), lambda: fleet.create(
         body.image, limits=limits, env=body.env, labels=body.labels, deadline=body.deadline,
-        detached=body.detached, tenant=caller,
+        detached=body.detached, persistence=body.persistence, priority=body.priority,
+        idle_timeout=body.idle_timeout, tenant=caller,
     ))
-    info = await asyncio.shield(entry.future)
+    return info_to_json(info)
+
+
+async def _once(request: Request, caller: str, request_id: str | None, params: dict[str, Any],
+                run: Callable[[], Awaitable[Made]]) -> Made:
+    """What ``run`` made, made once per request ID; killed if the caller left and never came back for it."""
+    registry = request.app.state.creates
+    entry = registry.start(caller, request_id, params, run)
+    made = await asyncio.shield(entry.future)
     if await request.is_disconnected():
         registry.abandoned(entry, request_id)
     else:
         registry.claimed(entry)
-    return info_to_json(info)
+    return made
 
 
 @router.get("", response_model=list[SandboxBody], responses=ERRORS)
@@ -104,3 +114,40 @@ async def exec_command(body: ExecRequest, request: Request, sandbox_id: str = De
     if streaming:
         return StreamingResponse(ndjson_events(queue, task, "result"), media_type=NDJSON)
     return JSONResponse(await until_disconnect(request, task))
+
+
+@router.post("/{sandbox_id}/fork", status_code=201, response_model=ForkBody, responses=ERRORS)
+async def fork(
+    body: ForkRequest,
+    request: Request,
+    sandbox_id: str = Depends(owned_sandbox),
+    caller: str = Depends(tenant),
+    request_id: str | None = RequestID,
+) -> dict[str, Any]:
+    """Checkpoint the running sandbox (processes too) and restore ``count`` children from it; they
+    are running when this answers. The parent is frozen only for the checkpoint."""
+    fleet: Engine = engine(request)
+    params = {"fork": sandbox_id, **body.model_dump()}
+    result = await _once(request, caller, request_id, params, lambda: fleet.fork(sandbox_id, body.count, cmd=body.cmd))
+    return fork_to_json(result)
+
+
+_LIFECYCLE = {
+    "pause": "Freeze the sandbox's processes; its memory stays resident. Any later call wakes it.",
+    "unpause": "Thaw a paused sandbox.",
+    "suspend": "Checkpoint the sandbox's processes to disk and stop them, freeing memory. Any later call resumes it.",
+    "resume": "Restore a suspended sandbox's processes from disk.",
+    "reset": "Return the sandbox to the image or snapshot it was made from (same id, fresh disk and processes).",
+}
+
+
+def _lifecycle_route(verb: str, summary: str) -> None:
+    async def route(request: Request, sandbox_id: str = Depends(owned_sandbox)) -> dict[str, Any]:
+        return info_to_json(await getattr(engine(request), verb)(sandbox_id))
+
+    route.__doc__ = summary
+    router.post(f"/{{sandbox_id}}/{verb}", response_model=SandboxBody, responses=ERRORS, name=verb)(route)
+
+
+for _verb, _summary in _LIFECYCLE.items():
+    _lifecycle_route(_verb, _summary)

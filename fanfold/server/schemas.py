@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..engine.states import MAX_FORK
+
+PersistenceName = Literal["ephemeral", "sticky", "persistent"]
+IDLE_TIMEOUT_MAX = 30 * 86400
 
 
 class _Body(BaseModel):
@@ -12,7 +17,8 @@ class _Body(BaseModel):
 
 
 class CreateRequest(_Body):
-    image: str = Field("host", min_length=1, max_length=256, description="Image id or base name.")
+    image: str = Field("host", min_length=1, max_length=256,
+                       description="Image id or base name, or the id or name of one of the caller's snapshots.")
     cpus: float = Field(1.0, ge=0.01, le=1024, description="CPU quota in cores.")
     memory_mb: int = Field(512, ge=16, le=1 << 22)
     pids: int = Field(256, ge=8, le=1 << 22)
@@ -21,6 +27,31 @@ class CreateRequest(_Body):
     labels: dict[str, str] = Field(default_factory=dict)
     deadline: float | None = Field(None, gt=0, le=365 * 86400, description="Hard lifetime in seconds.")
     detached: bool = Field(False, description="Outlive the creating client (until killed or its deadline).")
+    persistence: PersistenceName = Field("ephemeral", description=(
+        "ephemeral: dies with its creator, destroyed when idle; sticky: kept suspended when idle, evicted under"
+        " pressure (lowest priority first); persistent: kept suspended when idle, until killed."))
+    priority: int = Field(0, ge=0, le=10, description="Eviction order of sticky sandboxes: the lowest go first.")
+    idle_timeout: float | None = Field(None, gt=0, le=IDLE_TIMEOUT_MAX, description=(
+        "Seconds without a call before it is suspended (ephemeral: destroyed)."))
+
+
+class SnapshotRequest(_Body):
+    memory: bool = Field(False, description="Also checkpoint the processes (CRIU), not only the disk.")
+    name: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$",
+                             description="Keeps it from gc, and create takes it as the image; not starting with snap-.")
+
+    @field_validator("name")
+    @classmethod
+    def _not_an_id(cls, name: str | None) -> str | None:
+        if name is not None and name.startswith("snap-"):
+            raise ValueError("a snapshot name must not start with 'snap-' (ids do)")
+        return name
+
+
+class ForkRequest(_Body):
+    count: int = Field(ge=1, le=MAX_FORK, description="How many children to restore from one checkpoint of the parent.")
+    cmd: str | list[str] | None = Field(None, description=(
+        "Run in each child once restored (e.g. to reseed): a shell string or an argv list."))
 
 
 class LimitsBody(BaseModel):
@@ -39,6 +70,10 @@ class SandboxBody(BaseModel):
     created_at: float
     deadline_at: float | None
     detached: bool
+    source: str = Field(description="The image or snapshot id it was made from, and that reset returns it to.")
+    persistence: PersistenceName
+    priority: int
+    idle_timeout: float | None
 
 
 class ExecRequest(_Body):
@@ -61,6 +96,33 @@ class ExecResultBody(BaseModel):
     stderr_truncated: bool
     duration_s: float
     limits_hit: list[str]
+
+
+class SnapshotBody(BaseModel):
+    id: str
+    parent: str = Field(description="The snapshot or image the sandbox was made from.")
+    image_id: str
+    sandbox_id: str
+    memory: bool
+    kind: str = Field(description="snapshot, fork or suspend.")
+    created_at: float
+    size_bytes: int
+    name: str | None
+    limits: LimitsBody | None
+
+
+class ForkBody(BaseModel):
+    parent_id: str
+    children: list[SandboxBody]
+    snapshot_id: str
+    parent_pause_ms: float
+    total_ms: float
+    setup: list[ExecResultBody] = Field(description="The result of cmd in each child, in order.")
+    user_random_copied: bool
+
+
+class GcBody(BaseModel):
+    removed: list[str] = Field(description="Ids of the snapshots removed.")
 
 
 class FileEntryBody(BaseModel):

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Idempotent build of CRIU >= 4.1 from Debian trixie's source package, as root, into
+# /usr/local/lib/fanfold/criu/criu (fanfold.config.DEFAULT_CRIU). Debian 12's criu 3.17
+# fails `criu check` on current kernels; fanfold uses this binary for memory snapshots,
+# fork and suspend. The patches in scripts/criu/*.patch are applied (patch -p1).
+#
+# A stamp beside the binary records the version, the build options and the sha256 of
+# each patch: when it matches and `criu check` says "Looks good", nothing is done (no
+# network). Otherwise the source is fetched through a private apt configuration (the
+# host's sources are left alone), verified against the archive's SHA256, built in a
+# temporary directory and installed atomically.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive LC_ALL=C
+
+here="$(cd "$(dirname "$0")" && pwd)"
+DEST_DIR=/usr/local/lib/fanfold/criu
+BIN="$DEST_DIR/criu"
+STAMP="$DEST_DIR/criu.stamp"
+SUITE_SOURCE="deb-src http://deb.debian.org/debian trixie main"
+MIN_VERSION=4.1
+# kerndat cache: CRIU keeps RUNDIR/criu.kdat only on a tmpfs; /run is not one everywhere.
+RUNDIR=/dev/shm
+
+die() { echo "setup: criu: $*" >&2; exit 1; }
+
+(( EUID == 0 )) || die "must run as root"
+
+# What the build depends on: build options and patches (the version is added once known).
+recipe="rundir=$RUNDIR"
+shopt -s nullglob
+patches=("$here"/criu/*.patch)
+shopt -u nullglob
+for p in "${patches[@]}"; do
+    recipe+=$'\n'"patch=$(basename "$p") sha256:$(sha256sum "$p" | cut -d' ' -f1)"
+done
+
+mkdir -p "$DEST_DIR"
+exec 9>"$DEST_DIR/.lock"
+flock 9 || die "cannot lock $DEST_DIR/.lock"
+
+binary_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p'; }
+looks_good() { local out; out="$("$1" check 2>&1)" && [[ "$out" == *"Looks good"* ]]; }
+
+if [[ -x "$BIN" && -f "$STAMP" ]]; then
+    version="$(binary_version "$BIN" || true)"
+    if [[ -n "$version" && "$(cat "$STAMP")" == "version=$version"$'\n'"$recipe" ]] && looks_good "$BIN"; then
+        exit 0
+    fi
+fi
+
+# Build and runtime dependencies (only the missing ones). CRIU restores network
+# namespaces with `ip` and `iptables-restore`.
+PACKAGES=(gcc libc6-dev make pkg-config xz-utils patch ca-certificates
+          libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf
+          libnl-3-dev libcap-dev libnet1-dev libbsd-dev libgnutls28-dev libaio-dev uuid-dev libnftables-dev
+          iproute2 iptables)
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if (( ${#missing[@]} )); then
+    echo "setup: installing CRIU build dependencies: ${missing[*]}"
+    apt-get update -qq || die "apt-get update failed"
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+        || die "apt-get install ${missing[*]} failed"
+fi
+
+work="$(mktemp -d "${TMPDIR:-/var/tmp}/fanfold-criu.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+
+# A private apt configuration that knows only trixie's sources: nothing of the host's
+# apt state (sources, lists, caches) is read or written.
+mkdir -p "$work/apt/lists/partial" "$work/apt/cache/archives/partial"
+echo "$SUITE_SOURCE" >"$work/apt/sources.list"
+APT=(apt-get -q
+     -o "Dir::Etc::sourcelist=$work/apt/sources.list" -o Dir::Etc::sourceparts=-
+     -o "Dir::State::Lists=$work/apt/lists" -o "Dir::Cache=$work/apt/cache"
+     -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache=
+     -o APT::Sandbox::User=root)
+"${APT[@]}" -qq update >"$work/apt.log" 2>&1 \
+    || { cat "$work/apt.log" >&2; die "apt-get update of '$SUITE_SOURCE' failed"; }
+uris="$("${APT[@]}" source --print-uris criu 2>"$work/apt.log")" \
+    || { cat "$work/apt.log" >&2; die "no criu source package in '$SUITE_SOURCE'"; }
+
+# Only the upstream tarball is used: 'URI' criu_X.Y.Z.orig.tar.xz SIZE SHA256:HEX
+line="$(grep -E "^'[^']*/criu_[^']*\.orig\.tar\.[a-z0-9]+' " <<<"$uris" | head -n1 || true)"
+[[ -n "$line" ]] || die "no .orig tarball in the criu source package: $uris"
+read -r uri file _size hash <<<"$line"
+uri="${uri//\'/}"
+[[ "$hash" == SHA256:* ]] || die "no SHA256 for $file (got '$hash')"
+sha256="${hash#SHA256:}"
+version="${file#criu_}"
+version="${version%.orig.tar.*}"
+dpkg --compare-versions "$version" ge "$MIN_VERSION" \
+    || die "trixie has criu $version, older than $MIN_VERSION"
+
+echo "setup: building CRIU $version from Debian trixie source (about a minute)"
+/usr/lib/apt/apt-helper -o APT::Sandbox::User=root download-file "$uri" "$work/$file" "SHA256:$sha256" \
+    >"$work/download.log" 2>&1 \
+    || { cat "$work/download.log" >&2; die "download of $uri failed"; }
+echo "$sha256  $work/$file" | sha256sum --check --status || die "$file does not match SHA256 $sha256"
+
+mkdir "$work/src"
+tar -xf "$work/$file" -C "$work/src" --strip-components=1 || die "cannot unpack $file"
+for p in "${patches[@]}"; do
+    patch -d "$work/src" -p1 --batch --forward --quiet <"$p" >"$work/patch.log" 2>&1 \
+        || { cat "$work/patch.log" >&2; die "patch $(basename "$p") does not apply to criu $version"; }
+done
+make -C "$work/src" -j"$(nproc)" criu RUNDIR="$RUNDIR" >"$work/build.log" 2>&1 \
+    || { tail -n 40 "$work/build.log" >&2; die "build of criu $version failed (make criu)"; }
+built="$work/src/criu/criu"
+[[ "$(binary_version "$built")" == "$version" ]] \
+    || die "built binary reports version '$(binary_version "$built")', expected $version"
+
+# Atomic install: a temporary name in the same directory, then rename; the stamp last.
+install -m 0755 -s "$built" "$BIN.tmp.$$" || die "cannot write $BIN.tmp.$$"
+mv -f "$BIN.tmp.$$" "$BIN"
+printf 'version=%s\n%s\n' "$version" "$recipe" >"$STAMP.tmp.$$"
+mv -f "$STAMP.tmp.$$" "$STAMP"
+
+out="$("$BIN" check 2>&1)" || true
+[[ "$out" == *"Looks good"* ]] || { echo "$out" >&2; die "\`$BIN check\` failed on this kernel ($(uname -r))"; }

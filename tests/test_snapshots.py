@@ -1,0 +1,286 @@
+"""Snapshots, fork, pause, suspend, resume and reset against real CRIU, crun and processes.
+
+Each test runs embedded and over the unix socket (the TCP client is the same code);
+the CRIU failure test swaps in a CRIU told to fail mid-dump, so it runs embedded only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import time
+
+import pytest
+
+from fanfold import AsyncFleet, CheckpointFailed, EngineConfig, SnapshotInUse, SnapshotNotFound
+from fanfold.host import cgroups
+
+from conftest import fleet_args
+
+COUNTER = "nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done' >/dev/null 2>&1 &"
+SERVER = (
+    "nohup python3 -c \"import http.server, socketserver; socketserver.TCPServer(('127.0.0.1', 8000),"
+    " http.server.SimpleHTTPRequestHandler).serve_forever()\" >/dev/null 2>&1 &"
+)
+LOOPS = ["pgrep", "-c", "-f", "while :"]  # argv, so no shell of ours matches
+GET = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/').status)\""
+
+
+@pytest.fixture(params=["embedded", "unix"])
+async def sfleet(request: pytest.FixtureRequest, config: EngineConfig):
+    async with AsyncFleet(**fleet_args(request.param, request, config)) as fleet:
+        yield fleet
+
+
+async def count(sandbox) -> int:
+    return int((await sandbox.exec("cat /tmp/count")).text)
+
+
+async def advances(sandbox) -> bool:
+    """True once the counter moves (it ticks every 20 ms while the sandbox runs)."""
+    first = await count(sandbox)
+    await sandbox.exec("sleep 0.1")
+    return await count(sandbox) > first
+
+
+async def test_fork_children_run_on_apart(sfleet):
+    async with await sfleet.create() as parent:
+        await parent.exec(COUNTER)
+        await parent.files.write("/root/before", "before\n")
+        fork = await parent.fork(3)
+        try:
+            assert fork.result.parent_pause_ms > 0 and fork.result.total_ms >= fork.result.parent_pause_ms
+            assert fork.result.user_random_copied
+            await fork.children[0].files.write("/root/after", "only here\n")
+            for child in [parent, *fork.children]:
+                assert await advances(child)
+                assert (await child.exec("cat /root/before")).text == "before\n"
+            assert [await c.exec("cat /root/after") for c in fork.children][0].ok
+            assert not any([(await c.exec("cat /root/after")).ok for c in fork.children[1:] + [parent]])
+            ids = {parent.id, *(c.id for c in fork.children)}
+            assert len(ids) == 4
+            names = {(await c.exec("hostname")).text.strip() for c in fork.children}
+            assert names == {c.id for c in fork.children}
+            randoms = {(await c.exec("head -c 16 /dev/urandom | od -An -tx1")).text for c in fork.children}
+            assert len(randoms) == 3
+            # own pid and network namespaces: each child can bind the same port
+            for child in fork.children:
+                assert (await child.exec(SERVER)).ok
+            for child in fork.children:
+                assert (await child.exec(GET + " || (sleep 1; " + GET + ")", timeout=30)).text.strip().endswith("200")
+        finally:
+            await asyncio.gather(*(c.kill() for c in fork.children))
+
+
+async def test_fork_runs_a_command_in_each_child(sfleet):
+    async with await sfleet.create() as parent:
+        fork = await parent.fork(2, cmd="hostname > /root/me; cat /root/me")
+        try:
+            assert [r.text.strip() for r in fork.result.setup] == [c.id for c in fork.children]
+        finally:
+            await asyncio.gather(*(c.kill() for c in fork.children))
+
+
+async def test_rm_rf_in_a_child_harms_no_one(sfleet):
+    async with await sfleet.create() as parent:
+        await parent.exec(COUNTER)
+        fork = await parent.fork(2)
+        try:
+            victim, sibling = fork.children
+            await victim.exec("rm -rf --no-preserve-root / 2>/dev/null", timeout=120)
+            assert await advances(sibling) and await advances(parent)
+            assert (await sibling.exec("ls /usr/bin | wc -l")).text.strip() != "0"
+        finally:
+            await asyncio.gather(*(c.kill() for c in fork.children))
+
+
+async def test_fork_of_a_fork_and_of_a_suspended_sandbox(sfleet):
+    async with await sfleet.create() as parent:
+        await parent.exec(COUNTER)
+        first = await parent.fork(1)
+        child = first.children[0]
+        try:
+            second = await child.fork(1)
+            grandchild = second.children[0]
+            assert await advances(grandchild)
+            await grandchild.kill()
+            suspended = await parent.suspend()
+            assert suspended.state == "suspended"
+            third = await parent.fork(1)
+            assert await advances(third.children[0]) and await advances(parent)
+            await third.children[0].kill()
+        finally:
+            await child.kill()
+
+
+async def test_a_listening_server_answers_after_resume_and_in_a_restored_copy(sfleet):
+    async with await sfleet.create() as sandbox:
+        await sandbox.exec(SERVER)
+        assert (await sandbox.exec(GET + " || (sleep 1; " + GET + ")", timeout=30)).text.strip().endswith("200")
+        await sandbox.suspend()
+        assert (await sandbox.exec(GET)).text.strip() == "200"
+        snapshot = await sandbox.snapshot(memory=True)
+        async with await sfleet.create(snapshot.id) as copy:
+            assert (await copy.exec(GET)).text.strip() == "200"
+
+
+async def test_three_suspend_resume_cycles_lose_nothing(sfleet):
+    async with await sfleet.create() as sandbox:
+        await sandbox.exec(COUNTER)
+        for cycle in range(3):
+            await sandbox.files.write(f"/root/file{cycle}", f"{cycle}\n")
+            before = await count(sandbox)
+            info = await sandbox.suspend()
+            assert info.state == "suspended"
+            assert (await sandbox.resume()).state == "running"
+            assert await count(sandbox) >= before
+            assert await advances(sandbox)
+        assert (await sandbox.exec("cat /root/file0 /root/file1 /root/file2")).text == "0\n1\n2\n"
+        assert (await sandbox.exec(LOOPS)).text.strip() == "1"
+
+
+async def test_any_call_resumes_a_suspended_or_paused_sandbox(sfleet, config):
+    async with await sfleet.create() as sandbox:
+        await sandbox.exec(COUNTER)
+        assert (await sandbox.pause()).state == "paused"
+        assert cgroups.frozen(config.cgroup_parent, sandbox.id)
+        assert (await sandbox.unpause()).state == "running"
+        assert not cgroups.frozen(config.cgroup_parent, sandbox.id)
+        await sandbox.pause()
+        assert await advances(sandbox)  # exec thawed it
+        assert (await sandbox.refresh()).state == "running"
+        await sandbox.suspend()
+        assert (await sandbox.files.read("/tmp/count")).strip().isdigit()
+        assert (await sandbox.refresh()).state == "running"
+
+
+async def test_disk_snapshot_starts_fresh_processes_on_the_saved_disk(sfleet):
+    async with await sfleet.create() as sandbox:
+        await sandbox.exec(COUNTER)
+        await sandbox.exec("echo kept > /root/kept; rm /etc/hostname 2>/dev/null; echo gone > /usr/local/gone")
+        snapshot = await sandbox.snapshot()
+        assert not snapshot.memory and snapshot.parent == sandbox.info.image_id
+        async with await sfleet.create(snapshot.id) as copy:
+            assert (await copy.exec("cat /root/kept /usr/local/gone")).text == "kept\ngone\n"
+            assert (await copy.exec(LOOPS)).text.strip() == "0"
+            assert copy.info.source == snapshot.id
+
+
+async def test_memory_snapshot_continues_where_it_stopped(sfleet):
+    async with await sfleet.create(memory_mb=256) as sandbox:
+        await sandbox.exec(COUNTER)
+        snapshot = await sandbox.snapshot(memory=True)
+        assert snapshot.memory and snapshot.size_bytes > 0 and snapshot.limits.memory_mb == 256
+        async with await sfleet.create(snapshot.id) as copy:
+            assert await advances(copy)
+            assert copy.info.limits.memory_mb == 256
+
+
+async def test_reset_returns_to_the_image_or_snapshot(sfleet):
+    async with await sfleet.create() as sandbox:
+        await sandbox.exec(COUNTER)
+        await sandbox.exec("echo dirty > /root/dirty")
+        info = await sandbox.reset()
+        assert info.state == "running" and info.id == sandbox.id
+        assert not (await sandbox.exec("cat /root/dirty")).ok
+        assert not (await sandbox.exec("cat /tmp/count")).ok
+        await sandbox.exec(COUNTER)
+        snapshot = await sandbox.snapshot(memory=True)
+        async with await sfleet.create(snapshot) as copy:
+            await copy.exec("echo dirty > /root/dirty; pkill -f 'while :' || true")
+            await copy.reset()
+            assert not (await copy.exec("cat /root/dirty")).ok
+            assert await advances(copy)
+
+
+async def test_lineage_delete_and_gc(sfleet):
+    async with await sfleet.create() as sandbox:
+        await sandbox.exec("echo 1 > /root/one")
+        first = await sandbox.snapshot(name=f"first-{sandbox.id}")
+        async with await sfleet.create(first.name) as child:
+            await child.exec("echo 2 > /root/two")
+            second = await child.snapshot()
+            assert second.parent == first.id
+            unnamed = await child.snapshot()
+        with pytest.raises(SnapshotInUse):
+            await sfleet.delete_snapshot(first.id)
+        removed = await sfleet.gc()
+        assert second.id in removed and unnamed.id in removed and first.id not in removed
+        with pytest.raises(SnapshotNotFound):
+            await sfleet.get_snapshot(second.id)
+        async with await sfleet.create(first.id) as again:
+            assert (await again.exec("cat /root/one")).text == "1\n"
+    await sfleet.delete_snapshot(first.id)
+    assert first.id not in {s.id for s in await sfleet.snapshots()}
+
+
+async def test_criu_failing_mid_dump_leaves_the_parent_running_and_nothing_behind(config, tmp_path):
+    failing = tmp_path / "criu"
+    failing.write_text(f'#!/bin/sh\nCRIU_FAULT=3 exec {config.criu} "$@"\n')  # 3: fail while dumping pages
+    failing.chmod(failing.stat().st_mode | stat.S_IEXEC)
+    broken = EngineConfig(state_dir=config.state_dir, criu=str(failing))
+    async with AsyncFleet(config=broken) as fleet:
+        async with await fleet.create() as parent:
+            await parent.exec(COUNTER)
+            snapshots = {s.id for s in await fleet.snapshots()}
+            sandboxes = {s.id for s in await fleet.list()}
+            with pytest.raises(CheckpointFailed, match="CRIU could not checkpoint"):
+                await parent.fork(2)
+            with pytest.raises(CheckpointFailed):
+                await parent.suspend()
+            assert (await parent.refresh()).state == "running"
+            assert await advances(parent)
+            assert {s.id for s in await fleet.snapshots()} == snapshots
+            assert {s.id for s in await fleet.list()} == sandboxes
+            assert not list((config.state_dir / "snapshots").glob(".tmp-*"))
+
+
+async def test_idle_timeout_and_persistence(config):
+    async with AsyncFleet(config=config) as fleet:
+        ephemeral = await fleet.create(idle_timeout=0.5)
+        kept = await fleet.create(persistence="persistent", idle_timeout=0.5)
+        try:
+            assert kept.info.detached
+            await kept.exec(COUNTER)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                states = {s.id: s.state for s in await fleet.list()}
+                if ephemeral.id not in states and states.get(kept.id) == "suspended":
+                    break
+                await asyncio.sleep(0.2)
+            assert ephemeral.id not in states and states.get(kept.id) == "suspended"
+            assert await advances(kept)
+        finally:
+            await kept.kill()
+
+
+async def test_sticky_sandboxes_are_evicted_under_pressure_lowest_priority_first(config):
+    squeezed = EngineConfig(state_dir=config.state_dir, pressure_memory_mb=1 << 30)
+    async with AsyncFleet(config=config) as fleet:
+        low = await fleet.create(persistence="sticky", priority=1)
+        high = await fleet.create(persistence="sticky", priority=9)
+        kept = await fleet.create(persistence="persistent")
+        try:
+            async with AsyncFleet(config=squeezed) as pressured:
+                deadline = time.monotonic() + 20
+                while low.id in {s.id for s in await pressured.list()} and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                ids = {s.id for s in await pressured.list()}
+                assert low.id not in ids and high.id in ids and kept.id in ids
+        finally:
+            await asyncio.gather(low.kill(), high.kill(), kept.kill())
+
+
+async def test_bad_requests_are_clear(sfleet):
+    from fanfold import InvalidRequest
+
+    async with await sfleet.create() as sandbox:
+        for bad in (0, 65, -1):
+            with pytest.raises(InvalidRequest, match="count"):
+                await sandbox.fork(bad)
+        with pytest.raises(InvalidRequest, match="name"):
+            await sandbox.snapshot(name="snap-nope")
+        with pytest.raises(SnapshotNotFound):
+            await sfleet.create("snap-000000000000")
+        with pytest.raises(InvalidRequest, match="persistence"):
+            await sfleet.create(persistence="forever")
