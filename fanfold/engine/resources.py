@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import os
 import signal
 import shutil
@@ -19,6 +21,7 @@ from ..host.spawn import run
 from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
 
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 AGENT_PATH = "/.fanfold/agent"
 CHANNEL_PATH = "/.fanfold/run"
 
@@ -85,6 +88,7 @@ async def provision(
         ready_w = -1
         if await asyncio.wait_for(_read_once(ready_r), 30) != b"r":
             raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {_log_tail(where.bundle)}")
+        set_immutable(where.channel, True)
         return pid
     finally:
         os.close(ready_r)
@@ -113,10 +117,24 @@ async def restore(
     )
     # The image holds the source's freezer state (frozen while it was dumped) and hostname.
     cgroups.thaw(config.cgroup_parent, sandbox_id)
+    set_immutable(where.channel, True)
     done = await run(["nsenter", "-t", str(pid), "-u", "hostname", sandbox_id], timeout=30)
     if done.returncode != 0:
         raise InfrastructureError(f"naming restored sandbox {sandbox_id} failed: {done.stderr.decode()[-300:]}")
     return pid
+
+
+def set_immutable(directory: Path, on: bool) -> None:
+    """Lock the channel dir once the agent's socket is in it: root in the sandbox lacks
+    CAP_LINUX_IMMUTABLE, so not even ``rm -rf /`` can cut the sandbox off from its host."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+        flags[0] = flags[0] | FS_IMMUTABLE_FL if on else flags[0] & ~FS_IMMUTABLE_FL
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags)
+    finally:
+        os.close(fd)
 
 
 def criu_mounts(host_dirs: tuple[str, ...]) -> Mounts:
@@ -174,7 +192,9 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     for point in mounts.mounts_under(where.root):
         mounts.umount(point)
     cgroups.remove(config.cgroup_parent, sandbox_id)
-    shutil.rmtree(where.channel, ignore_errors=True)
+    if where.channel.exists():
+        set_immutable(where.channel, False)
+        shutil.rmtree(where.channel, ignore_errors=True)
     if mounts.mounts_under(where.root):  # never recurse into a live mount
         raise InfrastructureError(f"sandbox {sandbox_id} still has mounts under {where.root}")
     shutil.rmtree(where.root, ignore_errors=True)

@@ -85,13 +85,26 @@ class SandboxStates:
             shutil.rmtree(staged, ignore_errors=True)
 
     async def _freeze(self: Engine, sandbox_id: str) -> None:
-        poll = Path(cgroups.freeze_start(self.config.cgroup_parent, sandbox_id))
+        """Freeze the sandbox at a point CRIU can dump: no process stuck in uninterruptible sleep.
+
+        A vfork parent waits in that state until its child execs; if the child froze first,
+        the parent can never be seized. Thawing for a moment lets the exec happen.
+        """
+        parent = self.config.cgroup_parent
         deadline = time.monotonic() + FREEZE_TIMEOUT_S
-        while not cgroups.is_frozen_text(poll.read_text()):
+        while True:
+            poll = Path(cgroups.freeze_start(parent, sandbox_id))
+            while not cgroups.is_frozen_text(poll.read_text()):
+                if time.monotonic() > deadline:
+                    _thaw_quietly(parent, sandbox_id)
+                    raise InfrastructureError(f"sandbox {sandbox_id} did not freeze within {FREEZE_TIMEOUT_S:.0f} s")
+                await asyncio.sleep(0.0005)
+            if not cgroups.blocked_tasks(parent, sandbox_id):
+                return
+            _thaw_quietly(parent, sandbox_id)
             if time.monotonic() > deadline:
-                _thaw_quietly(self.config.cgroup_parent, sandbox_id)
-                raise InfrastructureError(f"sandbox {sandbox_id} did not freeze within {FREEZE_TIMEOUT_S:.0f} s")
-            await asyncio.sleep(0.0005)
+                raise CheckpointFailed(f"sandbox {sandbox_id} keeps processes in uninterruptible sleep; try again")
+            await asyncio.sleep(0.002)
 
     async def snapshots(self: Engine, *, tenant: str | None = None) -> list[SnapshotInfo]:
         """Every snapshot (of ``tenant`` only, when given), oldest first; ``parent`` links the tree."""

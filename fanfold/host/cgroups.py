@@ -146,6 +146,17 @@ def _freezer(parent: str, sandbox_id: str) -> tuple[Path, str, str, str]:
     return base / "freezer.state", "FROZEN", "THAWED", str(base / "freezer.state")
 
 
+def blocked_tasks(parent: str, sandbox_id: str) -> list[int]:
+    """Processes of a sandbox in uninterruptible sleep (a vfork parent whose child froze before exec)."""
+    procs = _freezer(parent, sandbox_id)[0].parent / "cgroup.procs"
+    blocked = []
+    for pid in _read(procs).split():
+        stat = _read(Path(f"/proc/{pid}/stat"))
+        if stat and stat.rsplit(")", 1)[-1].split()[:1] == ["D"]:
+            blocked.append(int(pid))
+    return blocked
+
+
 def frozen(parent: str, sandbox_id: str) -> bool:
     try:
         return is_frozen_text(Path(_freezer(parent, sandbox_id)[3]).read_text())

@@ -59,7 +59,7 @@ class Criu:
         """Dump the tree under ``pid`` into ``images``; with ``leave_running`` it goes on, else it is killed."""
         self.check_installed()
         argv = [self.binary, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--root", str(root),
-                "--freeze-cgroup", str(freezer), *COMMON, *mounts.dump_args()]
+                "--freeze-cgroup", str(freezer), "--timeout", "5", *COMMON, *mounts.dump_args()]
         if leave_running:
             argv.append("--leave-running")
         done = await run(argv, timeout=300)
