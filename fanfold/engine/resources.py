@@ -17,6 +17,7 @@ from ..host import cgroups, mounts, setup
 from ..images import Image, LayerStore
 from ..images.rootfs import mount_rootfs
 from ..models import Limits
+from ..host.netns import new_netns
 from ..host.spawn import run
 from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
@@ -112,9 +113,14 @@ async def restore(
     where.bundle.mkdir()
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
     binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})
-    pid = await criu.restore(
-        images, work=where.bundle, root=where.rootfs, cgroup=f"/{config.cgroup_parent}/{sandbox_id}", binds=binds,
-    )
+    netns = new_netns()
+    try:
+        pid = await criu.restore(
+            images, work=where.bundle, root=where.rootfs, cgroup=f"/{config.cgroup_parent}/{sandbox_id}", binds=binds,
+            netns=netns,
+        )
+    finally:
+        os.close(netns)  # the restored processes hold the namespace now
     # The image holds the source's freezer state (frozen while it was dumped) and hostname.
     cgroups.thaw(config.cgroup_parent, sandbox_id)
     set_immutable(where.channel, True)
