@@ -14,6 +14,7 @@ bench: setup
 	bash scripts/setup.sh --bench
 	.venv/bin/python bench/lifecycle.py --json
 	.venv/bin/python bench/api.py --json
+	.venv/bin/python bench/fork.py --json
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -273,7 +273,10 @@ class Engine(SandboxFiles, SandboxStates):
         try:
             pid, layers = await self._start(sandbox_id, source, limits)
         except BaseException as err:
+            raced = sandbox_id in self._destroying or self.db.get(sandbox_id) is None
             await asyncio.shield(self._destroy(sandbox_id))
+            if raced and not isinstance(err, asyncio.CancelledError):  # its deadline passed, or a kill came first
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created") from None
             if isinstance(err, OSError):
                 raise InfrastructureError(f"creating sandbox failed: {err}") from None
             raise
