@@ -162,7 +162,7 @@ class Engine(SandboxFiles, SandboxStates):
         leftovers = await self.runtime.list_ids()
         leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
         leftovers |= cgroups.leftover_ids(self.config.cgroup_parent)
-        leftovers |= {p.name for p in self.config.run_dir.glob("sb-*")}
+        leftovers |= {p.name.removesuffix(".sock") for p in self.config.run_dir.glob("sb-*")}  # .sock: before 0.4
         # Rows are written before resources exist: reading them after the scan keeps
         # another engine's create in flight from looking like a leftover.
         known = {row["id"] for row in self.db.rows()}

@@ -198,9 +198,10 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     for point in mounts.mounts_under(where.root):
         mounts.umount(point)
     cgroups.remove(config.cgroup_parent, sandbox_id)
-    if where.channel.exists():
+    if where.channel.is_dir():
         set_immutable(where.channel, False)
         shutil.rmtree(where.channel, ignore_errors=True)
+    where.channel.with_name(f"{sandbox_id}.sock").unlink(missing_ok=True)  # where older versions put the socket
     if mounts.mounts_under(where.root):  # never recurse into a live mount
         raise InfrastructureError(f"sandbox {sandbox_id} still has mounts under {where.root}")
     shutil.rmtree(where.root, ignore_errors=True)
