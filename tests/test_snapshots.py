@@ -47,15 +47,14 @@ async def test_fork_children_run_on_apart(sfleet):
     async with await sfleet.create() as parent:
         await parent.exec(COUNTER)
         await parent.files.write("/root/before", "before\n")
-        fork = await parent.fork(3)
-        try:
+        async with await parent.fork(3) as fork:
             assert fork.result.parent_pause_ms > 0 and fork.result.total_ms >= fork.result.parent_pause_ms
             assert fork.result.user_random_copied
             await fork.children[0].files.write("/root/after", "only here\n")
             for child in [parent, *fork.children]:
                 assert await advances(child)
                 assert (await child.exec("cat /root/before")).text == "before\n"
-            assert [await c.exec("cat /root/after") for c in fork.children][0].ok
+            assert (await fork.children[0].exec("cat /root/after")).ok
             assert not any([(await c.exec("cat /root/after")).ok for c in fork.children[1:] + [parent]])
             ids = {parent.id, *(c.id for c in fork.children)}
             assert len(ids) == 4
@@ -68,30 +67,22 @@ async def test_fork_children_run_on_apart(sfleet):
                 assert (await child.exec(SERVER)).ok
             for child in fork.children:
                 assert (await child.exec(GET + " || (sleep 1; " + GET + ")", timeout=30)).text.strip().endswith("200")
-        finally:
-            await asyncio.gather(*(c.kill() for c in fork.children))
 
 
 async def test_fork_runs_a_command_in_each_child(sfleet):
     async with await sfleet.create() as parent:
-        fork = await parent.fork(2, cmd="hostname > /root/me; cat /root/me")
-        try:
+        async with await parent.fork(2, cmd="hostname > /root/me; cat /root/me") as fork:
             assert [r.text.strip() for r in fork.result.setup] == [c.id for c in fork.children]
-        finally:
-            await asyncio.gather(*(c.kill() for c in fork.children))
 
 
 async def test_rm_rf_in_a_child_harms_no_one(sfleet):
     async with await sfleet.create() as parent:
         await parent.exec(COUNTER)
-        fork = await parent.fork(2)
-        try:
+        async with await parent.fork(2) as fork:
             victim, sibling = fork.children
             await victim.exec("rm -rf --no-preserve-root / 2>/dev/null", timeout=120)
             assert await advances(sibling) and await advances(parent)
             assert (await sibling.exec("ls /usr/bin | wc -l")).text.strip() != "0"
-        finally:
-            await asyncio.gather(*(c.kill() for c in fork.children))
 
 
 async def test_fork_of_a_fork_and_of_a_suspended_sandbox(sfleet):

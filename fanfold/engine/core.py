@@ -295,11 +295,10 @@ class Engine(SandboxFiles, SandboxStates):
         """What a sandbox is made from: (source id, root image, snapshot or None)."""
         if isinstance(ref, SnapshotInfo):
             ref = ref.id
-        if isinstance(ref, str) and ref not in BASES and not ref.startswith("img-"):
-            row = self.db.snapshot(ref)
-            if row is not None or ref.startswith(SNAPSHOT_PREFIX):
-                snapshot = dbmod.snapshot_info(self.snaps.row(ref))
-                return snapshot.id, self.store.load_image(snapshot.image_id), snapshot
+        snapshot_id = self.resolve_snapshot(ref)  # type: ignore[arg-type]
+        if snapshot_id is not None or (isinstance(ref, str) and ref.startswith(SNAPSHOT_PREFIX)):
+            snapshot = dbmod.snapshot_info(self.snaps.row(snapshot_id or ref))  # type: ignore[arg-type]
+            return snapshot.id, self.store.load_image(snapshot.image_id), snapshot
         img = await self.image(ref)  # type: ignore[arg-type]
         return img.id, img, None
 
@@ -373,16 +372,25 @@ class Engine(SandboxFiles, SandboxStates):
 
     @asynccontextmanager
     async def _using(self, sandbox_id: str) -> AsyncIterator[Any]:
-        """Hold the sandbox for a call, waking it first if paused or suspended."""
-        if self._known(sandbox_id)["state"] != "running":
+        """Hold the sandbox for a call, waking it first if paused or suspended.
+
+        Activity is stamped as the call starts and as it ends, so a long command does not
+        leave the sandbox looking idle the moment it finishes.
+        """
+        gate = self._gate(sandbox_id)
+        for _ in range(3):
+            async with gate.call():
+                row = self._known(sandbox_id)
+                if row["state"] == "running":
+                    self.db.touch(sandbox_id)
+                    try:
+                        yield row
+                    finally:
+                        self.db.touch(sandbox_id)
+                    return
             async with self._changing(sandbox_id):
-                pass
-        async with self._gate(sandbox_id).call():
-            row = self._known(sandbox_id)
-            if row["state"] != "running":
-                raise SandboxGone(f"sandbox {sandbox_id} was {row['state']} by another call; try again")
-            self.db.touch(sandbox_id)
-            yield row
+                pass  # woken; take the call again
+        raise SandboxGone(f"sandbox {sandbox_id} keeps being paused or suspended by other calls; try again")
 
     def _agent(self, sandbox_id: str) -> AgentClient:
         return AgentClient(str(resources.paths(self.config, sandbox_id).socket))
@@ -436,7 +444,7 @@ class Engine(SandboxFiles, SandboxStates):
             source = self.db.snapshot(row["source"])
             if source is not None and source["kind"] == "fork":
                 spent.add(source["id"])
-        await asyncio.to_thread(self.snaps.collect, spent)
+        await self._collect(spent)
 
     # -- exec ---------------------------------------------------------------------------------
 

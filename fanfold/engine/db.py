@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created_at REAL NOT NULL,
     tenant TEXT NOT NULL DEFAULT ''
 );
+CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
 """
 # Columns added after the first release: (name, SQL type and default). Old databases get them.
 LATER_COLUMNS = [
@@ -128,6 +129,10 @@ class Database:
 
     def snapshot_rows(self) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM snapshots ORDER BY created_at").fetchall()
+
+    def snapshot_ids(self, *, kind: str, sandbox_id: str) -> set[str]:
+        rows = self.conn.execute("SELECT id FROM snapshots WHERE kind=? AND sandbox_id=?", (kind, sandbox_id))
+        return {row["id"] for row in rows}
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.conn.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))

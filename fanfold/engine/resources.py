@@ -18,7 +18,7 @@ from ..images import Image, LayerStore
 from ..images.rootfs import mount_rootfs
 from ..models import Limits
 from ..host.netns import new_netns
-from ..host.spawn import run
+from ..host.spawn import log_tail, run
 from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
 
@@ -64,13 +64,7 @@ async def provision(
 
     The caller owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
-    where = paths(config, sandbox_id)
-    where.disk.mkdir(parents=True)
-    # A tmpfs per sandbox caps its writes at disk_mb, charges them to its memory cgroup,
-    # and makes destroy a single unmount.
-    mounts.mount_tmpfs(where.disk, limits.disk_mb)
-    mount_rootfs(store, image.layers, image.host_dirs, where.rootfs, where.disk)
-    where.channel.mkdir(mode=0o700)
+    where = _mount_disk(config, store, sandbox_id, image.layers, image.host_dirs, limits)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in image.services:
         args += [f"--{mode}", name, cmd]
@@ -88,7 +82,7 @@ async def provision(
         os.close(ready_w)
         ready_w = -1
         if await asyncio.wait_for(_read_once(ready_r), 30) != b"r":
-            raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {_log_tail(where.bundle)}")
+            raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {log_tail(where.bundle / 'runtime.log')}")
         set_immutable(where.channel, True)
         return pid
     finally:
@@ -105,11 +99,7 @@ async def restore(
 
     Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
     """
-    where = paths(config, sandbox_id)
-    where.disk.mkdir(parents=True)
-    mounts.mount_tmpfs(where.disk, limits.disk_mb)
-    mount_rootfs(store, layers, host_dirs, where.rootfs, where.disk)
-    where.channel.mkdir(mode=0o700)
+    where = _mount_disk(config, store, sandbox_id, layers, host_dirs, limits)
     where.bundle.mkdir()
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
     binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})
@@ -128,6 +118,21 @@ async def restore(
     if done.returncode != 0:
         raise InfrastructureError(f"naming restored sandbox {sandbox_id} failed: {done.stderr.decode()[-300:]}")
     return pid
+
+
+def _mount_disk(
+    config: EngineConfig, store: LayerStore, sandbox_id: str, layers: tuple[str, ...], host_dirs: tuple[str, ...],
+    limits: Limits,
+) -> Paths:
+    """The sandbox's disk, its root over ``layers``, and the empty channel dir."""
+    where = paths(config, sandbox_id)
+    where.disk.mkdir(parents=True)
+    # A tmpfs per sandbox caps its writes at disk_mb, charges them to its memory cgroup,
+    # and makes destroy a single unmount.
+    mounts.mount_tmpfs(where.disk, limits.disk_mb)
+    mount_rootfs(store, layers, host_dirs, where.rootfs, where.disk)
+    where.channel.mkdir(mode=0o700)
+    return where
 
 
 def set_immutable(directory: Path, on: bool) -> None:
@@ -165,13 +170,6 @@ async def _read_once(fd: int) -> bytes:
         return await got
     finally:
         loop.remove_reader(fd)
-
-
-def _log_tail(bundle: Path) -> str:
-    try:
-        return (bundle / "runtime.log").read_text(errors="replace")[-1500:].strip() or "(no output)"
-    except OSError:
-        return "(no log)"
 
 
 def _in_sandbox_cgroup(pid: int, cgroup: str) -> bool:

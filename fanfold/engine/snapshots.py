@@ -8,6 +8,7 @@ into place before the row is inserted, so a crash leaves no half snapshot behind
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -63,7 +64,7 @@ class SnapshotStore:
         os.rename(staged / "layer", self.layers.layer_path(info.id))
         os.rename(staged, self.dir / info.id)
         size = _size(self.layers.layer_path(info.id)) + _size(self.dir / info.id)
-        info = SnapshotInfo(**{**info.__dict__, "size_bytes": size})
+        info = dataclasses.replace(info, size_bytes=size)
         try:
             self.db.insert_snapshot(info, layers=layers, tenant=tenant)
         except sqlite3.IntegrityError:
@@ -76,9 +77,6 @@ class SnapshotStore:
         if row is None:
             raise SnapshotNotFound(f"no snapshot {ref!r}: it was never taken, or was deleted or collected")
         return row
-
-    def infos(self) -> list[SnapshotInfo]:
-        return [dbmod.snapshot_info(row) for row in self.db.snapshot_rows()]
 
     def drop_memory(self, snapshot_id: str) -> None:
         """Free a suspend snapshot's memory images once restored; its layer stays in use."""

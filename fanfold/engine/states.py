@@ -19,6 +19,7 @@ from ..errors import CheckpointFailed, InfrastructureError, InvalidRequest, Sand
 from ..host import cgroups
 from ..images.rootfs import copy_upper
 from ..models import ExecResult, ForkResult, Limits, SandboxInfo, SnapshotInfo
+from ..spec import BASES
 from . import db as dbmod
 from . import resources
 from . import snapshots as snapmod
@@ -115,8 +116,13 @@ class SandboxStates:
         return dbmod.snapshot_info(self.snaps.row(snapshot_id))
 
     def resolve_snapshot(self: Engine, ref: str) -> str | None:
-        """The snapshot id for an id or name, or None when it is neither."""
-        row = self.db.snapshot(ref) if isinstance(ref, str) and ref else None
+        """The snapshot a create's ``image`` names (its id or name), or None when it names an image.
+
+        Base names and image ids always mean the image, whatever a snapshot is called.
+        """
+        if not isinstance(ref, str) or not ref or ref in BASES or ref.startswith("img-"):
+            return None
+        row = self.db.snapshot(ref)
         return None if row is None else row["id"]
 
     def snapshot_tenant(self: Engine, ref: str) -> str | None:
@@ -157,7 +163,7 @@ class SandboxStates:
         failed = [c for c in made if isinstance(c, BaseException)]
         if failed:
             await asyncio.gather(*(self._destroy(c.id) for c in children), return_exceptions=True)
-            await asyncio.to_thread(self.snaps.collect, {snap.id})
+            await self._collect({snap.id})
             raise failed[0]
         setup: tuple[ExecResult, ...] = ()
         if cmd is not None:
@@ -235,11 +241,16 @@ class SandboxStates:
                 await asyncio.shield(self._destroy(sandbox_id))
                 raise
             self.db.update(sandbox_id, state="running", pid=pid, layers=layers)
-            await asyncio.to_thread(self.snaps.collect, self._own_suspends(sandbox_id))
+            await self._collect(self._own_suspends(sandbox_id))
         return await self.get(sandbox_id)
 
+    async def _collect(self: Engine, candidates: set[str]) -> None:
+        """Delete those of ``candidates`` nothing needs any more (most calls have none to offer)."""
+        if candidates:
+            await asyncio.to_thread(self.snaps.collect, candidates)
+
     def _own_suspends(self: Engine, sandbox_id: str) -> set[str]:
-        return {r["id"] for r in self.db.snapshot_rows() if r["kind"] == "suspend" and r["sandbox_id"] == sandbox_id}
+        return self.db.snapshot_ids(kind="suspend", sandbox_id=sandbox_id)
 
     # -- idle and pressure --------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 # Children whose status a caller of run() is waiting for: orphan reaping must leave them alone.
@@ -96,6 +97,14 @@ async def _wait(loop: asyncio.AbstractEventLoop, pid: int) -> int:
         return os.waitpid(pid, 0)[1]
     finally:
         WAITING.discard(pid)
+
+
+def log_tail(path: str | Path, size: int = 2000) -> str:
+    """The end of a log a detached program wrote (see ``run(log=...)``), for error messages."""
+    try:
+        return Path(path).read_text(errors="replace")[-size:].strip() or "(no output)"
+    except OSError:
+        return "(no log)"
 
 
 def _kill_and_reap(pid: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HostNotReady, InfrastructureError
-from ..host.spawn import Finished, run
+from ..host.spawn import Finished, log_tail, run
 from .base import ContainerSpec
 
 # The capabilities Docker grants by default: enough for package managers, not for mounts or modules.
@@ -91,7 +91,7 @@ class OciRuntime:
         argv = self._argv("run", "--detach", "--preserve-fds", "1", "--pid-file", str(pidfile), "--bundle", str(bundle), spec.id)
         done = await run(argv, fds={3: pass_fd}, log=str(log), timeout=60)
         if done.returncode != 0:
-            raise InfrastructureError(f"{self.name} could not start sandbox {spec.id}: {_tail(log)}")
+            raise InfrastructureError(f"{self.name} could not start sandbox {spec.id}: {log_tail(log)}")
         return int(pidfile.read_text().strip())
 
     async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:
@@ -112,10 +112,3 @@ class OciRuntime:
         if not self.root.is_dir():
             return set()
         return {p.name for p in self.root.iterdir() if p.is_dir()}
-
-
-def _tail(path: Path, size: int = 2000) -> str:
-    try:
-        return path.read_text(errors="replace")[-size:].strip() or "(no output)"
-    except OSError:
-        return "(no log)"

@@ -12,7 +12,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..engine import Engine
 from ..errors import FanfoldError, SandboxNotFound, SnapshotNotFound
-from ..spec import BASES
 from ..wire import error_to_json
 from .status import bug_body
 
@@ -55,8 +54,6 @@ def owned_snapshot(
 
 def check_source(request: Request, ref: str, caller: str) -> None:
     """A create's image may name a snapshot: then it must be the caller's (else 404, as for sandboxes)."""
-    if ref in BASES or ref.startswith("img-"):
-        return  # an image, whatever snapshot names exist: the engine reads it so, and images are shared
     resolved = engine(request).resolve_snapshot(ref)
     if resolved is not None and engine(request).snapshot_tenant(resolved) != caller:
         raise SnapshotNotFound(f"no snapshot {ref!r}")
