@@ -35,6 +35,30 @@ class EngineConfig:
     """Below this much available host memory the reaper evicts sticky sandboxes, lowest priority first."""
     pressure_disk_mb: int = 1024
     """Below this much free space in the state dir the reaper evicts sticky sandboxes too."""
+    max_creating: int = field(default_factory=lambda: _env_int("FANFOLD_MAX_CREATING", max(4, 2 * (os.cpu_count() or 1))))
+    """Sandboxes brought up at once; further creates queue (first come, first served)."""
+    max_queued: int = 10_000
+    """Creates allowed to wait in the queue; past this a create fails at once with CapacityExceeded."""
+    queue_timeout_s: float = 300.0
+    """How long a create waits for a slot and for host headroom by default (``queue_timeout=``)."""
+    max_sandboxes: int = field(default_factory=lambda: _env_int("FANFOLD_MAX_SANDBOXES", 4096))
+    """Live sandboxes (pooled ones included) the host holds at most."""
+    reserve_memory_mb: int = 256
+    """Host memory (MemAvailable) a create leaves free; below it creates wait for headroom."""
+    reserve_disk_mb: int = 512
+    """Free space in the state dir a create leaves free."""
+    reserve_pids: int = 2048
+    """Kernel tasks (of ``threads-max`` and ``pid_max``) a create leaves free."""
+    default_deadline_s: float = field(default_factory=lambda: float(_env_int("FANFOLD_DEFAULT_DEADLINE", 3600)))
+    """The deadline of every sandbox that is not persistent and was given none."""
+    lease_ttl_s: float = 30.0
+    """Default lease lifetime between heartbeats; a lease not renewed in time is reaped with its sandboxes."""
+    pools: tuple[tuple[str, int], ...] = field(default_factory=lambda: _env_pools(os.environ.get("FANFOLD_POOLS", "")))
+    """Warm pools kept from the start: (image or snapshot, size); ``FANFOLD_POOLS=host=8,img-x=4``."""
+    pool_auto_max: int = 64
+    """The most sandboxes a demand-sized pool (``size=None``) keeps warm."""
+    pool_window_s: float = 60.0
+    """How far back a demand-sized pool looks when it counts creates."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
@@ -52,6 +76,26 @@ class EngineConfig:
     @property
     def cgroup_parent(self) -> str:
         return f"fanfold-{self.tag}"
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, got {text!r}") from None
+
+
+def _env_pools(text: str) -> tuple[tuple[str, int], ...]:
+    pools = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        ref, _, size = item.rpartition("=")
+        if not ref or not size.isdigit():
+            raise ValueError(f"FANFOLD_POOLS entries are IMAGE=SIZE separated by commas, got {item!r}")
+        pools.append((ref, int(size)))
+    return tuple(pools)
 
 
 def env_url() -> str | None:

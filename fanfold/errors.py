@@ -9,6 +9,7 @@
     │   ├── ImageNotFound
     │   ├── SandboxNotFound
     │   ├── SnapshotNotFound
+    │   ├── LeaseNotFound       the lease expired (its sandboxes were reaped) or never existed
     │   └── FileNotFoundInSandbox
     ├── SandboxGone             the sandbox was destroyed (deadline, kill, crash)
     ├── SnapshotInUse           a snapshot that sandboxes or later snapshots still need
@@ -69,6 +70,12 @@ class ImageNotFound(NotFound):
     """No image or base of that name or id."""
 
     kind = "image_not_found"
+
+
+class LeaseNotFound(NotFound):
+    """No live lease with that id: it expired unrenewed (its sandboxes were reaped) or never existed."""
+
+    kind = "lease_not_found"
 
 
 class SandboxNotFound(NotFound):

@@ -82,6 +82,11 @@ class ExecResult:
     duration_s: float = 0.0
     limits_hit: tuple[str, ...] = ()
     """Limits the sandbox hit during the command: ``memory``, ``pids``."""
+    cpu_s: float = 0.0
+    """CPU time (user and system) the sandbox's cgroup used while the command ran."""
+    memory_peak_bytes: int = 0
+    """Peak memory of the sandbox's cgroup while the command ran (since the sandbox started,
+    when other commands overlapped it)."""
 
     @property
     def ok(self) -> bool:
@@ -201,3 +206,40 @@ class FileEntry:
     size: int
     mode: int
     mtime: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolInfo:
+    """A warm pool: sandboxes brought up ahead of need from one image or snapshot, with one set of limits."""
+
+    source: str
+    """The image or snapshot id its sandboxes are made from."""
+    limits: Limits
+    size: int | None
+    """Sandboxes to keep warm; None follows recent demand."""
+    target: int
+    """What it is filling to now (``size``, or the recent demand)."""
+    ready: int
+    filling: int
+    handouts: int = 0
+    """Creates it served."""
+    misses: int = 0
+    """Creates that found it empty and brought a sandbox up themselves."""
+    last_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseInfo:
+    """An owner's claim on its sandboxes: renew it before ``expires_at`` or they are destroyed."""
+
+    id: str
+    ttl: float
+    """Seconds a renewal keeps it alive."""
+    expires_at: float
+    sandboxes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -70,6 +70,7 @@ def result_to_json(result: ExecResult) -> dict[str, Any]:
         "stdout": b64(result.stdout), "stderr": b64(result.stderr),
         "stdout_truncated": result.stdout_truncated, "stderr_truncated": result.stderr_truncated,
         "duration_s": result.duration_s, "limits_hit": list(result.limits_hit),
+        "cpu_s": result.cpu_s, "memory_peak_bytes": result.memory_peak_bytes,
     }
 
 

@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -24,7 +25,7 @@ from .._agent.build import agent_binary
 from .._agent.client import AgentClient, AgentUnreachable
 from ..config import EngineConfig
 from ..errors import (
-    BuildFailed, HostNotReady, ImageNotFound, InfrastructureError, InvalidRequest,
+    BuildFailed, CapacityExceeded, HostNotReady, ImageNotFound, InfrastructureError, InvalidRequest,
     SandboxGone, SandboxNotFound,
 )
 from ..host import cgroups, safefs, setup
@@ -36,12 +37,16 @@ from ..runtime.criu import Criu
 from ..spec import BASES, EnvSpec
 from . import db as dbmod
 from . import resources
+from .admission import Admission
+from .host_ops import HostOperations, LEASE_PREFIX
 from .execution import build_result, check_exec_args
 from .files import SandboxFiles
 from .gate import Gate
+from .pools import Pools
 from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
 from .states import SandboxStates, _limits_of
+from .telemetry import Telemetry
 
 log = logging.getLogger("fanfold.engine")
 OnOutput = Callable[[str, bytes], Awaitable[None] | None]
@@ -55,9 +60,7 @@ def _owner_token() -> str:
     return f"{os.getpid()}:{start}:{secrets.token_hex(4)}"
 
 
-def _owner_alive(owner: str) -> bool:
-    if owner == "detached":
-        return True
+def _process_alive(owner: str) -> bool:
     pid, start = (owner.split(":") + [""])[:2]
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -70,7 +73,7 @@ def _pid_alive(pid: str) -> bool:
     return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
 
-class Engine(SandboxFiles, SandboxStates):
+class Engine(SandboxFiles, SandboxStates, HostOperations):
     """The async core every client drives, in-process or through the server."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -82,6 +85,7 @@ class Engine(SandboxFiles, SandboxStates):
         self._destroying: dict[str, asyncio.Future[None]] = {}
         self._gates: dict[str, Gate] = {}
         self._creating: set[asyncio.Task[object]] = set()
+        self._in_exec: dict[str, int] = {}
         self._closing = False
         self._started = False
 
@@ -108,9 +112,14 @@ class Engine(SandboxFiles, SandboxStates):
         self._db = dbmod.Database(cfg.state_dir / "fanfold.db")
         self.criu = Criu(cfg.criu)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, self._db)
+        self.admission = Admission(cfg, self._db.count)
+        self.telemetry = Telemetry(self._gauges)
+        self.pools = Pools(self)
         self._started = True
         await self.reconcile()
         self._reaper = asyncio.create_task(self._reap_forever())
+        for ref, size in cfg.pools:
+            await self.set_pool(ref, size)
 
     async def close(self) -> None:
         """Destroy the sandboxes this engine owns (not detached ones) and stop."""
@@ -119,6 +128,7 @@ class Engine(SandboxFiles, SandboxStates):
         self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
+        await self.pools.close()
         # Creates in flight finish (or fail) first, so none outlives the engine.
         await asyncio.gather(*list(self._creating), return_exceptions=True)
         for row in self.db.rows():
@@ -150,14 +160,16 @@ class Engine(SandboxFiles, SandboxStates):
         """Reap sandboxes whose owner died or whose deadline passed, and resources with no sandbox."""
         reaped = 0
         rows = {row["id"]: row for row in self.db.rows()}
+        for lease_id in self.db.expired_leases():
+            reaped += await self._reap_lease(lease_id)
         for sandbox_id, row in rows.items():
-            dead = not _owner_alive(row["owner"])
+            dead = not self._owner_alive(row["owner"])
             expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
             broken = row["state"] == "running" and row["pid"] and not os.path.exists(f"/proc/{row['pid']}")
             if dead or expired or broken:
                 await self._destroy(sandbox_id)
                 reaped += 1
-            elif row["claimed_by"] and not _owner_alive(row["claimed_by"]):
+            elif row["claimed_by"] and not _process_alive(row["claimed_by"]):
                 self.db.unclaim(sandbox_id)  # an engine died mid idle-suspend
         leftovers = await self.runtime.list_ids()
         leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
@@ -180,17 +192,31 @@ class Engine(SandboxFiles, SandboxStates):
                 shutil.rmtree(context, ignore_errors=True)
         return {"reaped": reaped}
 
+    def _owner_alive(self, owner: str) -> bool:
+        """Whether a row's owner still wants it: detached, a live lease, or a live engine process."""
+        if owner == "detached":
+            return True
+        if owner.startswith(LEASE_PREFIX):
+            lease = self.db.lease(owner.removeprefix(LEASE_PREFIX))
+            return lease is not None and lease["expires_at"] > dbmod.now()
+        return _process_alive(owner)
+
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             try:
                 setup.reap_orphans()
+                for lease_id in self.db.expired_leases():
+                    await self._reap_lease(lease_id)
                 for row in self.db.rows():
                     if row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now():
+                        self.telemetry.sandboxes_reaped.labels(reason="deadline").inc()
                         await self._destroy(row["id"])
-                    elif row["owner"] != self.owner and not _owner_alive(row["owner"]):
+                    elif row["owner"] != self.owner and not self._owner_alive(row["owner"]):
+                        self.telemetry.sandboxes_reaped.labels(reason="owner").inc()
                         await self._destroy(row["id"])
                 await self._apply_policies()
+                self.pools.maintain()
             except Exception:  # noqa: BLE001 - the reaper must outlive any one failure
                 log.exception("fanfold reaper: a pass failed; retrying in a second")
 
@@ -230,27 +256,38 @@ class Engine(SandboxFiles, SandboxStates):
         persistence: str = "ephemeral",
         priority: int = 0,
         idle_timeout: float | None = None,
+        lease: str | None = None,
+        queue_timeout: float | None = None,
     ) -> SandboxInfo:
         """Start a sandbox from an image or a snapshot (id or name); it is running when this returns.
 
         From a memory snapshot it continues where the snapshot stopped, with the snapshot's
         cpu, memory and pids limits. ``tenant`` names the server token the sandbox belongs to
-        ("" for local callers). Sticky and persistent sandboxes outlive their creator.
+        ("" for local callers). Sticky and persistent sandboxes outlive their creator; a
+        sandbox with a ``lease`` dies when the lease expires. A create waits up to
+        ``queue_timeout`` seconds for a slot and for host headroom before CapacityExceeded.
         """
         if self._closing or not self._started:
             raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
         task = asyncio.current_task()
         if task is not None:
             self._creating.add(task)
+        started = time.perf_counter()
         try:
-            return await self._create(
+            info, pooled = await self._create(
                 image, limits, env, labels, deadline, detached, tenant, _persistence(persistence, priority, idle_timeout),
+                self._owner_for(lease, tenant), _wait(queue_timeout, self.config.queue_timeout_s),
             )
+        except (InfrastructureError, CapacityExceeded) as err:
+            self.telemetry.create_failed_infra("capacity" if isinstance(err, CapacityExceeded) else "infra_error")
+            raise
         finally:
             if task is not None:
                 self._creating.discard(task)
+        self.telemetry.created(info.source, time.perf_counter() - started, pooled=pooled)
+        return info
 
-    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy) -> SandboxInfo:  # type: ignore[no-untyped-def]
+    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
         env, labels = _check_strings(env, "env"), _check_strings(labels, "labels")
@@ -262,14 +299,31 @@ class Engine(SandboxFiles, SandboxStates):
         source, img, snapshot = await self._source(image)
         limits = _limits_of(snapshot, limits) if snapshot is not None and snapshot.memory else limits or Limits()
         persistence, priority, idle_timeout = policy
-        sandbox_id = "sb-" + secrets.token_hex(6)
-        now = dbmod.now()
+        if deadline is None and persistence != "persistent":
+            deadline = self.config.default_deadline_s
+        detached = detached or persistence != "ephemeral"
+        if detached:
+            owner = "detached"
         info = SandboxInfo(
-            id=sandbox_id, state="creating", image_id=img.id, limits=limits, labels=labels, created_at=now,
-            deadline_at=now + deadline if deadline else None, detached=detached or persistence != "ephemeral",
+            id="", state="running", image_id=img.id, limits=limits, labels=labels, created_at=0.0, detached=detached,
             source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
         )
-        self.db.insert(info, owner="detached" if info.detached else self.owner, env=env, layers=(), tenant=tenant)
+        pooled_id = self.pools.take(source, limits)
+        if pooled_id is not None:
+            return self._hand_out(pooled_id, info, deadline, owner, env, tenant), True
+        async with self.admission.slot(wait, self._evict_for_room):
+            return await self._bring_up(info, deadline, owner, env, tenant), False
+
+    async def _bring_up(self, info: SandboxInfo, deadline: float | None, owner: str, env: dict[str, str], tenant: str,
+                        *, state: str = "running") -> SandboxInfo:
+        """Insert the row, then start the sandbox; on any failure release all it got."""
+        sandbox_id = "sb-" + secrets.token_hex(6)
+        now = dbmod.now()
+        info = dataclasses.replace(
+            info, id=sandbox_id, state="creating", created_at=now, deadline_at=now + deadline if deadline else None,
+        )
+        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant)
+        source, limits = info.source, info.limits
         try:
             pid, layers = await self._start(sandbox_id, source, limits)
         except BaseException as err:
@@ -284,12 +338,39 @@ class Engine(SandboxFiles, SandboxStates):
         if row is None or row["state"] != "creating":  # killed or reaped while it was starting
             await asyncio.shield(self._destroy(sandbox_id))
             raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created")
-        self.db.update(sandbox_id, state="running", pid=pid, layers=layers)
+        self.db.update(sandbox_id, state=state, pid=pid, layers=layers)
         if deadline:
-            self._timers[sandbox_id] = asyncio.get_running_loop().call_later(
-                deadline, lambda: asyncio.ensure_future(self._destroy(sandbox_id))
-            )
-        return dataclasses.replace(info, state="running")
+            self._arm_deadline(sandbox_id, deadline)
+        return dataclasses.replace(info, state=state)
+
+    def _hand_out(self, sandbox_id: str, info: SandboxInfo, deadline: float | None, owner: str,
+                  env: dict[str, str], tenant: str) -> SandboxInfo:
+        """Give a warm sandbox the caller's owner, tenant, labels, env and deadline."""
+        now = dbmod.now()
+        info = dataclasses.replace(info, id=sandbox_id, created_at=now, deadline_at=now + deadline if deadline else None)
+        self.db.update(
+            sandbox_id, state="running", owner=owner, tenant=tenant, labels=json.dumps(info.labels), env=json.dumps(env),
+            created_at=now, active_at=now, deadline_at=info.deadline_at, detached=int(info.detached),
+            persistence=info.persistence, priority=info.priority, idle_timeout=info.idle_timeout,
+        )
+        if deadline:
+            self._arm_deadline(sandbox_id, deadline)
+        return info
+
+    async def _bring_up_pooled(self, source: str, limits: Limits) -> str:
+        """A sandbox for a warm pool: up, owned by this engine, unreachable until handed out."""
+        img_id = self.snaps.row(source)["image_id"] if source.startswith(SNAPSHOT_PREFIX) else source
+        info = SandboxInfo(id="", state="pooled", image_id=img_id, limits=limits, source=source)
+        async with self.admission.slot(self.config.queue_timeout_s, None):
+            made = await self._bring_up(info, None, self.owner, {}, "", state="pooled")
+        return made.id
+
+    def _arm_deadline(self, sandbox_id: str, deadline: float) -> None:
+        def expire() -> None:
+            self.telemetry.sandboxes_reaped.labels(reason="deadline").inc()
+            asyncio.ensure_future(self._destroy(sandbox_id))
+
+        self._timers[sandbox_id] = asyncio.get_running_loop().call_later(deadline, expire)
 
     async def _source(self, ref: str | Image | SnapshotInfo) -> tuple[str, Image, SnapshotInfo | None]:
         """What a sandbox is made from: (source id, root image, snapshot or None)."""
@@ -348,6 +429,8 @@ class Engine(SandboxFiles, SandboxStates):
         row = self.db.get(sandbox_id)
         if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
+        if row["state"] == "pooled":
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
         if row["state"] not in ("running", "paused", "suspended"):
             raise SandboxGone(f"sandbox {sandbox_id} is {row['state']}")
         return row
@@ -397,25 +480,26 @@ class Engine(SandboxFiles, SandboxStates):
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
-        if row is None:
+        if row is None or row["state"] == "pooled":
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return dbmod.row_info(row)
 
     def tenant_of(self, sandbox_id: str) -> str | None:
         """The tenant a sandbox belongs to, or None when there is no such sandbox."""
         row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
-        return None if row is None else row["tenant"]
+        return None if row is None or row["state"] == "pooled" else row["tenant"]
 
     async def list(self, labels: dict[str, str] | None = None, *, tenant: str | None = None) -> list[SandboxInfo]:
         """Every sandbox (of ``tenant`` only, when given) that carries all of ``labels``."""
-        rows = self.db.rows()
+        rows = [row for row in self.db.rows() if row["state"] != "pooled"]
         infos = [dbmod.row_info(row) for row in rows if tenant is None or row["tenant"] == tenant]
         wanted = (labels or {}).items()
         return [info for info in infos if all(info.labels.get(k) == v for k, v in wanted)]
 
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
-        if not isinstance(sandbox_id, str) or self.db.get(sandbox_id) is None:
+        row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
+        if row is None or row["state"] == "pooled":
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         await self._destroy(sandbox_id)
 
@@ -432,12 +516,14 @@ class Engine(SandboxFiles, SandboxStates):
         timer = self._timers.pop(sandbox_id, None)
         if timer is not None:
             timer.cancel()
+        self.pools.forget(sandbox_id)
         row = self.db.get(sandbox_id)
         if row is not None:
             self.db.set_state(sandbox_id, "destroying")
         await resources.release(self.config, self.runtime, sandbox_id, row["pid"] if row is not None else None)
         self.db.delete(sandbox_id)
         self._gates.pop(sandbox_id, None)
+        self.admission.released()
         # A sandbox's suspend images die with it, and so does a fork's snapshot with its last child.
         spent = self._own_suspends(sandbox_id)
         if row is not None and row["source"].startswith(SNAPSHOT_PREFIX):
@@ -462,14 +548,25 @@ class Engine(SandboxFiles, SandboxStates):
     ) -> ExecResult:
         """Run ``cmd`` (a shell string or an argv list) in the sandbox and return its typed result."""
         argv, stdin_bytes, limit = check_exec_args(cmd, stdin, timeout, max_output, self.config.max_output_bytes)
-        async with self._using(sandbox_id) as row:
-            return await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output)
+        started = time.perf_counter()
+        try:
+            async with self._using(sandbox_id) as row:
+                result = await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output)
+        except InfrastructureError:
+            self.telemetry.exec_failed_infra()
+            raise
+        self.telemetry.executed(time.perf_counter() - started, result.outcome.value)
+        return result
 
     async def _exec(self, row, argv, cwd, env, stdin_bytes, timeout, limit, on_output) -> ExecResult:  # type: ignore[no-untyped-def]
         sandbox_id = row["id"]
         img = self.store.load_image(row["image_id"])
         workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
         merged = {**json.loads(row["env"]), **_check_strings(env, "env")}
+        alone = not self._in_exec.get(sandbox_id)
+        self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1
+        if alone:  # the peak then measures this command alone
+            cgroups.reset_memory_peak(self.config.cgroup_parent, sandbox_id)
         before = cgroups.counters(self.config.cgroup_parent, sandbox_id)
         try:
             raw = await asyncio.wait_for(
@@ -487,6 +584,10 @@ class Engine(SandboxFiles, SandboxStates):
             if now_row is None or now_row["state"] != "running":
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
             raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
+        finally:
+            left = self._in_exec.pop(sandbox_id, 1) - 1
+            if left:
+                self._in_exec[sandbox_id] = left
         after = cgroups.counters(self.config.cgroup_parent, sandbox_id)
         return build_result(raw, argv, before, after)
 
@@ -500,6 +601,14 @@ def _check_strings(value: dict[str, str] | None, what: str) -> dict[str, str]:
         if not key or "=" in key or "\0" in key or "\0" in item:
             raise InvalidRequest(f"bad {what} entry {key!r}: no '=', NUL or empty names")
     return dict(value)
+
+
+def _wait(queue_timeout: float | None, default: float) -> float:
+    if queue_timeout is None:
+        return default
+    if isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float)) or queue_timeout < 0:
+        raise InvalidRequest(f"queue_timeout must be a non-negative number of seconds, got {queue_timeout!r}")
+    return float(queue_timeout)
 
 
 def _persistence(persistence: str, priority: int, idle_timeout: float | None) -> tuple[str, int, float | None]:

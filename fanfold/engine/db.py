@@ -40,6 +40,13 @@ CREATE TABLE IF NOT EXISTS snapshots (
     tenant TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    ttl REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    created_at REAL NOT NULL
+);
 """
 # Columns added after the first release: (name, SQL type and default). Old databases get them.
 LATER_COLUMNS = [
@@ -136,6 +143,43 @@ class Database:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.conn.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
+
+    # -- leases -------------------------------------------------------------------------------
+
+    def insert_lease(self, lease_id: str, tenant: str, ttl: float) -> float:
+        at = now()
+        self.conn.execute(
+            "INSERT INTO leases (id, tenant, ttl, expires_at, created_at) VALUES (?, ?, ?, ?, ?)",
+            (lease_id, tenant, ttl, at + ttl, at),
+        )
+        return at + ttl
+
+    def lease(self, lease_id: str) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM leases WHERE id=?", (lease_id,)).fetchone()
+
+    def renew_lease(self, lease_id: str) -> float | None:
+        """Push a live lease's expiry out by its ttl; None when it expired or never existed."""
+        at = now()
+        row = self.conn.execute(
+            "UPDATE leases SET expires_at=? + ttl WHERE id=? AND expires_at > ? RETURNING expires_at",
+            (at, lease_id, at),
+        ).fetchone()
+        return None if row is None else row[0]
+
+    def expired_leases(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT id FROM leases WHERE expires_at <= ?", (now(),))]
+
+    def delete_lease(self, lease_id: str) -> None:
+        self.conn.execute("DELETE FROM leases WHERE id=?", (lease_id,))
+
+    def owned_by(self, owner: str) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT id FROM sandboxes WHERE owner=?", (owner,))]
+
+    def count(self) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM sandboxes").fetchone()[0]
+
+    def count_by_state(self) -> dict[str, int]:
+        return dict(self.conn.execute("SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall())
 
     def delete(self, sandbox_id: str) -> None:
         self.conn.execute("DELETE FROM sandboxes WHERE id=?", (sandbox_id,))

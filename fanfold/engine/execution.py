@@ -67,4 +67,6 @@ def build_result(raw: RawExec, argv: list[str], before: dict[str, int], after: d
         stderr_truncated=bool(status.get("err_trunc")),
         duration_s=status.get("duration_us", 0) / 1e6,
         limits_hit=hit,
+        cpu_s=max(0, after.get("cpu_us", 0) - before.get("cpu_us", 0)) / 1e6,
+        memory_peak_bytes=after.get("memory_peak", 0),
     )

@@ -73,15 +73,48 @@ def counters(parent: str, sandbox_id: str) -> dict[str, int]:
             "oom_kill": events.get("oom_kill", 0),
             "pids_max": _kv(_read(base / "pids.events")).get("max", 0),
             "memory_peak": int(_read(base / "memory.peak").strip() or 0),
+            "cpu_us": _kv(_read(base / "cpu.stat")).get("usage_usec", 0),
         }
     roots = v1_roots()
-    memory, pids = roots.get("memory"), roots.get("pids")
+    memory, pids, cpuacct = roots.get("memory"), roots.get("pids"), roots.get("cpuacct")
     peak = _read(memory / rel / "memory.max_usage_in_bytes").strip() if memory else ""
+    cpu_ns = _read(cpuacct / rel / "cpuacct.usage").strip() if cpuacct else ""
     return {
         "oom_kill": _kv(_read(memory / rel / "memory.oom_control")).get("oom_kill", 0) if memory else 0,
         "pids_max": _kv(_read(pids / rel / "pids.events")).get("max", 0) if pids else 0,
         "memory_peak": int(peak or 0),
+        "cpu_us": int(cpu_ns or 0) // 1000,
     }
+
+
+def reset_memory_peak(parent: str, sandbox_id: str) -> None:
+    """Start a new peak-memory measurement (v1: max_usage_in_bytes; v2 from Linux 6.12: memory.peak)."""
+    rel = f"{parent}/{sandbox_id}"
+    if is_v2_only():
+        target = Path("/sys/fs/cgroup") / rel / "memory.peak"
+    else:
+        memory = v1_roots().get("memory")
+        if memory is None:
+            return
+        target = memory / rel / "memory.max_usage_in_bytes"
+    try:
+        target.write_text("0")
+    except OSError:
+        pass  # older kernels cannot reset it: the peak then covers the sandbox's life
+
+
+def usage(parent: str, sandbox_id: str) -> tuple[float, int]:
+    """CPU seconds used so far and memory in use now (bytes) of one sandbox."""
+    rel = f"{parent}/{sandbox_id}"
+    if is_v2_only():
+        base = Path("/sys/fs/cgroup") / rel
+        cpu = _kv(_read(base / "cpu.stat")).get("usage_usec", 0) / 1e6
+        return cpu, int(_read(base / "memory.current").strip() or 0)
+    roots = v1_roots()
+    cpuacct, memory = roots.get("cpuacct"), roots.get("memory")
+    cpu = int(_read(cpuacct / rel / "cpuacct.usage").strip() or 0) / 1e9 if cpuacct else 0.0
+    mem = int(_read(memory / rel / "memory.usage_in_bytes").strip() or 0) if memory else 0
+    return cpu, mem
 
 
 def remove(parent: str, sandbox_id: str) -> None:

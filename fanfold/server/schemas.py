@@ -96,6 +96,8 @@ class ExecResultBody(BaseModel):
     stderr_truncated: bool
     duration_s: float
     limits_hit: list[str]
+    cpu_s: float = Field(0.0, description="CPU time of the sandbox's cgroup while the command ran.")
+    memory_peak_bytes: int = Field(0, description="Peak memory of the sandbox's cgroup while the command ran.")
 
 
 class SnapshotBody(BaseModel):

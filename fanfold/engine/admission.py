@@ -1,0 +1,120 @@
+"""Admission: creates queue for a bounded number of slots and for real host headroom.
+
+A burst of creates never fails because it is a burst. At most ``max_creating`` sandboxes
+come up at once (more only thrash two cores); the rest wait in arrival order. A create
+that holds a slot also waits, if it must, for memory, disk, kernel tasks and the
+sandbox count to allow one more; only when its ``queue_timeout`` runs out does it fail,
+with a retryable CapacityExceeded that says what ran short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
+
+from ..config import EngineConfig
+from ..errors import CapacityExceeded
+
+HEADROOM_POLL_S = 0.25
+"""How often a create short of headroom looks again when no sandbox is released meanwhile."""
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, count_sandboxes: Callable[[], int]) -> None:
+        self.config = config
+        self._count = count_sandboxes
+        self._slots = asyncio.Semaphore(config.max_creating)
+        self._freed = asyncio.Event()
+        self.waiting = 0
+        """Creates queued for a slot."""
+        self.creating = 0
+        """Creates holding a slot."""
+
+    def released(self) -> None:
+        """A sandbox was destroyed: creates short of headroom look again."""
+        self._freed.set()
+
+    @asynccontextmanager
+    async def slot(self, wait: float, evict: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[None]:
+        """Hold one create slot with headroom for one more sandbox, waiting up to ``wait`` seconds.
+
+        ``evict`` frees room (a pooled or sticky sandbox) and says whether it did.
+        """
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait
+        if self.waiting >= self.config.max_queued:
+            raise CapacityExceeded(
+                f"the create queue is full ({self.waiting} waiting, max_queued={self.config.max_queued}); retry later"
+            )
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(wait):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise CapacityExceeded(
+                f"no create slot came free within {wait:g} s ({self.creating} creates in flight, {self.waiting - 1}"
+                " more queued); retry, or pass a longer queue_timeout"
+            ) from None
+        finally:
+            self.waiting -= 1
+        self.creating += 1
+        try:
+            while (short := self.shortage()) is not None:
+                if evict is not None and await evict():
+                    continue
+                left = give_up - loop.time()
+                if left <= 0:
+                    raise CapacityExceeded(f"the host cannot hold another sandbox: {short} (waited {wait:g} s)")
+                self._freed.clear()
+                try:
+                    async with asyncio.timeout(min(left, HEADROOM_POLL_S)):
+                        await self._freed.wait()
+                except TimeoutError:
+                    pass
+            yield
+        finally:
+            self.creating -= 1
+            self._slots.release()
+
+    def shortage(self) -> str | None:
+        """What the host lacks for one more sandbox, or None when it has room."""
+        cfg = self.config
+        count = self._count()
+        if count >= cfg.max_sandboxes:
+            return f"{count} sandboxes live, the most this host takes (max_sandboxes={cfg.max_sandboxes})"
+        available_mb = memory_available_mb()
+        if available_mb < cfg.reserve_memory_mb:
+            return f"{available_mb} MB of memory available, {cfg.reserve_memory_mb} MB kept in reserve"
+        free_mb = shutil.disk_usage(cfg.state_dir).free >> 20
+        if free_mb < cfg.reserve_disk_mb:
+            return f"{free_mb} MB free in {cfg.state_dir}, {cfg.reserve_disk_mb} MB kept in reserve"
+        tasks, most = kernel_tasks()
+        if tasks + cfg.reserve_pids > most:
+            return f"{tasks} kernel tasks of at most {most}, {cfg.reserve_pids} kept in reserve"
+        return None
+
+
+def memory_available_mb() -> int:
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) >> 10
+    return 0
+
+
+def kernel_tasks() -> tuple[int, int]:
+    """Threads alive on the host, and the most the kernel allows (threads-max, pid_max)."""
+    with open("/proc/loadavg") as handle:
+        tasks = int(handle.read().split()[3].split("/")[1])
+    most = min(_read_int("/proc/sys/kernel/threads-max"), _read_int("/proc/sys/kernel/pid_max"))
+    return tasks, most
+
+
+def _read_int(path: str) -> int:
+    try:
+        with open(path) as handle:
+            return int(handle.read())
+    except (OSError, ValueError):
+        return 1 << 22

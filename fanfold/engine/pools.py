@@ -1,0 +1,174 @@
+"""Warm pools: sandboxes brought up ahead of need, handed out by a create in about a millisecond.
+
+A pool is keyed by what its sandboxes are made from (an image or snapshot id) and their
+limits. Its sandboxes are rows in state ``pooled``, owned by the engine: no call can
+reach one by id, so a sandbox is handed out exactly as it came up, never used. A
+handed-out sandbox takes the caller's owner, tenant, labels, env and deadline, and the
+pool refills in the background, giving way to creates that wait in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import CapacityExceeded, FanfoldError, InfrastructureError
+from ..models import Limits, PoolInfo
+
+if TYPE_CHECKING:
+    from .core import Engine
+
+log = logging.getLogger("fanfold.pools")
+FILL_BACKOFF_S = 5.0
+"""Pause after a failed fill before trying again."""
+
+PoolKey = tuple[str, Limits]
+
+
+@dataclass
+class _Pool:
+    source: str
+    limits: Limits
+    size: int | None
+    """Sandboxes kept warm, or None to follow recent demand."""
+    ready: deque[str] = field(default_factory=deque)
+    filling: int = 0
+    demand: deque[float] = field(default_factory=deque)
+    handouts: int = 0
+    misses: int = 0
+    failed_at: float = 0.0
+    last_error: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Pools:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._pools: dict[PoolKey, _Pool] = {}
+        self._fills: set[asyncio.Task[None]] = set()
+
+    def target(self, pool: _Pool) -> int:
+        if pool.size is not None:
+            return pool.size
+        cutoff = time.monotonic() - self._engine.config.pool_window_s
+        while pool.demand and pool.demand[0] < cutoff:
+            pool.demand.popleft()
+        return min(self._engine.config.pool_auto_max, len(pool.demand))
+
+    def configure(self, source: str, limits: Limits, size: int | None) -> _Pool:
+        """Set a pool's size (None: follow demand; 0: remove it) and start filling or shrinking it."""
+        key = (source, limits)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(source, limits, size)
+        pool.size = size
+        self.maintain()
+        return pool
+
+    def take(self, source: str, limits: Limits) -> str | None:
+        """A warm sandbox's id, removed from its pool, or None when the pool is empty or absent."""
+        pool = self._pools.get((source, limits))
+        if pool is None:
+            return None
+        pool.demand.append(time.monotonic())
+        while pool.ready:
+            sandbox_id = pool.ready.popleft()
+            row = self._engine.db.get(sandbox_id)
+            if row is not None and row["state"] == "pooled" and row["pid"] and os.path.exists(f"/proc/{row['pid']}"):
+                pool.handouts += 1
+                self.maintain()
+                return sandbox_id
+            if row is not None:
+                asyncio.ensure_future(self._engine._destroy(sandbox_id))  # died while warm
+        pool.misses += 1
+        self.maintain()
+        return None
+
+    def forget(self, sandbox_id: str) -> None:
+        """A pooled sandbox is being destroyed (shrink, eviction, engine close)."""
+        for pool in self._pools.values():
+            if sandbox_id in pool.ready:
+                pool.ready.remove(sandbox_id)
+                pool.changed.set()
+
+    def evictable(self) -> str | None:
+        """A warm sandbox to give up when the host runs short, from the largest pool."""
+        pools = [p for p in self._pools.values() if p.ready]
+        return max(pools, key=lambda p: len(p.ready)).ready.pop() if pools else None
+
+    def maintain(self) -> None:
+        """Start fills up to each pool's target and destroy what is over it."""
+        engine = self._engine
+        if engine._closing:
+            return
+        for key, pool in list(self._pools.items()):
+            target = self.target(pool)
+            while len(pool.ready) > target:
+                asyncio.ensure_future(engine._destroy(pool.ready.pop()))
+            if pool.size == 0 and not pool.ready and not pool.filling:
+                del self._pools[key]
+                continue
+            if time.monotonic() - pool.failed_at < FILL_BACKOFF_S:
+                continue
+            room = max(1, engine.config.max_creating // 2) - pool.filling
+            for _ in range(min(room, target - len(pool.ready) - pool.filling)):
+                pool.filling += 1
+                task = asyncio.ensure_future(self._fill(pool))
+                self._fills.add(task)
+                task.add_done_callback(self._fills.discard)
+
+    async def _fill(self, pool: _Pool) -> None:
+        try:
+            while self._engine.admission.waiting:  # callers' creates go first
+                await asyncio.sleep(0.05)
+            sandbox_id = await self._engine._bring_up_pooled(pool.source, pool.limits)
+            pool.ready.append(sandbox_id)
+            pool.last_error = None
+        except (FanfoldError, OSError) as err:
+            pool.failed_at, pool.last_error = time.monotonic(), str(err)
+            if not isinstance(err, CapacityExceeded):
+                self._engine.telemetry.infra_errors.labels(op="pool").inc()
+            if not isinstance(err, (CapacityExceeded, InfrastructureError)):
+                log.warning("fanfold: filling the pool of %s failed: %s", pool.source, err)
+        finally:
+            pool.filling -= 1
+            pool.changed.set()
+        self.maintain()
+
+    async def wait_full(self, pool: _Pool, timeout: float) -> None:
+        """Wait until the pool holds its target, or its fills fail, or ``timeout`` passes."""
+        give_up = time.monotonic() + timeout
+        while len(pool.ready) < self.target(pool):
+            if pool.last_error is not None and not pool.filling:
+                raise CapacityExceeded(f"the pool of {pool.source} stopped filling at {len(pool.ready)}: {pool.last_error}")
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise CapacityExceeded(
+                    f"the pool of {pool.source} holds {len(pool.ready)} of {self.target(pool)} after {timeout:g} s"
+                )
+            pool.changed.clear()
+            try:
+                async with asyncio.timeout(min(left, 1.0)):
+                    await pool.changed.wait()
+            except TimeoutError:
+                self.maintain()
+
+    def info(self, pool: _Pool) -> PoolInfo:
+        return PoolInfo(
+            source=pool.source, limits=pool.limits, size=pool.size, target=self.target(pool), ready=len(pool.ready),
+            filling=pool.filling, handouts=pool.handouts, misses=pool.misses, last_error=pool.last_error,
+        )
+
+    def infos(self) -> list[PoolInfo]:
+        return [self.info(pool) for pool in self._pools.values()]
+
+    async def close(self) -> None:
+        for task in list(self._fills):
+            task.cancel()
+        await asyncio.gather(*self._fills, return_exceptions=True)
+
