@@ -13,7 +13,7 @@ from . import errors
 from .errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
 from .images import Image
 from .images.builder import StepEvent
-from .models import ExecResult, FileEntry, ForkResult, Limits, Outcome, Persistence, SandboxInfo, SnapshotInfo
+from .models import ExecResult, FileEntry, ForkResult, Limits, Outcome, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
 from .spec import EnvSpec
 
 
@@ -47,6 +47,10 @@ def snapshot_to_json(snapshot: SnapshotInfo) -> dict[str, Any]:
 def snapshot_from_json(data: dict[str, Any]) -> SnapshotInfo:
     limits = data.get("limits")
     return SnapshotInfo(**{**data, "limits": None if limits is None else Limits(**limits)})
+
+
+def pool_from_json(data: dict[str, Any]) -> PoolInfo:
+    return PoolInfo(**{**data, "limits": Limits(**data["limits"])})
 
 
 def fork_to_json(fork: ForkResult) -> dict[str, Any]:

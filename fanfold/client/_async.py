@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..config import EngineConfig, env_token, env_url
 from ..engine import Engine
@@ -14,7 +14,7 @@ from ..engine.core import OnOutput
 from ..errors import InvalidRequest, SandboxNotFound
 from ..images import Image
 from ..images.builder import OnStep
-from ..models import ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, SandboxInfo, SnapshotInfo
+from ..models import ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 from ._http import HttpTransport
 from ._transport import Transport
@@ -76,19 +76,43 @@ class AsyncFleet:
         persistence: Persistence | str = Persistence.EPHEMERAL,
         priority: int = 0,
         idle_timeout: float | None = None,
+        queue_timeout: float | None = None,
     ) -> AsyncSandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
-        ``deadline`` and ``idle_timeout`` are in seconds; ``persistence`` and ``priority`` (0-10)
-        say what becomes of it when idle or when the host runs short (see ``Persistence``).
+        ``deadline`` and ``idle_timeout`` are in seconds (every sandbox but a persistent one
+        gets the host's default deadline, an hour unless configured); ``persistence`` and
+        ``priority`` (0-10) say what becomes of it when idle or when the host runs short (see
+        ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
+        (default 300), before a retryable CapacityExceeded.
         """
         limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
         source = image.id if isinstance(image, SnapshotInfo) else image
         info = await self._transport.create(
             source, limits=limits, env=env, labels=labels, deadline=deadline, detached=detached,
             persistence=_persistence(persistence), priority=priority, idle_timeout=idle_timeout,
+            queue_timeout=queue_timeout,
         )
         return AsyncSandbox(self, info)
+
+    async def pool(
+        self, image: str | Image | SnapshotInfo = "host", size: int | None = None, *, cpus: float = 1.0,
+        memory_mb: int = 512, pids: int = 256, disk_mb: int = 1024, wait: float | None = None,
+    ) -> PoolInfo:
+        """Keep ``size`` sandboxes of ``image`` warm for creates with these limits (``None``: as many
+        as recent demand asks, ``0``: none). With ``wait`` seconds, return once it is full."""
+        limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
+        source = image.id if isinstance(image, SnapshotInfo) else image
+        return await self._transport.set_pool(source, size, limits=limits, wait=wait)
+
+    async def pools(self) -> list[PoolInfo]:
+        """Every warm pool on the host."""
+        return await self._transport.pools_info()
+
+    async def metrics(self) -> dict[str, Any]:
+        """The host at a glance: sandboxes by state with their CPU and memory, the create queue,
+        pools, create and exec latency percentiles, error and timeout rates, and alerts."""
+        return await self._transport.stats()
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on an existing sandbox."""

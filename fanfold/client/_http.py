@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import tarfile
 import uuid
@@ -24,14 +25,18 @@ from ..engine.execution import check_exec_args
 from ..engine.files import check_mode, file_bytes
 from ..errors import (
     CapacityExceeded, CheckpointFailed, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec,
-    SandboxNotFound, SnapshotNotFound,
+    LeaseNotFound, SandboxNotFound, SnapshotNotFound,
 )
 from ..images import Image
 from ..images.builder import OnStep, source_path
-from ..models import ExecResult, FileEntry, ForkResult, Limits, SandboxInfo, SnapshotInfo
+from ..models import ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 
+log = logging.getLogger("fanfold.client")
 CHUNK = 1 << 20
+LEASE_TTL_S = 30.0
+"""This client's lease: if it stops renewing (its process died, its network went) for this
+long, the server destroys the sandboxes it made."""
 CREATE_ATTEMPTS = 5
 """Tries of a create or fork (one X-Request-ID: the server makes its sandboxes once)."""
 
@@ -55,12 +60,15 @@ class HttpTransport:
     is most of what separates a remote exec from an embedded one.
     """
 
-    def __init__(self, url: str, token: str | None) -> None:
+    def __init__(self, url: str, token: str | None, *, lease_ttl: float = LEASE_TTL_S) -> None:
         self.url = url
         self._base, self._socket = _endpoint(url)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session: aiohttp.ClientSession | None = None
         self._created: set[str] = set()
+        self._lease_ttl = lease_ttl
+        self.lease: LeaseInfo | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -109,15 +117,47 @@ class HttpTransport:
     # -- the engine's surface -----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Check that the server answers and takes the token."""
+        """Check that the server answers and takes the token, and take a lease for this client's sandboxes."""
         try:
             await self._json("GET", "/v1/whoami")
+            self.lease = await self._open_lease()
+            self._heartbeat = asyncio.create_task(self._renew_forever())
         except BaseException:
             await self.close()
             raise
 
+    async def _open_lease(self) -> LeaseInfo:
+        return LeaseInfo(**await self._json("POST", "/v1/leases", json={"ttl": self._lease_ttl}))
+
+    async def _renew_forever(self) -> None:
+        """The heartbeat: renew at a third of the ttl, riding out a server restart or a dropped link."""
+        while True:
+            await asyncio.sleep(self._lease_ttl / 3)
+            try:
+                assert self.lease is not None
+                self.lease = LeaseInfo(**await self._json("POST", f"/v1/leases/{self.lease.id}/renew"))
+            except LeaseNotFound:
+                log.warning("fanfold: the server reaped this client's sandboxes (lease %s expired); taking a new lease",
+                            self.lease.id if self.lease else "?")
+                self._created.clear()
+                try:
+                    self.lease = await self._open_lease()
+                except FanfoldError as err:
+                    log.warning("fanfold: cannot take a new lease: %s", err)
+            except FanfoldError as err:
+                log.warning("fanfold: lease heartbeat failed (will retry): %s", err)
+
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
         await asyncio.gather(*(self._kill_quietly(i) for i in list(self._created)))
+        if self.lease is not None:
+            try:
+                await self._json("DELETE", f"/v1/leases/{self.lease.id}")
+            except FanfoldError:
+                pass  # expired already, or the server is gone: it reaps the lease itself
+            self.lease = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -164,16 +204,31 @@ class HttpTransport:
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
         persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
+        queue_timeout: float | None = None,
     ) -> SandboxInfo:
         limits = limits or Limits()
         body = {
             "image": image.id if isinstance(image, Image) else image, **limits.__dict__,
             "env": env or {}, "labels": labels or {}, "deadline": deadline, "detached": detached,
             "persistence": persistence, "priority": priority, "idle_timeout": idle_timeout,
+            "lease": self.lease.id if self.lease is not None and not detached and persistence == "ephemeral" else None,
+            "queue_timeout": queue_timeout,
         }
         info = wire.info_from_json(await self._make("/v1/sandboxes", body))
         self._track(info)
         return info
+
+    async def set_pool(self, image: str | Image, size: int | None, *, limits: Limits | None = None,
+                       wait: float | None = None) -> PoolInfo:
+        body = {"image": image.id if isinstance(image, Image) else image, "size": size, **(limits or Limits()).__dict__,
+                "wait": wait}
+        return wire.pool_from_json(await self._json("PUT", "/v1/pools", json=body))
+
+    async def pools_info(self) -> list[PoolInfo]:
+        return [wire.pool_from_json(p) for p in await self._json("GET", "/v1/pools")]
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._json("GET", "/v1/stats")
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return wire.info_from_json(await self._json("GET", _sandbox(sandbox_id)))

@@ -8,12 +8,12 @@ from __future__ import annotations
 import atexit
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ..config import EngineConfig
 from ..images import Image
 from ..images.builder import OnStep
-from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, SandboxInfo, SnapshotInfo
+from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
 from ._portal import Portal
@@ -94,18 +94,41 @@ class Fleet:
         persistence: Persistence | str = Persistence.EPHEMERAL,
         priority: int = 0,
         idle_timeout: float | None = None,
+        queue_timeout: float | None = None,
     ) -> Sandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
-        ``deadline`` and ``idle_timeout`` are in seconds; ``persistence`` and ``priority`` (0-10)
-        say what becomes of it when idle or when the host runs short (see ``Persistence``).
+        ``deadline`` and ``idle_timeout`` are in seconds (every sandbox but a persistent one
+        gets the host's default deadline, an hour unless configured); ``persistence`` and
+        ``priority`` (0-10) say what becomes of it when idle or when the host runs short (see
+        ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
+        (default 300), before a retryable CapacityExceeded.
         """
         inner = self._call(self._async.create(
             image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, env=env, labels=labels,
             deadline=deadline, detached=detached, persistence=persistence, priority=priority,
-            idle_timeout=idle_timeout,
+            idle_timeout=idle_timeout, queue_timeout=queue_timeout,
         ))
         return Sandbox(self, inner)
+
+    def pool(
+        self, image: str | Image | SnapshotInfo = "host", size: int | None = None, *, cpus: float = 1.0,
+        memory_mb: int = 512, pids: int = 256, disk_mb: int = 1024, wait: float | None = None,
+    ) -> PoolInfo:
+        """Keep ``size`` sandboxes of ``image`` warm for creates with these limits (``None``: as many
+        as recent demand asks, ``0``: none). With ``wait`` seconds, return once it is full."""
+        return self._call(self._async.pool(
+            image, size, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, wait=wait,
+        ))
+
+    def pools(self) -> list[PoolInfo]:
+        """Every warm pool on the host."""
+        return self._call(self._async.pools())
+
+    def metrics(self) -> dict[str, Any]:
+        """The host at a glance: sandboxes by state with their CPU and memory, the create queue,
+        pools, create and exec latency percentiles, error and timeout rates, and alerts."""
+        return self._call(self._async.metrics())
 
     def get(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox."""

@@ -8,12 +8,12 @@ is written once.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..engine.core import OnOutput
 from ..images import Image
 from ..images.builder import OnStep
-from ..models import ExecResult, FileEntry, ForkResult, Limits, SandboxInfo, SnapshotInfo
+from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 
 
@@ -27,7 +27,13 @@ class Transport(Protocol):
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
         persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
+        queue_timeout: float | None = None,
     ) -> SandboxInfo: ...
+
+    async def set_pool(self, image: str | Image, size: int | None, *, limits: Limits | None = None,
+                       wait: float | None = None) -> PoolInfo: ...
+    async def pools_info(self) -> list[PoolInfo]: ...
+    async def stats(self) -> dict[str, Any]: ...
 
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]: ...

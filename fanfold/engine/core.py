@@ -86,6 +86,8 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         self._gates: dict[str, Gate] = {}
         self._creating: set[asyncio.Task[object]] = set()
         self._in_exec: dict[str, int] = {}
+        self._leases: set[str] = set()
+        """Leases opened through this engine: closing it ends them. A crash leaves them to expire."""
         self._closing = False
         self._started = False
 
@@ -131,6 +133,8 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         await self.pools.close()
         # Creates in flight finish (or fail) first, so none outlives the engine.
         await asyncio.gather(*list(self._creating), return_exceptions=True)
+        for lease_id in list(self._leases):
+            await self._reap_lease(lease_id, expired=False)
         for row in self.db.rows():
             if row["owner"] == self.owner:
                 await self._destroy(row["id"])
@@ -166,7 +170,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             dead = not self._owner_alive(row["owner"])
             expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
             broken = row["state"] == "running" and row["pid"] and not os.path.exists(f"/proc/{row['pid']}")
-            if dead or expired or broken:
+            if dead or expired or broken or self._orphaned(row):
                 await self._destroy(sandbox_id)
                 reaped += 1
             elif row["claimed_by"] and not _process_alive(row["claimed_by"]):
@@ -201,6 +205,11 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             return lease is not None and lease["expires_at"] > dbmod.now()
         return _process_alive(owner)
 
+    def _orphaned(self, row: Any) -> bool:
+        """A row an engine that died was creating or destroying."""
+        claimer = row["claimed_by"]
+        return row["state"] in ("creating", "destroying") and bool(claimer) and not _process_alive(claimer)
+
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(1.0)
@@ -212,7 +221,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
                     if row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now():
                         self.telemetry.sandboxes_reaped.labels(reason="deadline").inc()
                         await self._destroy(row["id"])
-                    elif row["owner"] != self.owner and not self._owner_alive(row["owner"]):
+                    elif (row["owner"] != self.owner and not self._owner_alive(row["owner"])) or self._orphaned(row):
                         self.telemetry.sandboxes_reaped.labels(reason="owner").inc()
                         await self._destroy(row["id"])
                 await self._apply_policies()
@@ -322,7 +331,8 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         info = dataclasses.replace(
             info, id=sandbox_id, state="creating", created_at=now, deadline_at=now + deadline if deadline else None,
         )
-        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant)
+        # claimed_by names the engine bringing it up: if that engine dies, any engine reaps the row.
+        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.owner)
         source, limits = info.source, info.limits
         try:
             pid, layers = await self._start(sandbox_id, source, limits)
@@ -338,7 +348,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         if row is None or row["state"] != "creating":  # killed or reaped while it was starting
             await asyncio.shield(self._destroy(sandbox_id))
             raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created")
-        self.db.update(sandbox_id, state=state, pid=pid, layers=layers)
+        self.db.update(sandbox_id, state=state, pid=pid, layers=layers, claimed_by=None)
         if deadline:
             self._arm_deadline(sandbox_id, deadline)
         return dataclasses.replace(info, state=state)
@@ -519,7 +529,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         self.pools.forget(sandbox_id)
         row = self.db.get(sandbox_id)
         if row is not None:
-            self.db.set_state(sandbox_id, "destroying")
+            self.db.update(sandbox_id, state="destroying", claimed_by=self.owner)
         await resources.release(self.config, self.runtime, sandbox_id, row["pid"] if row is not None else None)
         self.db.delete(sandbox_id)
         self._gates.pop(sandbox_id, None)

@@ -79,14 +79,15 @@ class Database:
     def close(self) -> None:
         self.conn.close()
 
-    def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str], layers: tuple[str, ...], tenant: str = "") -> None:
+    def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str], layers: tuple[str, ...], tenant: str = "",
+               claimed_by: str | None = None) -> None:
         self.conn.execute(
             "INSERT INTO sandboxes (id, state, image_id, owner, detached, limits, labels, env, created_at, deadline_at,"
-            " tenant, source, layers, persistence, priority, idle_timeout, active_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " tenant, source, layers, persistence, priority, idle_timeout, active_at, claimed_by)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (info.id, info.state, info.image_id, owner, int(info.detached), json.dumps(info.limits.__dict__),
              json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at, tenant, info.source,
-             json.dumps(list(layers)), info.persistence, info.priority, info.idle_timeout, info.created_at),
+             json.dumps(list(layers)), info.persistence, info.priority, info.idle_timeout, info.created_at, claimed_by),
         )
 
     def set_state(self, sandbox_id: str, state: str, *, pid: int | None = None) -> None:

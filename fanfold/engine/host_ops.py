@@ -38,6 +38,7 @@ class HostOperations:
             raise InvalidRequest(f"a lease ttl is 1 to {MAX_LEASE_TTL_S:g} seconds, got {ttl!r}")
         lease_id = "ls-" + secrets.token_hex(8)
         expires = self.db.insert_lease(lease_id, tenant, float(ttl))
+        self._leases.add(lease_id)
         return LeaseInfo(id=lease_id, ttl=float(ttl), expires_at=expires)
 
     async def renew_lease(self: Engine, lease_id: str, *, tenant: str | None = None) -> LeaseInfo:
@@ -80,6 +81,7 @@ class HostOperations:
                 self.telemetry.sandboxes_reaped.labels(reason="lease").inc()
             await self._destroy(sandbox_id)
         self.db.delete_lease(lease_id)
+        self._leases.discard(lease_id)
         return len(owned)
 
     # -- warm pools ---------------------------------------------------------------------------

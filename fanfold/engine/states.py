@@ -156,7 +156,7 @@ class SandboxStates:
             self.create(
                 snap.id, limits=parent.limits, env=env, labels=parent.labels, detached=parent.detached,
                 tenant=row["tenant"], persistence=parent.persistence, priority=parent.priority,
-                idle_timeout=parent.idle_timeout,
+                idle_timeout=parent.idle_timeout, lease=_lease_of(row["owner"]),
             ) for _ in range(count)
         ), return_exceptions=True)
         children = [c for c in made if isinstance(c, SandboxInfo)]
@@ -234,13 +234,13 @@ class SandboxStates:
         """Back to exactly the image or snapshot the sandbox was made from: disk, processes, memory."""
         async with self._changing(sandbox_id, wake=False) as row:
             await resources.release(self.config, self.runtime, sandbox_id, row["pid"])
-            self.db.update(sandbox_id, state="creating", pid=None, suspended_to=None)
+            self.db.update(sandbox_id, state="creating", pid=None, suspended_to=None, claimed_by=self.owner)
             try:
                 pid, layers = await self._start(sandbox_id, row["source"], dbmod.row_info(row).limits)
             except BaseException:
                 await asyncio.shield(self._destroy(sandbox_id))
                 raise
-            self.db.update(sandbox_id, state="running", pid=pid, layers=layers)
+            self.db.update(sandbox_id, state="running", pid=pid, layers=layers, claimed_by=None)
             await self._collect(self._own_suspends(sandbox_id))
         return await self.get(sandbox_id)
 
@@ -307,6 +307,11 @@ async def _agent_settled(pid: int, timeout: float = 5.0) -> None:
             raise CheckpointFailed("the sandbox's agent still holds a connection (a process in the sandbox"
                                    " connected to it?); try again")
         await asyncio.sleep(0.001)
+
+
+def _lease_of(owner: str) -> str | None:
+    """Fork children belong to their parent's lease, if it has one."""
+    return owner.removeprefix("lease:") if owner.startswith("lease:") else None
 
 
 def _layers(row: Any) -> tuple[str, ...]:

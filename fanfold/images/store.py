@@ -119,7 +119,7 @@ class LayerStore:
         if cached is not None:
             return cached
         path = self.images_dir / f"{image_id}.json"
-        if "/" in image_id or not path.is_file():
+        if "/" in image_id or len(image_id) > 128 or not path.is_file():
             raise ImageNotFound(f"unknown image {image_id!r}: build a spec first (`fanfold build`) or use a base")
         image = self._images[image_id] = Image.from_json(path.read_text())
         return image

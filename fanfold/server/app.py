@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,7 +18,7 @@ from .. import __version__
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, NotFound
-from . import files, images, sandboxes, snapshots
+from . import files, host, images, sandboxes, snapshots
 from .auth import Tenants
 from .creates import CreateRegistry
 from .deps import ClientGone, tenant
@@ -59,13 +59,19 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     app.state.creates = CreateRegistry(engine)
     _add_error_handlers(app)
     app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
-    for router in (sandboxes.router, snapshots.router, files.router, images.router):
+    for router in (sandboxes.router, snapshots.router, files.router, images.router, host.router):
         app.include_router(router)
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])
     async def whoami(caller: str = Depends(tenant)) -> dict[str, str]:
         """The caller's tenant ("" for the local tenant); checks the token."""
         return {"tenant": caller, "version": __version__}
+
+    @app.get("/metrics", tags=["host"], response_class=Response, responses=sandboxes.ERRORS)
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics, where scrapers look by default (the bearer token is checked here too)."""
+        app.state.tenants.tenant_for(request)
+        return Response(engine.metrics_text(), media_type=host.PROMETHEUS)
 
     @app.get("/v1/health", tags=["server"])
     async def health() -> dict[str, bool]:

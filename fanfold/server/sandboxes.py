@@ -38,7 +38,7 @@ async def create(
     info = await _once(request, caller, request_id, body.model_dump(), lambda: fleet.create(
         body.image, limits=limits, env=body.env, labels=body.labels, deadline=body.deadline,
         detached=body.detached, persistence=body.persistence, priority=body.priority,
-        idle_timeout=body.idle_timeout, tenant=caller,
+        idle_timeout=body.idle_timeout, tenant=caller, lease=body.lease, queue_timeout=body.queue_timeout,
     ))
     return info_to_json(info)
 

@@ -33,6 +33,31 @@ class CreateRequest(_Body):
     priority: int = Field(0, ge=0, le=10, description="Eviction order of sticky sandboxes: the lowest go first.")
     idle_timeout: float | None = Field(None, gt=0, le=IDLE_TIMEOUT_MAX, description=(
         "Seconds without a call before it is suspended (ephemeral: destroyed)."))
+    lease: str | None = Field(None, min_length=1, max_length=64, description=(
+        "A lease of the caller's (POST /v1/leases): the sandbox dies when the lease is closed or expires."))
+    queue_timeout: float | None = Field(None, ge=0, le=3600, description=(
+        "Seconds to wait for a create slot and host headroom before 429 capacity_exceeded (default 300)."))
+
+
+class LeaseRequest(_Body):
+    ttl: float | None = Field(None, ge=1, le=86400, description="Seconds a renewal keeps it alive (default 30).")
+
+
+class LeaseBody(BaseModel):
+    id: str
+    ttl: float
+    expires_at: float
+    sandboxes: int = Field(0, description="Sandboxes it owns now.")
+
+
+class PoolRequest(_Body):
+    image: str = Field("host", min_length=1, max_length=256, description="Image id or base name, or a snapshot of the caller's.")
+    size: int | None = Field(description="Sandboxes kept warm; null follows recent demand; 0 removes the pool.", ge=0, le=4096)
+    cpus: float = Field(1.0, ge=0.01, le=1024)
+    memory_mb: int = Field(512, ge=16, le=1 << 22)
+    pids: int = Field(256, ge=8, le=1 << 22)
+    disk_mb: int = Field(1024, ge=1, le=1 << 24)
+    wait: float | None = Field(None, gt=0, le=3600, description="Answer only once the pool is full (seconds to wait).")
 
 
 class SnapshotRequest(_Body):
@@ -158,3 +183,15 @@ class ErrorBody(BaseModel):
 class WhoAmI(BaseModel):
     tenant: str
     version: str
+
+
+class PoolBody(BaseModel):
+    source: str
+    limits: LimitsBody
+    size: int | None
+    target: int
+    ready: int
+    filling: int
+    handouts: int
+    misses: int
+    last_error: str | None

@@ -1,0 +1,61 @@
+"""Routes of the host: leases (owners' heartbeats), warm pools, stats and Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Path, Request, Response
+
+from ..models import Limits
+from .deps import check_source, engine, tenant
+from .schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest
+
+router = APIRouter(prefix="/v1", tags=["host"])
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (401, 404, 422, 429, 503)}
+LeaseID = Path(description="A lease id, as POST /v1/leases returned it.", max_length=64)
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@router.post("/leases", status_code=201, response_model=LeaseBody, responses=ERRORS)
+async def open_lease(body: LeaseRequest, request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
+    """A lease for the caller's sandboxes: renew it within its ttl, or they are destroyed."""
+    return (await engine(request).open_lease(body.ttl, tenant=caller)).to_dict()
+
+
+@router.post("/leases/{lease_id}/renew", response_model=LeaseBody, responses=ERRORS)
+async def renew_lease(request: Request, lease_id: str = LeaseID, caller: str = Depends(tenant)) -> dict[str, Any]:
+    """The heartbeat: keep the lease and its sandboxes for another ttl (404 once it expired)."""
+    return (await engine(request).renew_lease(lease_id, tenant=caller)).to_dict()
+
+
+@router.delete("/leases/{lease_id}", responses=ERRORS)
+async def close_lease(request: Request, lease_id: str = LeaseID, caller: str = Depends(tenant)) -> dict[str, int]:
+    """End the lease now and destroy its sandboxes."""
+    return {"destroyed": await engine(request).close_lease(lease_id, tenant=caller)}
+
+
+@router.put("/pools", response_model=PoolBody, responses=ERRORS)
+async def set_pool(body: PoolRequest, request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
+    """Keep sandboxes of an image (or one of the caller's snapshots) warm for creates with the same limits."""
+    check_source(request, body.image, caller)
+    limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb)
+    return (await engine(request).set_pool(body.image, body.size, limits=limits, wait=body.wait)).to_dict()
+
+
+@router.get("/pools", response_model=list[PoolBody], responses=ERRORS)
+async def list_pools(request: Request, _: str = Depends(tenant)) -> list[dict[str, Any]]:
+    """Every warm pool on the host."""
+    return [pool.to_dict() for pool in await engine(request).pools_info()]
+
+
+@router.get("/stats", responses=ERRORS)
+async def stats(request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
+    """The host at a glance (``fanfold top``): counts, queue, pools, latency percentiles, error
+    rates and alerts; the sandbox list holds the caller's sandboxes only."""
+    return await engine(request).stats(tenant=caller)
+
+
+@router.get("/metrics", responses=ERRORS, response_class=Response)
+async def metrics(request: Request, _: str = Depends(tenant)) -> Response:
+    """Prometheus metrics (text format 0.0.4); also served at ``/metrics``."""
+    return Response(engine(request).metrics_text(), media_type=PROMETHEUS)
