@@ -103,6 +103,15 @@ def env_url() -> str | None:
     return os.environ.get("FANFOLD_URL") or None
 
 
+def env_lease_ttl() -> float:
+    """Seconds a remote client's lease lasts between heartbeats, from ``FANFOLD_LEASE_TTL`` (default 30)."""
+    text = os.environ.get("FANFOLD_LEASE_TTL", "")
+    try:
+        return float(text) if text else 30.0
+    except ValueError:
+        raise ValueError(f"FANFOLD_LEASE_TTL must be a number of seconds, got {text!r}") from None
+
+
 def env_token() -> str | None:
     """The bearer token from ``FANFOLD_TOKEN``, if set."""
     return os.environ.get("FANFOLD_TOKEN") or None

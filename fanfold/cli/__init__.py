@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import runpy
 import sys
@@ -392,8 +393,10 @@ def images(ctx: click.Context) -> None:
               help="File of 'TENANT TOKEN' lines: one tenant each.")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="Seconds calls in flight get to finish on shutdown before they are cancelled.")
+@click.option("--pool", "pools", multiple=True, metavar="IMAGE=SIZE",
+              help="Keep SIZE sandboxes of IMAGE (default limits) warm from the start (repeatable; FANFOLD_POOLS).")
 @click.pass_context
-def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace) -> None:  # type: ignore[no-untyped-def]
+def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace, pools) -> None:  # type: ignore[no-untyped-def]
     """Serve the HTTP API for this host's sandboxes until SIGINT or SIGTERM.
 
     Each token is a tenant that sees only its own sandboxes. On shutdown the server stops
@@ -416,5 +419,83 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace) -
         click.echo(f"fanfold serve: listening on {' '.join(urls)}")
         sys.stdout.flush()
 
-    run_server(_config(ctx), tenants=tenants, socket_path=None if no_socket else socket_path, host=host, port=port,
+    config = _config(ctx)
+    if pools:
+        config = dataclasses.replace(config, pools=config.pools + _pool_sizes(pools))
+    run_server(config, tenants=tenants, socket_path=None if no_socket else socket_path, host=host, port=port,
                grace_s=grace, announce=announce)
+
+
+def _pool_sizes(items: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    out = []
+    for item in items:
+        ref, _, size = item.rpartition("=")
+        if not ref or not size.isdigit():
+            raise click.BadParameter(f"{item!r} is not IMAGE=SIZE", param_hint="--pool")
+        out.append((ref, int(size)))
+    return tuple(out)
+
+
+@main.command()
+@click.argument("image", default="host")
+@click.option("--size", default=None, metavar="N|auto", required=True,
+              help="Sandboxes to keep warm; 'auto' follows recent demand; 0 removes the pool.")
+@click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota of its sandboxes.")
+@click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit of its sandboxes.")
+@click.option("--pids", type=int, default=256, show_default=True, help="Process limit of its sandboxes.")
+@click.option("--disk-mb", type=int, default=1024, show_default=True, help="Disk limit of its sandboxes.")
+@click.option("--wait", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Return only once the pool is full.")
+@click.pass_context
+def pool(ctx, image, size, cpus, memory_mb, pids, disk_mb, wait) -> None:  # type: ignore[no-untyped-def]
+    """Keep sandboxes of IMAGE warm on a server, for creates with the same limits (needs --url).
+
+    A create served from the pool takes about a millisecond; the pool refills behind it.
+    """
+    if not ctx.obj["url"]:
+        raise click.UsageError("a pool lives in a server's engine: pass --url or set FANFOLD_URL (see `fanfold serve --pool`)")
+    if size != "auto" and not (size.isdigit()):
+        raise click.BadParameter(f"{size!r} is not a whole number or 'auto'", param_hint="--size")
+    with _fleet(ctx) as fleet:
+        info = fleet.pool(image, None if size == "auto" else int(size), cpus=cpus, memory_mb=memory_mb, pids=pids,
+                          disk_mb=disk_mb, wait=wait)
+    click.echo(f"{info.source}  ready={info.ready}/{info.target}  size={'auto' if info.size is None else info.size}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of pools.")
+@click.pass_context
+def pools(ctx: click.Context, as_json: bool) -> None:
+    """List a server's warm pools (needs --url)."""
+    if not ctx.obj["url"]:
+        raise click.UsageError("pools live in a server's engine: pass --url or set FANFOLD_URL")
+    with _fleet(ctx) as fleet:
+        found = fleet.pools()
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in found]))
+        return
+    for info in found:
+        click.echo(f"{info.source}  ready={info.ready}/{info.target}  handouts={info.handouts}  misses={info.misses}"
+                   + (f"  error={info.last_error}" if info.last_error else ""))
+
+
+@main.command()
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds between frames.")
+@click.option("--once", is_flag=True, help="Print one frame and exit (for scripts and captures).")
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True, help="Sandboxes listed.")
+@click.pass_context
+def top(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
+    """A live view of a server's host: sandboxes by state with their CPU and memory, the create
+    queue, pools, create and exec latency percentiles, error and timeout rates, and alerts.
+
+    Watches --url, or the local server's socket when there is one.
+    """
+    from .top import watch
+
+    url = ctx.obj["url"]
+    if url is None and Path(DEFAULT_SOCKET).exists():
+        url = f"unix://{DEFAULT_SOCKET}"
+    if url is None:
+        raise click.UsageError("fanfold top watches a server: start `fanfold serve`, or pass --url / FANFOLD_URL")
+    with Fleet(url, token=ctx.obj["token"]) as fleet:
+        watch(fleet, source=url, interval=interval, once=once, limit=limit)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..config import EngineConfig, env_token, env_url
+from ..config import EngineConfig, env_lease_ttl, env_token, env_url
 from ..engine import Engine
 from ..engine.core import OnOutput
 from ..errors import InvalidRequest, SandboxNotFound
@@ -37,7 +37,7 @@ class AsyncFleet:
         elif config is not None:
             raise InvalidRequest("config= sets up an embedded engine; a remote fleet uses its server's")
         else:
-            self._transport, self.config = HttpTransport(self.url, token or env_token()), None
+            self._transport, self.config = HttpTransport(self.url, token or env_token(), lease_ttl=env_lease_ttl()), None
 
     async def __aenter__(self) -> AsyncFleet:
         await self.start()

@@ -35,8 +35,8 @@ from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 log = logging.getLogger("fanfold.client")
 CHUNK = 1 << 20
 LEASE_TTL_S = 30.0
-"""This client's lease: if it stops renewing (its process died, its network went) for this
-long, the server destroys the sandboxes it made."""
+"""This client's lease (``FANFOLD_LEASE_TTL``): if it stops renewing (its process died, its
+network went) for this long, the server destroys the sandboxes it made."""
 CREATE_ATTEMPTS = 5
 """Tries of a create or fork (one X-Request-ID: the server makes its sandboxes once)."""
 

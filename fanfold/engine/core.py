@@ -50,6 +50,9 @@ from .telemetry import Telemetry
 
 log = logging.getLogger("fanfold.engine")
 OnOutput = Callable[[str, bytes], Awaitable[None] | None]
+SWEEP_EVERY = 15
+"""Reaper passes (seconds) between sweeps for resources no row names, e.g. from a runtime
+command still finishing when the engine that ran it was killed."""
 _LABEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 
 
@@ -175,6 +178,17 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
                 reaped += 1
             elif row["claimed_by"] and not _process_alive(row["claimed_by"]):
                 self.db.unclaim(sandbox_id)  # an engine died mid idle-suspend
+        reaped += await self._sweep_leftovers()
+        self.store.discard_scratch()
+        self.snaps.discard_orphans()
+        for context in (self.config.state_dir / "bundles").glob("context-*"):  # a dead server's build uploads
+            if not _pid_alive(context.name.split("-")[1]):
+                shutil.rmtree(context, ignore_errors=True)
+        return {"reaped": reaped}
+
+    async def _sweep_leftovers(self) -> int:
+        """Release containers, mounts, cgroups and sockets that no row names (a dead engine's)."""
+        reaped = 0
         leftovers = await self.runtime.list_ids()
         leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
         leftovers |= cgroups.leftover_ids(self.config.cgroup_parent)
@@ -189,12 +203,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             elif sandbox_id.startswith("build-") and not _pid_alive(sandbox_id.split("-")[1]):
                 await self.runtime.delete(sandbox_id)  # a build step whose builder died
                 reaped += 1
-        self.store.discard_scratch()
-        self.snaps.discard_orphans()
-        for context in (self.config.state_dir / "bundles").glob("context-*"):  # a dead server's build uploads
-            if not _pid_alive(context.name.split("-")[1]):
-                shutil.rmtree(context, ignore_errors=True)
-        return {"reaped": reaped}
+        return reaped
 
     def _owner_alive(self, owner: str) -> bool:
         """Whether a row's owner still wants it: detached, a live lease, or a live engine process."""
@@ -211,9 +220,13 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         return row["state"] in ("creating", "destroying") and bool(claimer) and not _process_alive(claimer)
 
     async def _reap_forever(self) -> None:
+        passes = 0
         while True:
             await asyncio.sleep(1.0)
+            passes += 1
             try:
+                if passes % SWEEP_EVERY == 0:
+                    await self._sweep_leftovers()
                 setup.reap_orphans()
                 for lease_id in self.db.expired_leases():
                     await self._reap_lease(lease_id)

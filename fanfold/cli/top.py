@@ -1,0 +1,187 @@
+"""``fanfold top``: a live terminal view of one host's ``/v1/stats``."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ..engine.telemetry import ALERTS
+from ..errors import FanfoldError
+
+STATES = ("creating", "running", "paused", "suspended", "destroying", "pooled")
+HOT = "bold red"
+
+
+def _ms(value: float | None) -> str:
+    """Milliseconds with as many decimals as the magnitude deserves."""
+    if value is None:
+        return "-"
+    if value < 10:
+        return f"{value:.2f}"
+    return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _short(text: str | None, width: int = 24) -> str:
+    if not text:
+        return "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _small(title: str, rows: list[tuple[str, Any]]) -> Panel:
+    """A two-column key/value box; values may be str or rich Text (to carry a highlight)."""
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim")
+    table.add_column(justify="right")
+    for key, value in rows:
+        table.add_row(key, value if isinstance(value, Text) else str(value))
+    return Panel(table, title=title, expand=False)
+
+
+def _states(stats: dict) -> Panel:
+    by_state = stats.get("sandboxes_by_state") or {}
+    # Known states first, in lifecycle order, then anything newer servers report.
+    names = [s for s in STATES if s in by_state] + sorted(set(by_state) - set(STATES))
+    return _small("sandboxes", [(name, by_state[name]) for name in names] or [("none", 0)])
+
+
+def _queue(stats: dict) -> Panel:
+    queue = stats.get("queue") or {}
+    return _small("create queue", [(k, queue.get(k, "-")) for k in ("waiting", "creating", "max_creating")])
+
+
+def _latency(stats: dict) -> Panel:
+    table = Table("ms", "p50", "p90", "p99", "max", box=None, padding=(0, 1))
+    for name in ("create", "exec"):
+        p = stats.get(f"{name}_ms") or {}
+        p99 = Text(_ms(p.get("p99")))
+        if name == "create" and (p.get("p99") or 0) / 1000 > ALERTS["provision_p99_s"]:
+            p99.stylize(HOT)
+        table.add_row(name, _ms(p.get("p50")), _ms(p.get("p90")), p99, _ms(p.get("max")))
+    return Panel(table, title="latency", expand=False)
+
+
+def _rate(count: Any, rate: float | None, limit: float) -> Text:
+    rate = rate or 0.0
+    return Text(f"{count} ({rate:.1%})", style=HOT if rate > limit else "")
+
+
+def _rates(stats: dict) -> Panel:
+    rows = [
+        ("creates", stats.get("creates", 0)),
+        ("infra errors", _rate(stats.get("infra_errors", 0), stats.get("infra_error_rate"), ALERTS["infra_error_rate"])),
+        ("execs", stats.get("execs", 0)),
+        ("timeouts", _rate(stats.get("timeouts", 0), stats.get("timeout_rate"), ALERTS["timeout_rate"])),
+    ]
+    return _small(f"last {stats.get('window_s', 0):g} s", rows)
+
+
+def _host(stats: dict) -> Panel:
+    host = stats.get("host") or {}
+    shortage = host.get("shortage")
+    rows = [
+        ("memory free", f"{host.get('memory_available_mb', 0):,} MB"),
+        ("kernel tasks", f"{host.get('kernel_tasks', 0):,} / {host.get('kernel_tasks_max', 0):,}"),
+        ("leases", host.get("leases", 0)),
+        ("shortage", Text(str(shortage), style="bold yellow") if shortage is not None else Text("none", style="green")),
+    ]
+    return _small("host", rows)
+
+
+def _pools(stats: dict) -> RenderableType:
+    pools = stats.get("pools") or []
+    if not pools:
+        return Text("no warm pools", style="dim")
+    table = Table("pool", "ready/target", "filling", "handouts", "misses", "last error", title="pools")
+    for pool in pools:
+        error = pool.get("last_error")
+        table.add_row(
+            _short(pool.get("source")), f"{pool.get('ready', 0)}/{pool.get('target', 0)}", str(pool.get("filling", 0)),
+            str(pool.get("handouts", 0)), str(pool.get("misses", 0)),
+            Text(_short(error, 60), style="red") if error else "-",
+        )
+    return table
+
+
+def _sandboxes(stats: dict, limit: int) -> RenderableType:
+    rows = sorted(stats.get("sandboxes") or [], key=lambda s: s.get("cpu_s") or 0.0, reverse=True)
+    table = Table("id", "state", "CPU s", "memory MB", "age", "rollout", title="sandboxes by CPU")
+    for sb in rows[:limit]:
+        memory = sb.get("memory_bytes")
+        table.add_row(
+            sb.get("id", "?"), sb.get("state", "?"), f"{sb.get('cpu_s') or 0.0:.2f}",
+            "-" if memory is None else f"{memory / 2**20:,.1f}", _age(sb.get("age_s")), _short(sb.get("rollout_id")),
+        )
+    more = len(rows) - limit
+    return Group(table, Text(f"... and {more} more", style="dim")) if more > 0 else table
+
+
+def _alerts(stats: dict) -> RenderableType:
+    alerts = stats.get("alerts") or []
+    if not alerts:
+        return Text("no alerts", style="green")
+    return Panel(Text("\n".join(alerts), style=HOT), title="alerts", border_style="red")
+
+
+def _row(*boxes: RenderableType) -> Table:
+    # A grid, not rich's Columns: Columns aligns boxes to a uniform grid and pads them apart.
+    row = Table.grid(padding=(0, 1))
+    row.add_row(*boxes)
+    return row
+
+
+def _header(source: str) -> Text:
+    return Text.assemble(("fanfold top", "bold"), f"  {source}  ", (datetime.now().strftime("%H:%M:%S"), "dim"))
+
+
+def render(stats: dict, *, source: str, limit: int = 20) -> RenderableType:
+    """One frame of ``fanfold top`` for a ``/v1/stats`` dict; ``limit`` caps the sandbox rows."""
+    counts = _row(_states(stats), _queue(stats), _host(stats))
+    timing = _row(_latency(stats), _rates(stats))
+    return Group(_header(source), _alerts(stats), counts, timing, _pools(stats), _sandboxes(stats, limit))
+
+
+def _frame(fleet: Any, source: str, limit: int, last: dict | None) -> tuple[RenderableType, dict | None]:
+    """The next frame and the stats it shows; on an error, the last good stats under a red line."""
+    try:
+        stats = fleet.metrics()
+    except FanfoldError as exc:
+        # The server may be restarting: say so and keep the previous figures on screen.
+        error = Text(f"cannot read stats: {exc} (retrying)", style=HOT)
+        return (Group(error, render(last, source=source, limit=limit)) if last else Group(_header(source), error)), last
+    return render(stats, source=source, limit=limit), stats
+
+
+def watch(
+    fleet: Any, *, source: str, interval: float = 1.0, once: bool = False, limit: int = 20,
+    console: Console | None = None,
+) -> None:
+    """Show ``fleet.metrics()`` once, or live every ``interval`` seconds until Ctrl-C."""
+    console = console or Console()
+    if once:
+        console.print(render(fleet.metrics(), source=source, limit=limit))
+        return
+    try:
+        frame, last = _frame(fleet, source, limit, None)
+        with Live(frame, console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                frame, last = _frame(fleet, source, limit, last)
+                live.update(frame, refresh=True)
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,128 @@
+"""Bursts, capacity, warm pools and leases, on the real runtime (embedded and over HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from fanfold import AsyncFleet, CapacityExceeded, LeaseNotFound, SandboxNotFound
+from fanfold.engine import Engine
+
+from conftest import fleet_args, leaks
+
+
+async def test_five_hundred_simultaneous_creates_all_succeed(config):
+    async with AsyncFleet(config=config) as fleet:
+        engine: Engine = fleet._transport  # type: ignore[assignment]
+        peak = 0
+
+        async def cycle(i: int) -> str:
+            nonlocal peak
+            sandbox = await fleet.create(labels={"i": str(i)})
+            peak = max(peak, engine.admission.creating)
+            result = await sandbox.exec("echo $HOSTNAME")
+            await sandbox.kill()
+            return result.text.strip()
+
+        hostnames = await asyncio.gather(*(cycle(i) for i in range(500)))
+        assert len(set(hostnames)) == 500  # 500 distinct sandboxes, every one ran its command
+        assert peak <= config.max_creating  # the rest queued
+        assert engine.telemetry.summary()["infra_errors"] == 0
+    assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+async def test_a_full_host_queues_then_fails_with_a_retryable_reason(config):
+    async with AsyncFleet(config=config) as probe:
+        live = probe._transport.db.count()  # type: ignore[attr-defined]
+    small = dataclasses.replace(config, max_sandboxes=live + 2)
+    async with AsyncFleet(config=small) as fleet:
+        first = await fleet.create()
+        await fleet.create()
+        with pytest.raises(CapacityExceeded, match="max_sandboxes"):
+            await fleet.create(queue_timeout=0.3)
+        waiting = asyncio.create_task(fleet.create(queue_timeout=60))
+        while fleet._transport.admission.creating == 0:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.01)
+        assert not waiting.done()
+        await first.kill()  # room frees: the waiting create goes through
+        third = await asyncio.wait_for(waiting, 60)
+        assert (await third.exec("true")).ok
+
+
+async def test_a_warm_pool_hands_out_fresh_sandboxes_and_refills(config):
+    async with AsyncFleet(config=config) as fleet:
+        engine: Engine = fleet._transport  # type: ignore[assignment]
+        pool = await fleet.pool("host", 3, wait=60)
+        assert (pool.ready, pool.target) == (3, 3)
+        warm = {r["id"] for r in engine.db.rows() if r["state"] == "pooled"}
+        assert not warm & {info.id for info in await fleet.list()}  # warm ones are nobody's yet
+        with pytest.raises(SandboxNotFound):
+            await fleet.get(next(iter(warm)))
+        started = time.perf_counter()
+        sandbox = await fleet.create(labels={"rollout_id": "r1"}, env={"GREETING": "hi"})
+        handout_ms = (time.perf_counter() - started) * 1000
+        assert sandbox.id in warm and sandbox.info.labels == {"rollout_id": "r1"}
+        assert handout_ms < 100, handout_ms  # generous: the benchmark measures the real figure
+        result = await sandbox.exec("echo $GREETING; ls /tmp | wc -l")
+        assert result.text == "hi\n0\n"  # its env, and nothing left by anyone before
+        assert sandbox.info.deadline_at is not None  # the default deadline applies to pooled ones too
+        await fleet.pool("host", 3, wait=60)  # refilled
+        other = await fleet.create(memory_mb=256)  # other limits: not from this pool
+        assert other.id not in warm
+        info = (await fleet.pools())[0]
+        assert (info.handouts, info.misses) == (1, 0)
+        await fleet.pool("host", 0)
+        give_up = time.monotonic() + 30
+        while any(r["state"] == "pooled" and r["owner"] == engine.owner for r in engine.db.rows()):
+            assert time.monotonic() < give_up, "a removed pool kept its warm sandboxes"
+            await asyncio.sleep(0.05)
+    assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+@pytest.mark.parametrize("transport", ["embedded", "tcp"])
+async def test_a_pool_over_each_transport(transport, request, config):
+    async with AsyncFleet(**fleet_args(transport, request, config)) as fleet:
+        info = await fleet.pool("host", 2, memory_mb=128, wait=60)
+        assert info.ready == 2
+        sandbox = await fleet.create(memory_mb=128)
+        assert (await sandbox.exec("true")).ok
+        assert any(p.handouts == 1 for p in await fleet.pools() if p.limits.memory_mb == 128)
+        await fleet.pool("host", 0, memory_mb=128)
+
+
+async def test_a_lease_not_renewed_takes_its_sandboxes_with_it(config):
+    engine = Engine(config)
+    await engine.start()
+    try:
+        lease = await engine.open_lease(1)
+        info = await engine.create(lease=lease.id)
+        kept = await engine.create()
+        renewed = await engine.renew_lease(lease.id)
+        assert renewed.sandboxes == 1 and renewed.expires_at > lease.expires_at
+        deadline = time.monotonic() + 15
+        while engine.db.get(info.id) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # the reaper passes once a second
+        assert engine.db.get(info.id) is None
+        assert (await engine.get(kept.id)).state == "running"
+        with pytest.raises(LeaseNotFound):
+            await engine.renew_lease(lease.id)
+        with pytest.raises(LeaseNotFound):
+            await engine.create(lease=lease.id)
+        closing = await engine.open_lease(30)
+        await engine.create(lease=closing.id)
+        assert await engine.close_lease(closing.id) == 1
+    finally:
+        await engine.close()
+    assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+async def test_exec_reports_cpu_time_and_peak_memory(afleet):
+    async with await afleet.create(memory_mb=512) as sandbox:
+        idle = await sandbox.exec("true")
+        busy = await sandbox.exec(["python3", "-c", "x = bytearray(96 << 20)\nfor _ in range(3): sum(range(3_000_000))"])
+        assert busy.ok, busy.stderr
+        assert busy.cpu_s > 0.1 and busy.cpu_s > idle.cpu_s
+        assert busy.memory_peak_bytes > 96 << 20 > idle.memory_peak_bytes

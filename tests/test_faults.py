@@ -1,0 +1,138 @@
+"""Faults the fleet survives: an engine SIGKILLed mid-burst, a full disk, memory exhausted,
+a runaway process at its deadline, and clients that vanish without closing anything."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import leaks, start_server, stop_server
+from fanfold import AsyncFleet, FanfoldError, Outcome, Retryable, SandboxGone, SandboxNotFound
+from fanfold.engine import Engine
+
+CLEAN = {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+async def _gone(engine: Engine, ids: list[str], within: float) -> None:
+    """Wait until every one of ``ids`` has no row (the reaper passes once a second)."""
+    give_up = time.monotonic() + within
+    while any(engine.db.get(i) is not None for i in ids):
+        assert time.monotonic() < give_up, [i for i in ids if engine.db.get(i) is not None]
+        await asyncio.sleep(0.1)
+
+
+async def test_engine_killed_mid_burst_loses_nothing_reported_and_leaks_nothing(config, tmp_path):
+    where = tmp_path / "srv"
+    where.mkdir()
+    server = start_server(config.state_dir, where)
+    restarted = None
+    try:
+        async with AsyncFleet(server.unix_url) as fleet:
+            made: list = []
+            failed: list[BaseException] = []
+            enough = asyncio.Event()
+
+            async def one(i: int) -> None:
+                try:
+                    made.append(await fleet.create(labels={"burst": str(i)}))
+                except FanfoldError as err:
+                    failed.append(err)
+                if len(made) >= 40:
+                    enough.set()
+
+            burst = [asyncio.create_task(one(i)) for i in range(200)]
+            await asyncio.wait_for(enough.wait(), 120)
+            server.process.send_signal(signal.SIGKILL)
+            server.process.wait(30)
+            restarted = start_server(config.state_dir, where)
+            await asyncio.gather(*burst)
+            assert len(made) + len(failed) == 200 and len(made) >= 40
+            assert all(isinstance(err, Retryable) for err in failed), failed[:3]
+            # Every sandbox reported created survived the crash, and works.
+            results = await asyncio.gather(*(sandbox.exec("echo $HOSTNAME") for sandbox in made))
+            assert [r.text.strip() for r in results] == [s.id for s in made]
+            # The failed ones succeed when retried: the burst completes.
+            retried = await asyncio.gather(*(fleet.create() for _ in failed))
+            assert len(made) + len(retried) == 200
+            listed = {info.id for info in await fleet.list()}
+            assert {s.id for s in made + retried} <= listed
+        stop_server(restarted)
+        restarted = None
+    finally:
+        for running in (server, restarted):
+            if running is not None and running.process.poll() is None:
+                stop_server(running)
+    assert leaks(config) == CLEAN
+
+
+async def test_a_sandbox_filling_its_disk_is_stopped_and_recovers(afleet):
+    async with await afleet.create(disk_mb=32) as full, await afleet.create(disk_mb=32) as neighbour:
+        result = await full.exec("dd if=/dev/zero of=/fill bs=1M count=64", timeout=60)
+        assert result.exit_code != 0 and b"No space left" in result.stderr
+        assert (await full.exec("rm /fill && echo ok > /after && cat /after")).text == "ok\n"
+        assert (await neighbour.exec("dd if=/dev/zero of=/fill bs=1M count=16 2>&1 && echo fine")).text.endswith("fine\n")
+
+
+async def test_a_sandbox_exhausting_memory_is_oom_killed_alone(afleet):
+    async with await afleet.create(memory_mb=64) as hog, await afleet.create(memory_mb=64) as neighbour:
+        result = await hog.exec(["python3", "-c", "x = []\nwhile True: x.append(bytearray(8 << 20))"], timeout=60)
+        assert result.outcome is Outcome.OOM and "memory" in result.limits_hit
+        assert (await hog.exec("echo alive")).text == "alive\n"
+        assert (await neighbour.exec("echo fine")).text == "fine\n"
+
+
+async def test_a_runaway_process_dies_with_its_deadline(config):
+    async with AsyncFleet(config=config) as fleet:
+        sandbox = await fleet.create(deadline=2)
+        started = time.monotonic()
+        with pytest.raises(SandboxGone):
+            await sandbox.exec("while :; do :; done")  # no timeout: only the deadline stops it
+        assert time.monotonic() - started < 15
+        with pytest.raises((SandboxNotFound, SandboxGone)):
+            await sandbox.exec("true")
+    assert leaks(config) == CLEAN
+
+
+VANISHING_CLIENT = textwrap.dedent("""
+    import asyncio, os, signal, sys
+    from fanfold import AsyncFleet, EngineConfig
+
+    async def main():
+        url = sys.argv[1]
+        fleet = AsyncFleet(url) if url != "embedded" else AsyncFleet(config=EngineConfig(state_dir=sys.argv[2]))
+        await fleet.start()
+        sandboxes = [await fleet.create() for _ in range(2)]
+        fork = await sandboxes[0].fork(1) if url != "embedded" else None
+        ids = [s.id for s in sandboxes] + ([c.id for c in fork.children] if fork else [])
+        print(" ".join(ids), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # gone, closing nothing
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("transport", ["unix", "embedded"])
+async def test_a_client_that_vanishes_has_its_sandboxes_reaped(transport, server, config):
+    url = server.unix_url if transport == "unix" else "embedded"
+    env = {**os.environ, "FANFOLD_LEASE_TTL": "2"}
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", VANISHING_CLIENT, url, str(config.state_dir)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    ids = done.stdout.split()
+    assert len(ids) == (3 if transport == "unix" else 2)
+    # The session server's engine reaps them: the lease expires, or the owning process is dead.
+    watcher = Engine(config)
+    await watcher.start()
+    try:
+        await _gone(watcher, ids, within=30)
+    finally:
+        await watcher.close()

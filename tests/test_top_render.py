@@ -1,0 +1,106 @@
+"""``fanfold top`` frames, rendered from ``/v1/stats`` dicts (no server needed)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+from rich.console import Console
+
+from fanfold.cli.top import render, watch
+from fanfold.errors import FanfoldError
+
+SAMPLE = {
+    "sandboxes_by_state": {"creating": 1, "pooled": 3, "running": 2},
+    "queue": {"waiting": 0, "creating": 1, "max_creating": 4},
+    "pools": [{"source": "img-c4be15c69f12676b", "limits": {"cpus": 1.0, "memory_mb": 512, "pids": 256, "disk_mb": 1024},
+               "size": 4, "target": 4, "ready": 3, "filling": 1, "handouts": 2, "misses": 0, "last_error": None}],
+    "host": {"memory_available_mb": 23393, "kernel_tasks": 98, "kernel_tasks_max": 32768, "shortage": None, "leases": 0},
+    "window_s": 300.0,
+    "create_ms": {"p50": 1.594, "p90": 28.327, "p99": 28.327, "max": 28.327},
+    "exec_ms": {"p50": 84.38, "p90": 84.38, "p99": 84.38, "max": 84.38},
+    "creates": 3, "infra_errors": 0, "infra_error_rate": 0.0, "execs": 2, "timeouts": 0, "timeout_rate": 0.0,
+    "alerts": [],
+    "sandboxes": [
+        {"id": "sb-2b341d1d55f6", "state": "running", "cpu_s": 0.095, "memory_bytes": 1048576, "age_s": 12.3,
+         "rollout_id": None, "source": "img-c4be15c69f12676b"},
+        {"id": "sb-hotcpu000001", "state": "running", "cpu_s": 7.5, "memory_bytes": 3 * 2**20, "age_s": 125.0,
+         "rollout_id": "ro-7", "source": "img-c4be15c69f12676b"},
+    ],
+}
+
+
+def _text(stats: dict, **kwargs) -> str:
+    console = Console(file=io.StringIO(), width=120)
+    console.print(render(stats, source="http://fleet:8000", **kwargs))
+    return console.file.getvalue()
+
+
+def _alarming() -> dict:
+    stats = copy.deepcopy(SAMPLE)
+    stats["create_ms"] = {"p50": 900.0, "p90": 11_000.0, "p99": 12_000.0, "max": 12_500.0}
+    stats["exec_ms"] = {"p50": None, "p90": None, "p99": None, "max": None}
+    stats["infra_errors"], stats["infra_error_rate"] = 2, 0.05
+    stats["timeouts"], stats["timeout_rate"] = 1, 0.5
+    stats["host"]["shortage"] = "memory: 180 MB available, under 256 MB"
+    stats["alerts"] = ["provisioning p99 12.0 s is over 10 s", "timeouts 50.0% of execs, over 1%"]
+    stats["pools"][0]["last_error"] = "image pull failed"
+    return stats
+
+
+def test_sample_frame_shows_the_figures():
+    out = _text(SAMPLE)
+    for figure in ("http://fleet:8000", "no alerts", "running", "max_creating", "1.59", "28.3", "84.4",
+                   "23,393 MB", "98 / 32,768", "img-c4be15c69f12676b", "3/4", "sb-2b341d1d55f6", "1.0", "2m05s",
+                   "ro-7", "last 300 s"):
+        assert figure in out, figure
+    assert out.index("sb-hotcpu000001") < out.index("sb-2b341d1d55f6")  # busiest first
+
+
+def test_alarming_frame_shows_alerts_shortage_and_dashes():
+    out = _text(_alarming())
+    for figure in ("provisioning p99 12.0 s is over 10 s", "timeouts 50.0% of execs", "12,000", "2 (5.0%)",
+                   "1 (50.0%)", "memory: 180 MB available", "image pull failed"):
+        assert figure in out, figure
+    assert "no alerts" not in out
+    exec_row = next(line for line in out.splitlines() if "exec " in line)
+    assert exec_row.count("-") == 4
+
+
+def test_limit_cuts_the_sandbox_table():
+    stats = copy.deepcopy(SAMPLE)
+    stats["sandboxes"] = [dict(SAMPLE["sandboxes"][0], id=f"sb-{i:012d}", cpu_s=float(i)) for i in range(30)]
+    out = _text(stats, limit=5)
+    assert "sb-000000000029" in out and "sb-000000000024" not in out
+    assert "... and 25 more" in out
+
+
+def test_empty_stats_render():
+    assert "no alerts" in _text({})
+
+
+class _Flaky:
+    """Fails once (a restarting server), then answers, then the user presses Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def metrics(self) -> dict:
+        self.calls += 1
+        if self.calls == 1:
+            raise FanfoldError("connection refused")
+        if self.calls == 3:
+            raise KeyboardInterrupt
+        return SAMPLE
+
+
+def test_watch_once_and_live_survive_errors():
+    console = Console(file=io.StringIO(), width=120)
+    fleet = _Flaky()
+    fleet.calls = 1  # skip the failure: once mode lets errors propagate to the CLI
+    watch(fleet, source="http://fleet:8000", once=True, console=console)
+    assert "sb-2b341d1d55f6" in console.file.getvalue()
+    live = Console(file=io.StringIO(), width=120, force_terminal=True)
+    watch(_Flaky(), source="http://fleet:8000", interval=0.0, console=live)  # returns quietly on Ctrl-C
+    out = live.file.getvalue()
+    assert "cannot read stats: connection refused" in out and "sb-2b341d1d55f6" in out
