@@ -90,6 +90,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         self._creating: set[asyncio.Task[object]] = set()
         self._in_exec: dict[str, int] = {}
         self._leases: set[str] = set()
+        self._bases: dict[str, Image] = {}
         """Leases opened through this engine: closing it ends them. A crash leaves them to expire."""
         self._closing = False
         self._started = False
@@ -256,8 +257,11 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             return ref
         if not isinstance(ref, str):
             raise ImageNotFound(f"an image is an Image, an image id or a base name, not {type(ref).__name__}")
-        if ref in BASES:
-            return await self.build(EnvSpec(ref))
+        if ref in BASES:  # resolved once: a create from a warm pool must not wait on a build
+            cached = self._bases.get(ref)
+            if cached is None:
+                cached = self._bases[ref] = await self.build(EnvSpec(ref))
+            return cached
         return self.store.load_image(ref)
 
     async def images(self) -> list[Image]:
