@@ -136,3 +136,15 @@ async def test_a_client_that_vanishes_has_its_sandboxes_reaped(transport, server
         await _gone(watcher, ids, within=30)
     finally:
         await watcher.close()
+
+
+async def test_a_sandbox_whose_init_is_killed_is_gone_not_retryable(config):
+    async with AsyncFleet(config=config) as fleet:
+        engine: Engine = fleet._transport  # type: ignore[assignment]
+        first, second = await fleet.create(), await fleet.create()
+        for sandbox in (first, second):
+            os.kill(engine.db.get(sandbox.id)["pid"], signal.SIGKILL)
+        with pytest.raises(SandboxGone, match="init process died"):
+            await first.exec("true")  # the call that finds it out destroys it
+        await _gone(engine, [first.id, second.id], within=15)  # the reaper finds the other
+    assert leaks(config) == CLEAN

@@ -72,6 +72,17 @@ def _process_alive(owner: str) -> bool:
         return False
 
 
+def _init_alive(pid: int | None) -> bool:
+    """Whether a sandbox's PID 1 still runs (a zombie not yet reaped counts as dead)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _pid_alive(pid: str) -> bool:
     return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
@@ -91,6 +102,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         self._in_exec: dict[str, int] = {}
         self._leases: set[str] = set()
         self._bases: dict[str, Image] = {}
+        self._dead_seen: set[str] = set()
         """Leases opened through this engine: closing it ends them. A crash leaves them to expire."""
         self._closing = False
         self._started = False
@@ -173,7 +185,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         for sandbox_id, row in rows.items():
             dead = not self._owner_alive(row["owner"])
             expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
-            broken = row["state"] == "running" and row["pid"] and not os.path.exists(f"/proc/{row['pid']}")
+            broken = row["state"] in ("running", "pooled") and not _init_alive(row["pid"])
             if dead or expired or broken or self._orphaned(row):
                 await self._destroy(sandbox_id)
                 reaped += 1
@@ -215,6 +227,18 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             return lease is not None and lease["expires_at"] > dbmod.now()
         return _process_alive(owner)
 
+    def _crashed(self, row: Any) -> bool:
+        """PID 1 of a running sandbox died, seen on two passes in a row: a suspend (of any
+        engine) releases the processes a moment before the row says suspended."""
+        if row["state"] not in ("running", "pooled") or _init_alive(row["pid"]):
+            self._dead_seen.discard(row["id"])
+            return False
+        if row["id"] in self._dead_seen:
+            self._dead_seen.discard(row["id"])
+            return True
+        self._dead_seen.add(row["id"])
+        return False
+
     def _orphaned(self, row: Any) -> bool:
         """A row an engine that died was creating or destroying."""
         claimer = row["claimed_by"]
@@ -237,6 +261,9 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
                         await self._destroy(row["id"])
                     elif (row["owner"] != self.owner and not self._owner_alive(row["owner"])) or self._orphaned(row):
                         self.telemetry.sandboxes_reaped.labels(reason="owner").inc()
+                        await self._destroy(row["id"])
+                    elif self._crashed(row):
+                        self.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
                         await self._destroy(row["id"])
                 await self._apply_policies()
                 self.pools.maintain()
@@ -610,6 +637,11 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             now_row = self.db.get(sandbox_id)
             if now_row is None or now_row["state"] != "running":
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
+            if not _init_alive(now_row["pid"]):
+                self.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
+                await asyncio.shield(self._destroy(sandbox_id))
+                raise SandboxGone(f"sandbox {sandbox_id}'s init process died (killed from outside or crashed);"
+                                  " the sandbox was destroyed") from None
             raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
         finally:
             left = self._in_exec.pop(sandbox_id, 1) - 1
