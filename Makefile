@@ -15,6 +15,9 @@ bench: setup
 	.venv/bin/python bench/lifecycle.py --json
 	.venv/bin/python bench/api.py --json
 	.venv/bin/python bench/fork.py --json
+	.venv/bin/python bench/burst.py --json
+	.venv/bin/python bench/density.py --json
+	.venv/bin/python bench/soak.py --json
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -83,6 +83,17 @@ def _init_alive(pid: int | None) -> bool:
         return False
 
 
+async def _init_survives(pid: int | None, within: float = 0.25) -> bool:
+    """Whether PID 1 is alive a moment after its connection broke: a killed process drops
+    its sockets while it exits, a little before it shows as dead."""
+    give_up = time.monotonic() + within
+    while _init_alive(pid):
+        if time.monotonic() > give_up:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 def _pid_alive(pid: str) -> bool:
     return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
@@ -637,7 +648,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             now_row = self.db.get(sandbox_id)
             if now_row is None or now_row["state"] != "running":
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
-            if not _init_alive(now_row["pid"]):
+            if not await _init_survives(now_row["pid"]):
                 self.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
                 await asyncio.shield(self._destroy(sandbox_id))
                 raise SandboxGone(f"sandbox {sandbox_id}'s init process died (killed from outside or crashed);"
