@@ -126,3 +126,5 @@ async def test_exec_reports_cpu_time_and_peak_memory(afleet):
         assert busy.ok, busy.stderr
         assert busy.cpu_s > 0.1 and busy.cpu_s > idle.cpu_s
         assert busy.memory_peak_bytes > 96 << 20 > idle.memory_peak_bytes
+        after = await sandbox.exec("true")  # its own peak: not the earlier command's
+        assert after.memory_peak_bytes < 96 << 20

@@ -58,29 +58,28 @@ _LABEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 
 def _owner_token() -> str:
     """This process, named so that a recycled pid is not mistaken for it."""
-    with open("/proc/self/stat") as handle:
-        start = handle.read().rsplit(")", 1)[1].split()[19]
-    return f"{os.getpid()}:{start}:{secrets.token_hex(4)}"
+    return f"{os.getpid()}:{_stat('self')[19]}:{secrets.token_hex(4)}"
+
+
+def _stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first), or [] when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
 
 
 def _process_alive(owner: str) -> bool:
     pid, start = (owner.split(":") + [""])[:2]
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[19] == start
-    except (OSError, IndexError):
-        return False
+    fields = _stat(pid) if pid.isdigit() else []
+    return len(fields) > 19 and fields[19] == start
 
 
 def _init_alive(pid: int | None) -> bool:
     """Whether a sandbox's PID 1 still runs (a zombie not yet reaped counts as dead)."""
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = _stat(pid) if pid else []
+    return bool(fields) and fields[0] != "Z"
 
 
 async def _init_survives(pid: int | None, within: float = 0.25) -> bool:
@@ -111,10 +110,11 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         self._gates: dict[str, Gate] = {}
         self._creating: set[asyncio.Task[object]] = set()
         self._in_exec: dict[str, int] = {}
+        """Execs in flight per sandbox: a command alone in its sandbox gets its own peak memory."""
         self._leases: set[str] = set()
+        """Leases opened through this engine: closing it ends them. A crash leaves them to expire."""
         self._bases: dict[str, Image] = {}
         self._dead_seen: set[str] = set()
-        """Leases opened through this engine: closing it ends them. A crash leaves them to expire."""
         self._closing = False
         self._started = False
 
@@ -360,8 +360,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
                 raise InvalidRequest(f"bad label name {key!r}: letters, digits and _.:/- up to 128")
         if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0):
             raise InvalidRequest(f"deadline must be a positive number of seconds, got {deadline!r}")
-        source, img, snapshot = await self._source(image)
-        limits = _limits_of(snapshot, limits) if snapshot is not None and snapshot.memory else limits or Limits()
+        source, img, limits = await self._source_limits(image, limits)
         persistence, priority, idle_timeout = policy
         if deadline is None and persistence != "persistent":
             deadline = self.config.default_deadline_s
@@ -437,6 +436,14 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
 
         self._timers[sandbox_id] = asyncio.get_running_loop().call_later(deadline, expire)
 
+    async def _source_limits(self, ref: str | Image | SnapshotInfo, limits: Limits | None) -> tuple[str, Image, Limits]:
+        """What a sandbox is made from (source id, root image), and the limits it gets:
+        a memory snapshot's processes keep the limits they were dumped with."""
+        source, img, snapshot = await self._source(ref)
+        if snapshot is not None and snapshot.memory:
+            return source, img, _limits_of(snapshot, limits)
+        return source, img, limits or Limits()
+
     async def _source(self, ref: str | Image | SnapshotInfo) -> tuple[str, Image, SnapshotInfo | None]:
         """What a sandbox is made from: (source id, root image, snapshot or None)."""
         if isinstance(ref, SnapshotInfo):
@@ -491,10 +498,8 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         """The row of a live sandbox (running, paused or suspended)."""
         if not isinstance(sandbox_id, str) or not sandbox_id:
             raise SandboxNotFound(f"bad sandbox id {sandbox_id!r}")
-        row = self.db.get(sandbox_id)
+        row = self._visible(sandbox_id)
         if row is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
-        if row["state"] == "pooled":
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
         if row["state"] not in ("running", "paused", "suspended"):
             raise SandboxGone(f"sandbox {sandbox_id} is {row['state']}")
@@ -543,16 +548,21 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
     def _agent(self, sandbox_id: str) -> AgentClient:
         return AgentClient(str(resources.paths(self.config, sandbox_id).socket))
 
-    async def get(self, sandbox_id: str) -> SandboxInfo:
+    def _visible(self, sandbox_id: str) -> Any:
+        """A sandbox's row, or None when there is none or it is warm in a pool (nobody's yet)."""
         row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
-        if row is None or row["state"] == "pooled":
+        return None if row is None or row["state"] == "pooled" else row
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        row = self._visible(sandbox_id)
+        if row is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return dbmod.row_info(row)
 
     def tenant_of(self, sandbox_id: str) -> str | None:
         """The tenant a sandbox belongs to, or None when there is no such sandbox."""
-        row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
-        return None if row is None or row["state"] == "pooled" else row["tenant"]
+        row = self._visible(sandbox_id)
+        return None if row is None else row["tenant"]
 
     async def list(self, labels: dict[str, str] | None = None, *, tenant: str | None = None) -> list[SandboxInfo]:
         """Every sandbox (of ``tenant`` only, when given) that carries all of ``labels``."""
@@ -563,8 +573,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
 
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
-        row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
-        if row is None or row["state"] == "pooled":
+        if self._visible(sandbox_id) is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         await self._destroy(sandbox_id)
 

@@ -173,6 +173,9 @@ class Database:
     def delete_lease(self, lease_id: str) -> None:
         self.conn.execute("DELETE FROM leases WHERE id=?", (lease_id,))
 
+    def count_leases(self) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
+
     def owned_by(self, owner: str) -> list[str]:
         return [r[0] for r in self.conn.execute("SELECT id FROM sandboxes WHERE owner=?", (owner,))]
 

@@ -99,12 +99,8 @@ class HostOperations:
             raise InvalidRequest(f"a pool size is a whole number from 0 to {MAX_POOL}, or None to follow demand")
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
-        source, _, snapshot = await self._source(image.id if isinstance(image, SnapshotInfo) else image)
-        if snapshot is not None and snapshot.memory:
-            from .states import _limits_of
-
-            limits = _limits_of(snapshot, limits)
-        pool = self.pools.configure(source, limits or Limits(), size)
+        source, _, limits = await self._source_limits(image.id if isinstance(image, SnapshotInfo) else image, limits)
+        pool = self.pools.configure(source, limits, size)
         if wait:
             await self.pools.wait_full(pool, wait)
         return self.pools.info(pool)
@@ -117,11 +113,9 @@ class HostOperations:
         """Free room for a create: a warm sandbox first, then the lowest-priority idle sticky one."""
         victim = self.pools.evictable()
         if victim is None:
-            sticky = [r for r in self.db.rows() if r["persistence"] == "sticky" and r["state"] in ("running", "paused", "suspended")
-                      and not self._gate(r["id"]).busy]
-            if not sticky:
+            victim = self._sticky_victim()
+            if victim is None:
                 return False
-            victim = min(sticky, key=lambda r: (r["priority"], r["active_at"]))["id"]
             log.warning("fanfold: host short of room; evicting sticky sandbox %s", victim)
         self.telemetry.sandboxes_reaped.labels(reason="evicted").inc()
         await self._destroy(victim)
@@ -156,7 +150,7 @@ class HostOperations:
             "pools": [pool.to_dict() for pool in self.pools.infos()],
             "host": {"memory_available_mb": admission.memory_available_mb(), "kernel_tasks": tasks,
                      "kernel_tasks_max": most_tasks, "shortage": self.admission.shortage(),
-                     "leases": len(self.db.conn.execute("SELECT id FROM leases").fetchall())},
+                     "leases": self.db.count_leases()},
             **self.telemetry.summary(),
             "sandboxes": listed,
         }

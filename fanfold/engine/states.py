@@ -21,6 +21,7 @@ from ..images.rootfs import copy_upper
 from ..models import ExecResult, ForkResult, Limits, SandboxInfo, SnapshotInfo
 from ..spec import BASES
 from . import db as dbmod
+from .admission import memory_available_mb
 from . import resources
 from . import snapshots as snapmod
 
@@ -272,20 +273,20 @@ class SandboxStates:
                 finally:
                     self.db.unclaim(row["id"])
         if self._under_pressure():
-            sticky = [r for r in self.db.rows() if r["persistence"] == "sticky" and r["state"] != "destroying"]
-            if sticky:
-                victim = min(sticky, key=lambda r: (r["priority"], r["active_at"]))
-                log.warning("fanfold: host under pressure; evicting sticky sandbox %s", victim["id"])
-                await self._destroy(victim["id"])
+            victim = self._sticky_victim()
+            if victim is not None:
+                log.warning("fanfold: host under pressure; evicting sticky sandbox %s", victim)
+                await self._destroy(victim)
+
+    def _sticky_victim(self: Engine) -> str | None:
+        """The sticky sandbox to evict first: lowest priority, then longest idle; none in a call."""
+        sticky = [r for r in self.db.rows() if r["persistence"] == "sticky"
+                  and r["state"] in ("running", "paused", "suspended") and not self._gate(r["id"]).busy]
+        return min(sticky, key=lambda r: (r["priority"], r["active_at"]))["id"] if sticky else None
 
     def _under_pressure(self: Engine) -> bool:
-        available_kb = 0
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    available_kb = int(line.split()[1])
         disk = shutil.disk_usage(self.config.state_dir)
-        return available_kb < self.config.pressure_memory_mb * 1024 or disk.free < self.config.pressure_disk_mb << 20
+        return memory_available_mb() < self.config.pressure_memory_mb or disk.free < self.config.pressure_disk_mb << 20
 
 
 async def _agent_settled(pid: int, timeout: float = 5.0) -> None:
