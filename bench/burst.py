@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fanfold import AsyncFleet, EngineConfig, FanfoldError, InfrastructureError  # noqa: E402
-from lifecycle import leaked, pct  # noqa: E402
+from common import leaked, pct  # noqa: E402
 
 GOALS = {"ok": "all", "infra_errors": 0, "create_p99_ms_without_pool": 1000, "create_p99_ms_with_pool": 10,
          "engine_peak_rss_mb": 300}
@@ -109,7 +108,6 @@ async def main() -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip the bubblewrap burst")
     args = parser.parse_args()
     config = EngineConfig()
-    before = {int(p) for p in os.listdir("/proc") if p.isdigit()}
     async with AsyncFleet(config=config) as fleet:
         await (await fleet.create("host")).kill()  # the base is built and cached before timing
         without = await burst(fleet, args.count)
@@ -132,7 +130,7 @@ async def main() -> None:
             "engine_peak_rss": max(without["engine_peak_rss_mb"], with_pool["engine_peak_rss_mb"])
             <= GOALS["engine_peak_rss_mb"],
         },
-        "leaked": leaked(config, before),
+        "leaked": leaked(config),
     }
     if not args.json:
         for mode in ("without_pool", "with_pool"):

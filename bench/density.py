@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,16 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fanfold import AsyncFleet, EngineConfig  # noqa: E402
-from fanfold.host import cgroups, mounts  # noqa: E402
+from common import agent_pids, leaked, pct  # noqa: E402
+from fanfold.host import mounts  # noqa: E402
 
 GOALS = {"idle_sandboxes": 1000, "overhead_mb_per_sandbox": 3}
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
 
 
 def memory_used_kb() -> int:
@@ -43,22 +36,6 @@ def memory_used_kb() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
-def agent_pids(config: EngineConfig) -> list[int]:
-    """Host pids of this state dir's agents: a binary named ``agent`` started with ``--listen``."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            ours = config.cgroup_parent in Path(f"/proc/{name}/cgroup").read_text()
-        except OSError:
-            continue
-        if ours and argv[0].endswith(b"agent") and b"--listen" in argv:
-            pids.append(int(name))
-    return pids
-
-
 def rss_kb(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -67,17 +44,6 @@ def rss_kb(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def leaked(config: EngineConfig) -> dict[str, int]:
-    runtime_root = config.run_dir / config.runtime
-    return {
-        "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
-        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent))
-        + sum(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)),
-        "containers": len(list(runtime_root.iterdir())) if runtime_root.is_dir() else 0,
-        "agents": len(agent_pids(config)),
-    }
 
 
 async def fill(fleet: AsyncFleet, count: int, concurrency: int, quiet: bool) -> tuple[list, list[float], list[str]]:
@@ -127,7 +93,6 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
         await asyncio.gather(*(kill(sb) for sb in sandboxes))
         destroy_s = time.perf_counter() - start
-        rows_left = len(await fleet.list())
     up = len(sandboxes)
     overhead = round((after_kb - before_kb) / 1024 / up, 2) if up else None
     out: dict[str, object] = {
@@ -145,7 +110,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "sample_alive": f"{alive}/{len(sample)}",
         "create_errors": len(errors),
         "first_errors": errors[:3],
-        "leaked": {**leaked(config), "rows": rows_left},
+        "leaked": leaked(config),
         "goals": GOALS,
     }
     out["met"] = {

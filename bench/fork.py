@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import pct  # noqa: E402
 from fanfold import AsyncFleet, EngineConfig  # noqa: E402
 
 HOLDER = (
@@ -30,13 +31,6 @@ HOLDER = (
     "open('/tmp/ready', 'w').write('1'); time.sleep(1e9)\" >/dev/null 2>&1 &"
 )
 WAIT_READY = "while [ ! -f /tmp/ready ]; do sleep 0.01; done"
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
 
 
 def summary(values: list[float]) -> dict[str, float | None]:

@@ -23,15 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import pct  # noqa: E402
 from fanfold import AsyncFleet, EngineConfig  # noqa: E402
 from fanfold.host import cgroups, mounts  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
 def summary(values: list[float]) -> dict[str, float | None]:

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -27,42 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fanfold import AsyncFleet, CapacityExceeded, EngineConfig, InfrastructureError, SandboxGone, SandboxNotFound  # noqa: E402
-from fanfold.host import cgroups, mounts  # noqa: E402
+from common import agent_pids, leaked, pct  # noqa: E402
 
 KILL_RATE = 0.05
-
-
-def pct(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
-
-
-def agent_pids(config: EngineConfig) -> list[int]:
-    """Host pids of this state dir's agents: a binary named ``agent`` started with ``--listen``."""
-    pids = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            ours = config.cgroup_parent in Path(f"/proc/{name}/cgroup").read_text()
-        except OSError:
-            continue
-        if ours and argv[0].endswith(b"agent") and b"--listen" in argv:
-            pids.append(int(name))
-    return pids
-
-
-def leaked(config: EngineConfig) -> dict[str, int]:
-    runtime_root = config.run_dir / config.runtime
-    db = sqlite3.connect(config.state_dir / "fanfold.db")
-    rows, _ = db.execute("SELECT COUNT(*) FROM sandboxes").fetchone()[0], db.close()
-    return {
-        "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
-        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent))
-        + sum(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)),
-        "containers": len(list(runtime_root.iterdir())) if runtime_root.is_dir() else 0,
-        "agents": len(agent_pids(config)),
-        "rows": rows,
-    }
 
 
 def classify(exc: BaseException) -> str:
