@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from ..config import EngineConfig, env_lease_ttl, env_token, env_url
 from ..engine import Engine
@@ -16,6 +16,7 @@ from ..images import Image
 from ..images.builder import OnStep
 from ..models import ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
+from ._fanout import AsyncRollouts, RolloutFn
 from ._http import HttpTransport
 from ._transport import Transport
 
@@ -113,6 +114,32 @@ class AsyncFleet:
         """The host at a glance: sandboxes by state with their CPU and memory, the create queue,
         pools, create and exec latency percentiles, error and timeout rates, and alerts."""
         return await self._transport.stats()
+
+    def map(
+        self, rollout_fn: RolloutFn, items: Iterable[Any], *, concurrency: int = 16, retries: int = 2,
+        deadline: float | None = None, backoff: float = 0.5, progress: bool | None = None,
+    ) -> AsyncRollouts:
+        """Run ``rollout_fn(item)`` for every item, ``concurrency`` at a time; ``async for`` the
+        ``RolloutResult``s as they finish.
+
+        A ``Retryable`` error (the fleet's, not the rollout's) is retried up to ``retries``
+        times with backoff, and reported as ``infra_error``, never as the rollout's failure.
+        Each attempt gets ``deadline`` seconds. ``progress`` draws a bar on stderr (default:
+        when stderr is a terminal). Leaving the loop early cancels what still runs.
+        """
+        total = len(items) if hasattr(items, "__len__") else None
+        return AsyncRollouts(rollout_fn, items=items, total=total, concurrency=concurrency, retries=retries,
+                             deadline=deadline, backoff=backoff, progress=progress)
+
+    def queue(
+        self, rollout_fn: RolloutFn, *, concurrency: int = 16, retries: int = 2, deadline: float | None = None,
+        backoff: float = 0.5, progress: bool | None = None, max_pending: int | None = None,
+    ) -> AsyncRollouts:
+        """Like ``map`` for continuous training: ``await q.put(item)`` over time (waiting while
+        ``max_pending`` are queued), ``async for`` results as they finish, ``await q.close()``
+        when no more will come."""
+        return AsyncRollouts(rollout_fn, concurrency=concurrency, retries=retries, deadline=deadline,
+                             backoff=backoff, progress=progress, max_pending=max_pending)
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on an existing sandbox."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..config import EngineConfig
 from ..images import Image
@@ -16,6 +16,7 @@ from ..images.builder import OnStep
 from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
+from ._fanout import AsyncRollouts, RolloutFn, RolloutResult, RolloutStats
 from ._portal import Portal
 
 OnOutputSync = Callable[[str, bytes], None]
@@ -130,6 +131,32 @@ class Fleet:
         pools, create and exec latency percentiles, error and timeout rates, and alerts."""
         return self._call(self._async.metrics())
 
+    def map(
+        self, rollout_fn: RolloutFn, items: Iterable[Any], *, concurrency: int = 16, retries: int = 2,
+        deadline: float | None = None, backoff: float = 0.5, progress: bool | None = None,
+    ) -> Rollouts:
+        """Run ``rollout_fn(item)`` for every item, ``concurrency`` at a time; iterate the
+        ``RolloutResult``s as they finish.
+
+        A ``Retryable`` error (the fleet's, not the rollout's) is retried up to ``retries``
+        times with backoff, and reported as ``infra_error``, never as the rollout's failure.
+        Each attempt gets ``deadline`` seconds. ``progress`` draws a bar on stderr (default:
+        when stderr is a terminal). Leaving the loop early cancels what still runs.
+        """
+        return Rollouts(self, self._async.map(rollout_fn, items, concurrency=concurrency, retries=retries,
+                                              deadline=deadline, backoff=backoff, progress=progress))
+
+    def queue(
+        self, rollout_fn: RolloutFn, *, concurrency: int = 16, retries: int = 2, deadline: float | None = None,
+        backoff: float = 0.5, progress: bool | None = None, max_pending: int | None = None,
+    ) -> Rollouts:
+        """Like ``map`` for continuous training: ``q.put(item)`` over time (waiting while
+        ``max_pending`` are queued), iterate results as they finish, ``q.close()`` when no
+        more will come."""
+        return Rollouts(self, self._async.queue(rollout_fn, concurrency=concurrency, retries=retries,
+                                                deadline=deadline, backoff=backoff, progress=progress,
+                                                max_pending=max_pending))
+
     def get(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox."""
         return Sandbox(self, self._call(self._async.get(sandbox_id)))
@@ -152,6 +179,39 @@ class Fleet:
     def gc(self) -> list[str]:
         """Delete the snapshots that are unnamed and that nothing needs; returns their ids."""
         return self._call(self._async.gc())
+
+
+class Rollouts:
+    """What ``Fleet.map`` and ``Fleet.queue`` return: iterate it for ``RolloutResult``s as they finish."""
+
+    def __init__(self, fleet: Fleet, inner: AsyncRollouts) -> None:
+        self._fleet = fleet
+        self._async = inner
+
+    @property
+    def stats(self) -> RolloutStats:
+        return self._async.stats
+
+    def __iter__(self) -> Iterator[RolloutResult]:
+        self._fleet._call(_noop())  # start the fleet's loop if it is not yet running
+        assert self._fleet._portal is not None
+        return self._fleet._portal.iterate(self._async.__aiter__())
+
+    def put(self, item: Any) -> int:
+        """Queue one item; returns its index (results carry it)."""
+        return self._fleet._call(self._async.put(item))
+
+    def close(self) -> None:
+        """No more items: iteration ends once those already put are done."""
+        self._fleet._call(self._async.close())
+
+    def cancel(self) -> None:
+        """Stop now: running rollouts are cancelled."""
+        self._fleet._call(self._async.cancel())
+
+
+async def _noop() -> None:
+    return None
 
 
 class Sandbox:

@@ -1,0 +1,187 @@
+"""The agent loop: a policy plays an env turn by turn, and every step is recorded as it happens.
+
+``run_episode`` is what a rollout function calls. The trajectory is written step by step to
+the store, so an episode cut short (killed, cancelled at its deadline, a fleet failure) is
+kept, marked as what it is, and never mixed with complete ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ..errors import Retryable
+from ..images import Image
+from ..models import SnapshotInfo
+from .core import AsyncSandboxEnv, ToolCall
+from .policy import Policy, PolicyReply
+from .store import TrajectoryStore
+from .trajectory import Episode, Step
+
+
+class EpisodeRun:
+    """One episode in progress: its env, the conversation so far and its trajectory."""
+
+    def __init__(self, env: AsyncSandboxEnv, policy: Policy, episode: Episode, messages: list[dict[str, Any]],
+                 store: TrajectoryStore | None, *, owns_env: bool = False) -> None:
+        self.env, self.policy, self.episode, self.messages, self.store = env, policy, episode, messages, store
+        self.owns_env = owns_env
+        self.done = False
+        self.turns = 0
+        self._snapshot_id: str | None = None
+
+    @classmethod
+    async def start(cls, env: AsyncSandboxEnv, policy: Policy, *, seed: int | None = None,
+                    options: dict[str, Any] | None = None, store: TrajectoryStore | None = None,
+                    rollout_id: str | None = None, metadata: dict[str, Any] | None = None) -> EpisodeRun:
+        """Reset ``env`` and open the episode's record."""
+        prompt, _ = await env.reset(seed=seed, options=options)
+        image_id, snapshot_id = _source_ids(env.image)
+        episode = Episode(task=env.task_name(), seed=seed, rollout_id=rollout_id, image_id=image_id,
+                          snapshot_id=snapshot_id, metadata={"env": env.name, **(metadata or {})})
+        if store is not None:
+            store.begin(episode)
+        messages = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": prompt}]
+        return cls(env, policy, episode, messages, store)
+
+    async def turn(self) -> None:
+        """One model turn and the tool calls it made (each a step)."""
+        started = time.time()
+        reply = await self.policy.act(self.messages, self.env.tool_schemas(), seed=self._turn_seed())
+        policy_s = time.time() - started
+        self.turns += 1
+        calls = reply.tool_calls or [None]
+        self.messages.append(_assistant_message(reply))
+        for position, call in enumerate(calls):
+            await self._act(reply if position == 0 else PolicyReply(version=reply.version), call, policy_s)
+            if self.done:
+                break
+
+    async def _act(self, reply: PolicyReply, call: ToolCall | None, policy_s: float) -> None:
+        started = time.time()
+        action = call if call is not None else reply.text
+        obs, reward, terminated, truncated, info = await self.env.step(action)
+        tool_s = time.time() - started
+        if call is not None:
+            self.messages.append({"role": "tool", "tool_call_id": call.call_id, "content": obs})
+        else:
+            self.messages.append({"role": "user", "content": obs})
+        model_ids = reply.token_ids or []
+        tool_ids = (await self.policy.tokenize(obs) or []) if model_ids else []
+        step = Step(
+            index=len(self.episode.steps), model_output=reply.text, tool_call=call.item() if call else None,
+            tool_result=obs, reward=reward, token_ids=(model_ids + tool_ids) if model_ids else None,
+            logprobs=(list(reply.logprobs or [0.0] * len(model_ids)) + [0.0] * len(tool_ids)) if model_ids else None,
+            loss_mask=([1] * len(model_ids) + [0] * len(tool_ids)) if model_ids else None,
+            policy_version=reply.version, snapshot_id=self._snapshot_id, started_at=started - policy_s,
+            duration_s=time.time() - started + policy_s,
+            info={**info, "policy_s": round(policy_s, 6), "tool_s": round(tool_s, 6)},
+        )
+        self._snapshot_id = None
+        self.episode.steps.append(step)
+        self.episode.total_reward += reward
+        if self.store is not None:
+            self.store.add_step(self.episode.id, step)
+        if terminated or truncated:
+            solved = terminated and self.env.solved(self.episode.total_reward)
+            self.finish("success" if solved else "failure" if terminated else "truncated")
+
+    async def fork(self, count: int) -> list[EpisodeRun]:
+        """``count`` branches of this episode as it stands, each to be played on its own."""
+        envs = await self.env.fork(count)
+        snapshot_id = self.env.fork_snapshot_id
+        self._snapshot_id = snapshot_id
+        branches = []
+        for env in envs:
+            episode = Episode(task=self.episode.task, seed=self.episode.seed, rollout_id=self.episode.rollout_id,
+                              image_id=self.episode.image_id, snapshot_id=snapshot_id, parent_id=self.episode.id,
+                              fork_step=len(self.episode.steps), steps=[*self.episode.steps],
+                              total_reward=self.episode.total_reward, metadata=dict(self.episode.metadata))
+            if self.store is not None:
+                self.store.begin(episode)
+            branch = EpisodeRun(env, self.policy, episode, [dict(m) for m in self.messages], self.store, owns_env=True)
+            branch.turns, branch._snapshot_id = self.turns, snapshot_id
+            branch.episode.metadata["branch"] = len(branches) + 1
+            branches.append(branch)
+        return branches
+
+    async def play(self, max_turns: int | None = None) -> Episode:
+        """Turns until the episode ends; a failure is recorded, then raised."""
+        try:
+            # The env truncates at its max_steps, so this ends without max_turns too.
+            while not self.done and (max_turns is None or self.turns < max_turns):
+                await self.turn()
+        except Retryable as exc:
+            self.finish("infra_error", error=f"{type(exc).__name__}: {exc}")
+            raise
+        except asyncio.CancelledError:
+            self.finish("partial", error="cancelled (deadline or shutdown) before the episode ended")
+            raise
+        except Exception as exc:
+            self.finish("error", error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if self.owns_env:
+                await asyncio.shield(self.env.close())
+        return self.episode
+
+    def finish(self, outcome: str, *, error: str | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.episode.outcome, self.episode.error, self.episode.finished_at = outcome, error, time.time()
+        if self.store is not None:
+            self.store.finish(self.episode.id, outcome, total_reward=self.episode.total_reward, error=error)
+
+    def _turn_seed(self) -> int | None:
+        seed = self.episode.seed
+        branch = self.episode.metadata.get("branch", 0)
+        return None if seed is None else (seed * 1_000_003 + self.turns * 101 + branch) % 2**31
+
+
+async def run_episode(env: AsyncSandboxEnv, policy: Policy, *, seed: int | None = None,
+                      options: dict[str, Any] | None = None, store: TrajectoryStore | None = None,
+                      rollout_id: str | None = None, fork_at: int | None = None, fork_count: int = 2,
+                      metadata: dict[str, Any] | None = None) -> list[Episode]:
+    """Play one episode of ``env`` with ``policy``; returns its episodes (more than one when it forks).
+
+    With ``fork_at``, after that many turns the episode forks (sandbox memory and disk
+    included) into ``fork_count`` branches that play on independently, each with its own
+    policy seed: the first branch is the original episode, the others record ``parent_id``
+    and ``fork_step``.
+    """
+    run = await EpisodeRun.start(env, policy, seed=seed, options=options, store=store, rollout_id=rollout_id,
+                                 metadata=metadata)
+    if fork_at is None:
+        return [await run.play()]
+    await run.play(max_turns=fork_at)
+    if run.done:
+        return [run.episode]
+    try:
+        branches = await run.fork(fork_count - 1)
+    except BaseException as exc:
+        run.finish("infra_error" if isinstance(exc, Retryable) else "error", error=f"{type(exc).__name__}: {exc}")
+        raise
+    results = await asyncio.gather(run.play(), *(b.play() for b in branches), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return list(results)
+
+
+def _source_ids(image: Image | SnapshotInfo | str | None) -> tuple[str | None, str | None]:
+    if isinstance(image, SnapshotInfo):
+        return image.image_id, image.id
+    if isinstance(image, Image):
+        return image.id, None
+    return (image, None) if isinstance(image, str) else (None, None)
+
+
+def _assistant_message(reply: PolicyReply) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.tool_calls:
+        message["tool_calls"] = [{"id": c.call_id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.item()["arguments"]}}
+                                 for c in reply.tool_calls]
+    return message

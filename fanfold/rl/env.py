@@ -1,0 +1,89 @@
+"""``SandboxEnv``: the ``gymnasium.Env`` twin of an ``AsyncSandboxEnv``, and envs looked up by name."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import gymnasium
+
+from ..client import AsyncFleet, Fleet
+from ..errors import InvalidRequest
+from .core import AsyncSandboxEnv, ToolCall
+
+ENVS = {
+    "codefix": "fanfold.rl.envs.codefix:CodeFixEnv",
+    "corpus": "fanfold.rl.envs.corpus:CorpusSearchEnv",
+}
+"""Short names of the envs that ship; ``env_class`` also takes ``package.module:Class``."""
+
+
+def env_class(name: str | type[AsyncSandboxEnv]) -> type[AsyncSandboxEnv]:
+    """An env class from a short name (``codefix``, ``corpus``) or a ``module:Class`` path."""
+    if isinstance(name, type) and issubclass(name, AsyncSandboxEnv):
+        return name
+    target = ENVS.get(name, name) if isinstance(name, str) else None
+    if not target or ":" not in target:
+        raise InvalidRequest(f"unknown env {name!r}: use one of {', '.join(ENVS)} or 'package.module:Class'")
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidRequest(f"cannot load env {target!r}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, AsyncSandboxEnv)):
+        raise InvalidRequest(f"{target} is not an AsyncSandboxEnv subclass")
+    return cls
+
+
+def make_async(name: str | type[AsyncSandboxEnv], fleet: AsyncFleet, **kwargs: Any) -> AsyncSandboxEnv:
+    """An async env by name on ``fleet``; ``kwargs`` go to its constructor."""
+    return env_class(name)(fleet, **kwargs)
+
+
+class SandboxEnv(gymnasium.Env):
+    """A ``gymnasium.Env`` over a sandbox: ``SandboxEnv("codefix")``.
+
+    ``fleet`` is a sync ``Fleet`` (default: an embedded one this env owns and closes);
+    other keyword arguments go to the async env (``image=``, ``max_steps=``, ``limits=``).
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, env: str | type[AsyncSandboxEnv] = "codefix", *, fleet: Fleet | None = None,
+                 **kwargs: Any) -> None:
+        self._owns_fleet = fleet is None
+        self.fleet = fleet if fleet is not None else Fleet()
+        self.fleet.start()
+        self.inner = make_async(env, self.fleet._async, **kwargs)
+        self.observation_space = self.inner.observation_space
+        self.action_space = self.inner.action_space
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return self.inner.tool_schemas()
+
+    @property
+    def sandbox_id(self) -> str | None:
+        return self.inner.sandbox.id if self.inner.sandbox else None
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        """A fresh sandbox and a new task; returns ``(prompt, info)``."""
+        super().reset(seed=seed)
+        self.inner.np_random = self.np_random  # one generator, so Gymnasium's seeding rules hold
+        return self.fleet._call(self.inner.reset(options=options))
+
+    def step(self, action: str | dict[str, Any] | ToolCall) -> tuple[str, float, bool, bool, dict]:
+        """Run one tool call; returns ``(observation, reward, terminated, truncated, info)``."""
+        return self.fleet._call(self.inner.step(action))
+
+    def close(self) -> None:
+        """Destroy the sandbox, and the fleet if this env made it (idempotent)."""
+        if self.fleet._portal is not None:
+            self.fleet._call(self.inner.close())
+        if self._owns_fleet:
+            self.fleet.close()
+
+
+for _name, _id in (("codefix", "fanfold/CodeFix-v0"), ("corpus", "fanfold/CorpusSearch-v0")):
+    if _id not in gymnasium.registry:
+        gymnasium.register(_id, entry_point="fanfold.rl.env:SandboxEnv", kwargs={"env": _name})
