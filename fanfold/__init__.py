@@ -8,7 +8,20 @@
             print(sandbox.exec("python3 -m unittest").outcome)
 """
 
-from .client import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox, Files, Fleet, Fork, Sandbox
+from .client import (
+    AsyncFiles,
+    AsyncFleet,
+    AsyncFork,
+    AsyncRollouts,
+    AsyncSandbox,
+    Files,
+    Fleet,
+    Fork,
+    RolloutResult,
+    Rollouts,
+    RolloutStats,
+    Sandbox,
+)
 from .config import EngineConfig
 from .errors import (
     BuildFailed,
@@ -27,11 +40,13 @@ from .errors import (
     LeaseNotFound,
     LimitExceeded,
     NotFound,
+    PolicyUnavailable,
     Retryable,
     SandboxGone,
     SandboxNotFound,
     SnapshotInUse,
     SnapshotNotFound,
+    ToolError,
     Unauthorized,
 )
 from .images import Image
@@ -57,6 +72,7 @@ __all__ = [
     "AsyncFiles",
     "AsyncFleet",
     "AsyncFork",
+    "AsyncRollouts",
     "AsyncSandbox",
     "BuildFailed",
     "CapacityExceeded",
@@ -88,8 +104,12 @@ __all__ = [
     "Outcome",
     "OutputChunk",
     "Persistence",
+    "PolicyUnavailable",
     "PoolInfo",
     "Retryable",
+    "RolloutResult",
+    "RolloutStats",
+    "Rollouts",
     "Sandbox",
     "SandboxGone",
     "SandboxInfo",
@@ -98,5 +118,6 @@ __all__ = [
     "SnapshotInfo",
     "SnapshotNotFound",
     "StepEvent",
+    "ToolError",
     "Unauthorized",
 ]

@@ -4,7 +4,8 @@
     ├── InvalidRequest          bad input: limits, paths, commands, arguments
     │   ├── InvalidSpec         an EnvSpec that cannot be built as written
     │   ├── InvalidPath         a sandbox path that is malformed or leaves the root
-    │   └── LimitExceeded       the sandbox's disk is full
+    │   ├── LimitExceeded       the sandbox's disk is full
+    │   └── ToolError           a tool call the model got wrong: unknown tool, bad arguments, a missing file
     ├── NotFound
     │   ├── ImageNotFound
     │   ├── SandboxNotFound
@@ -21,7 +22,8 @@
     └── Retryable               try again; nothing was left behind
         ├── CapacityExceeded
         └── InfrastructureError the runtime, the kernel or the agent failed
-            └── CheckpointFailed CRIU could not dump or restore; the sandbox runs on
+            ├── CheckpointFailed CRIU could not dump or restore; the sandbox runs on
+            └── PolicyUnavailable the policy server failed or did not answer
 
 Errors from crun, the kernel, the agent and HTTP are translated into these at the edge,
 in one place each; none leaks raw.
@@ -58,6 +60,12 @@ class LimitExceeded(InvalidRequest):
     """The sandbox hit one of its limits (its disk is full)."""
 
     kind = "limit_exceeded"
+
+
+class ToolError(InvalidRequest):
+    """A tool call the model got wrong (unknown tool, bad arguments, a missing file); the message is for the model."""
+
+    kind = "tool_error"
 
 
 class NotFound(FanfoldError):
@@ -166,3 +174,9 @@ class CheckpointFailed(InfrastructureError):
     """CRIU could not checkpoint or restore; the sandbox keeps running and nothing is left behind."""
 
     kind = "checkpoint_failed"
+
+
+class PolicyUnavailable(InfrastructureError):
+    """The policy (inference) server failed or did not answer; the rollout did nothing wrong."""
+
+    kind = "policy_unavailable"

@@ -67,7 +67,9 @@ class RolloutStats:
 class AsyncRollouts:
     """Rollouts running ``concurrency`` at a time; ``async for result in rollouts`` yields
     each as it finishes. ``put`` adds items (waiting while ``max_pending`` wait already);
-    ``close`` says no more will come, after which iteration ends once all are done."""
+    ``close`` says no more will come, after which iteration ends once all are done.
+    ``async with`` cancels what still runs on leaving the block (a loop left by ``break``
+    does so too, but only once the iterator is collected)."""
 
     def __init__(
         self, rollout_fn: RolloutFn, *, concurrency: int = 16, retries: int = 2, deadline: float | None = None,
@@ -82,7 +84,7 @@ class AsyncRollouts:
         self._workers: list[asyncio.Task[None]] = []
         self._items, self._feeder = items, None
         self._threads: ThreadPoolExecutor | None = None
-        self._closed = False
+        self._closed = self._cancelled = False
         self.stats = RolloutStats()
         self._progress = _Progress(description, total) if _want_progress(progress) else None
 
@@ -108,13 +110,21 @@ class AsyncRollouts:
         """Stop now: running rollouts are cancelled (their ``async with`` sandboxes die)."""
         self._closed = True
         tasks = [*self._workers, *([self._feeder] if self._feeder else [])]
-        for task in tasks:
-            task.cancel()
+        if not self._cancelled:  # once: a second cancel would cut short the cleanups the first started
+            self._cancelled = True
+            for task in tasks:
+                task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
         if self._progress:
             self._progress.stop()
+
+    async def __aenter__(self) -> AsyncRollouts:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.cancel()
 
     async def __aiter__(self) -> AsyncIterator[RolloutResult]:
         self._start()

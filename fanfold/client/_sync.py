@@ -192,6 +192,12 @@ class Rollouts:
     def stats(self) -> RolloutStats:
         return self._async.stats
 
+    def __enter__(self) -> Rollouts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
     def __iter__(self) -> Iterator[RolloutResult]:
         self._fleet._call(_noop())  # start the fleet's loop if it is not yet running
         assert self._fleet._portal is not None
