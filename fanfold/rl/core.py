@@ -16,6 +16,7 @@ A concrete env subclasses ``AsyncSandboxEnv``: it names its ``tools``, its golde
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -42,6 +43,12 @@ _CHARS = frozenset(CHARSET)
 def text_space() -> spaces.Text:
     """The observation and action space: text of up to ``MAX_TEXT`` characters."""
     return spaces.Text(max_length=MAX_TEXT, min_length=0, charset=CHARSET)
+
+
+@functools.cache
+def _shared_space(role: str) -> spaces.Text:
+    # Building a Text space over this charset takes ~10 ms: every env of a process shares one per role.
+    return text_space()
 
 
 def as_text(value: str | bytes) -> str:
@@ -141,8 +148,6 @@ class AsyncSandboxEnv:
         self.labels = labels or {}
         if max_steps is not None:
             self.max_steps = max_steps
-        self.observation_space = text_space()
-        self.action_space = text_space()
         self.np_random: np.random.Generator | None = None
         self.sandbox: AsyncSandbox | None = None
         self.task: dict[str, Any] = {}
@@ -150,6 +155,14 @@ class AsyncSandboxEnv:
         self.done = False
         self.fork_snapshot_id: str | None = None
         """The memory snapshot the last ``fork`` made (its copies start from it)."""
+
+    @property
+    def observation_space(self) -> spaces.Text:
+        return _shared_space("observation")
+
+    @property
+    def action_space(self) -> spaces.Text:
+        return _shared_space("action")
 
     # -- what a concrete env defines --------------------------------------------------------------
 

@@ -176,7 +176,10 @@ class ScriptedPolicy:
         self.requests += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        reply = self.script(messages, random.Random(seed))
+        rng = random.Random(seed)
+        reply = self.script(messages, rng)
+        # Call ids from the seeded rng too, so a seeded episode is the same data every time.
+        reply.tool_calls = [ToolCall(c.name, c.arguments, f"call_{rng.getrandbits(48):012x}") for c in reply.tool_calls]
         spoken = reply.text + "".join(json.dumps(c.item()) for c in reply.tool_calls)
         reply.token_ids = list(spoken.encode())
         reply.logprobs = [-1.0] * len(reply.token_ids)
