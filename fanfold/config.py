@@ -115,3 +115,9 @@ def env_lease_ttl() -> float:
 def env_token() -> str | None:
     """The bearer token from ``FANFOLD_TOKEN``, if set."""
     return os.environ.get("FANFOLD_TOKEN") or None
+
+
+def env_trajectories() -> Path | None:
+    """The trajectory store's file from ``FANFOLD_TRAJECTORIES``, if set."""
+    text = os.environ.get("FANFOLD_TRAJECTORIES", "")
+    return Path(text) if text else None

@@ -499,3 +499,8 @@ def top(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
         raise click.UsageError("fanfold top watches a server: start `fanfold serve`, or pass --url / FANFOLD_URL")
     with Fleet(url, token=ctx.obj["token"]) as fleet:
         watch(fleet, source=url, interval=interval, once=once, limit=limit)
+
+
+from .traj import traj  # noqa: E402  (a command group of its own file, added once main exists)
+
+main.add_command(traj)
