@@ -64,7 +64,7 @@ async def provision(
 
     The caller owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
-    where = _mount_disk(config, store, sandbox_id, image.layers, image.host_dirs, limits)
+    where = await asyncio.to_thread(_mount_disk, config, store, sandbox_id, image.layers, image.host_dirs, limits)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in image.services:
         args += [f"--{mode}", name, cmd]
@@ -193,6 +193,11 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
             pass
     await setup.reap(pid)
     await runtime.delete(sandbox_id)
+    # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread, the loop serves execs meanwhile.
+    await asyncio.to_thread(_release_host, config, sandbox_id, where)
+
+
+def _release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:
     for point in mounts.mounts_under(where.root):
         mounts.umount(point)
     cgroups.remove(config.cgroup_parent, sandbox_id)

@@ -56,7 +56,9 @@ def mounts_under(prefix: Path) -> list[Path]:
     found = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
         for line in handle:
-            point = _unescape(line.split()[4])
+            point = line.split(maxsplit=5)[4]
+            if "\\" in point:  # only names with spaces, tabs, newlines or backslashes are escaped
+                point = _unescape(point)
             if point == root or point.startswith(root + "/"):
                 found.append(Path(point))
     return sorted(set(found), key=lambda p: len(p.parts), reverse=True)
