@@ -68,7 +68,7 @@ class FanfoldGroup(click.Group):
         try:
             return super().invoke(ctx)
         except FanfoldError as err:
-            console.print(f"[red]error:[/red] {type(err).__name__}: {err}", markup=True, highlight=False)
+            console.print(f"[red]error:[/red] {type(err).__name__}: {err}", markup=True, highlight=False, soft_wrap=True)
             sys.exit(2)
 
 

@@ -159,10 +159,16 @@ def digest_of(task: str, seed: int | None, image_id: str | None, snapshot_id: st
     """The digest ``Episode.digest`` returns, from its parts (the store computes it from stored rows)."""
     body = {
         "task": task, "seed": seed, "image_id": image_id, "snapshot_id": snapshot_id,
-        "steps": [[s.model_output, s.tool_call, s.tool_result, s.reward] for s in sorted(steps, key=lambda s: s.index)],
+        "steps": [[s.model_output, _without_call_id(s.tool_call), s.tool_result, s.reward]
+                  for s in sorted(steps, key=lambda s: s.index)],
     }
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _without_call_id(call: dict[str, Any] | None) -> dict[str, Any] | None:
+    # Servers draw call ids at random: two identical episodes differ only there.
+    return None if call is None else {k: v for k, v in call.items() if k != "call_id"}
 
 
 def _is_number(value: object) -> bool:
