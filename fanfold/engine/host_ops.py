@@ -5,16 +5,17 @@ A mixin of Engine, kept apart so core.py stays about one sandbox's life.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client.core import GaugeMetricFamily
 
-from ..errors import InvalidRequest, LeaseNotFound
+from ..errors import InvalidRequest, LeaseNotFound, SandboxNotFound
 from ..host import cgroups
 from ..images import Image
-from ..models import LeaseInfo, Limits, PoolInfo, SnapshotInfo
+from ..models import LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from . import admission
 from . import db as dbmod
 
@@ -31,14 +32,20 @@ MAX_POOL = 4096
 class HostOperations:
     # -- leases -------------------------------------------------------------------------------
 
-    async def open_lease(self: Engine, ttl: float | None = None, *, tenant: str = "") -> LeaseInfo:
-        """A new lease: sandboxes created with it die when it is closed or not renewed within ``ttl`` s."""
+    async def open_lease(self: Engine, ttl: float | None = None, *, tenant: str = "",
+                         outlive: bool = False) -> LeaseInfo:
+        """A new lease: sandboxes created with it die when it is closed or not renewed within ``ttl`` s.
+
+        Closing this engine closes the leases opened through it, unless ``outlive`` (a
+        rollout's lease, which lasts to the rollout's deadline whatever becomes of the server).
+        """
         ttl = self.config.lease_ttl_s if ttl is None else ttl
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl <= MAX_LEASE_TTL_S:
             raise InvalidRequest(f"a lease ttl is 1 to {MAX_LEASE_TTL_S:g} seconds, got {ttl!r}")
         lease_id = "ls-" + secrets.token_hex(8)
         expires = self.db.insert_lease(lease_id, tenant, float(ttl))
-        self._leases.add(lease_id)
+        if not outlive:
+            self._leases.add(lease_id)
         return LeaseInfo(id=lease_id, ttl=float(ttl), expires_at=expires)
 
     async def renew_lease(self: Engine, lease_id: str, *, tenant: str | None = None) -> LeaseInfo:
@@ -69,6 +76,30 @@ class HostOperations:
         if row["expires_at"] <= dbmod.now():
             raise LeaseNotFound(f"lease {lease} expired and its sandboxes were reaped; open a new one")
         return LEASE_PREFIX + lease
+
+    async def adopt(self: Engine, sandbox_id: str, lease: str, *, tenant: str = "",
+                    labels: dict[str, str] | None = None, deadline: float | None = None) -> SandboxInfo:
+        """Put a sandbox under another of its tenant's leases, with new ``labels`` and ``deadline``
+        (seconds from now) when given: a rollout forked from another takes its child this way."""
+        row = self._known(sandbox_id)
+        if row["tenant"] != tenant:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        fields: dict[str, object] = {"owner": self._owner_for(lease, tenant)}
+        if labels is not None:
+            if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+                raise InvalidRequest("labels must be a dict of strings to strings")
+            fields["labels"] = json.dumps(labels)
+        if deadline is not None:
+            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0:
+                raise InvalidRequest(f"deadline must be a positive number of seconds, got {deadline!r}")
+            fields["deadline_at"] = dbmod.now() + deadline
+        self.db.update(sandbox_id, **fields)
+        if deadline is not None:
+            timer = self._timers.pop(sandbox_id, None)
+            if timer is not None:
+                timer.cancel()
+            self._arm_deadline(sandbox_id, deadline)
+        return await self.get(sandbox_id)
 
     async def _reap_lease(self: Engine, lease_id: str, *, expired: bool = True) -> int:
         owned = self.db.owned_by(LEASE_PREFIX + lease_id)

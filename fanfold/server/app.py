@@ -18,7 +18,7 @@ from .. import __version__
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, NotFound
-from . import files, host, images, sandboxes, snapshots
+from . import files, host, images, rollouts, sandboxes, snapshots
 from .auth import Tenants
 from .creates import CreateRegistry
 from .deps import ClientGone, tenant
@@ -35,7 +35,8 @@ DESCRIPTION = """Isolated sandboxes for RL rollouts, on one host.
 
 Authenticate with `Authorization: Bearer <token>` (optional on the unix socket). Errors are
 JSON `{"kind", "message"}`: 401 bad token, 404 unknown sandbox or snapshot (or another
-tenant's), 409 wrong state or a snapshot still in use, 413 body too large, 422 bad input,
+tenant's), 409 wrong state or a snapshot still in use, 410 a rollout that ended, 413 body too
+large, 422 bad input (a tool call's also carries a `function_call_output` for the model),
 429/503 retry after `Retry-After` seconds, 500 only for fanfold's own bugs.
 """
 
@@ -51,15 +52,17 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
             yield
         finally:
             await app.state.creates.close()
+            await app.state.rollouts.replies.close()
             await engine.close()
 
     app = FastAPI(title="fanfold", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.engine = engine
     app.state.tenants = tenants or Tenants()
     app.state.creates = CreateRegistry(engine)
+    app.state.rollouts = rollouts.Rollouts(engine)
     _add_error_handlers(app)
     app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
-    for router in (sandboxes.router, snapshots.router, files.router, images.router, host.router):
+    for router in (sandboxes.router, snapshots.router, files.router, images.router, host.router, rollouts.router):
         app.include_router(router)
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])

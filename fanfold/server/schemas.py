@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from ..engine.states import MAX_FORK
 
@@ -195,3 +195,107 @@ class PoolBody(BaseModel):
     handouts: int
     misses: int
     last_error: str | None
+
+
+# -- rollouts: tools over HTTP keyed by rollout id ---------------------------------------------
+
+ROLLOUT_ID = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
+ROLLOUT_DEADLINE_MAX = 86400
+RolloutID = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ROLLOUT_ID)]
+LabelName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,128}$")]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[^=\x00]+$")]
+EnvValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]
+RolloutState = Literal["pending", "creating", "running", "paused", "suspended", "destroying", "expired", "gone"]
+
+
+class RolloutLimits(_Body):
+    cpus: float = Field(1.0, ge=0.01, le=1024, description="CPU quota in cores.")
+    memory_mb: int = Field(512, ge=16, le=1 << 22)
+    pids: int = Field(256, ge=8, le=1 << 22)
+    disk_mb: int = Field(1024, ge=1, le=1 << 24)
+
+
+class RolloutRequest(_Body):
+    rollout_id: RolloutID | None = Field(None, description=(
+        "The caller's id for the rollout (a letter or digit, then letters, digits and _.:-); generated (ro-...)"
+        " when absent."))
+    image: str | None = Field(None, min_length=1, max_length=256, description=(
+        "Image id or base name the sandbox is made from (default host); not with snapshot."))
+    snapshot: str | None = Field(None, min_length=1, max_length=256, description=(
+        "Id or name of one of the caller's snapshots to start from instead (a memory snapshot keeps its processes)."))
+    limits: RolloutLimits | None = None
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    deadline: float = Field(3600, gt=0, le=ROLLOUT_DEADLINE_MAX, description=(
+        "Seconds from now after which the rollout ends and its sandboxes are destroyed."))
+    labels: dict[LabelName, str] = Field(default_factory=dict, description="Put on its sandbox, with rollout_id.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RolloutRequest:
+        if self.image is not None and self.snapshot is not None:
+            raise ValueError("give image or snapshot, not both")
+        return self
+
+
+class RolloutBody(BaseModel):
+    id: str = Field(description="The same as rollout_id.")
+    rollout_id: str
+    image: str | None
+    snapshot: str | None
+    limits: LimitsBody | None
+    labels: dict[str, str]
+    created_at: float
+    deadline_at: float
+    sandbox_id: str | None = Field(description="Made on the first tool call or fork; null until then.")
+    state: RolloutState = Field(description=(
+        "pending (no sandbox yet), the sandbox's state, expired (deadline passed) or gone (its sandbox was"
+        " destroyed: deleted, crashed, or the server shut down)."))
+    forked_from: str | None
+
+
+class FunctionCall(BaseModel):
+    """A Responses API function_call item, as the model produced it."""
+
+    # Items from a model API may carry fields added after this was written: they are ignored.
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"] = "function_call"
+    call_id: str = Field(min_length=1, max_length=256)
+    name: str | None = Field(None, max_length=64, description="If given, it must be the tool named in the path.")
+    arguments: str | dict[str, Any] = Field("{}", description="The arguments: a JSON string or an object.")
+    id: str | None = Field(None, max_length=256)
+    status: str | None = Field(None, max_length=32)
+
+
+class FunctionCallOutput(BaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    status: Literal["completed"] = "completed"
+
+
+class ToolErrorBody(ErrorBody):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str = Field(description="The error, for the model.")
+
+
+class RolloutForkRequest(_Body):
+    count: int = Field(ge=1, le=16, description="How many rollouts to fork off, each with a live copy of the sandbox.")
+    rollout_ids: list[RolloutID] | None = Field(None, min_length=1, max_length=16, description=(
+        "Their ids (default: {rollout_id}.f1, .f2, ...); as many as count."))
+
+    @field_validator("rollout_ids")
+    @classmethod
+    def _distinct(cls, ids: list[str] | None) -> list[str] | None:
+        if ids is not None and len(set(ids)) != len(ids):
+            raise ValueError("rollout_ids repeat an id")
+        return ids
+
+
+class RolloutForkBody(BaseModel):
+    rollouts: list[RolloutBody]
+    parent_pause_ms: float
+
+
+class ToolsBody(BaseModel):
+    responses: list[dict[str, Any]] = Field(description="For the Responses API's tools.")
+    chat_completions: list[dict[str, Any]] = Field(description="For Chat Completions' tools.")
