@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fanfold import AsyncFleet, EnvSpec  # noqa: E402
-from fanfold.rl import AsyncSandboxEnv, EnvTool, OpenAIPolicy, ToolOutcome, TrajectoryStore, run_episode  # noqa: E402
+from fanfold.rl import AsyncSandboxEnv, OpenAIPolicy, Tool, ToolOutcome, TrajectoryStore, run_episode  # noqa: E402
 from common import leaked, pct  # noqa: E402
 
 POLICY_MS = 3.0
@@ -83,7 +83,7 @@ class WorkEnv(AsyncSandboxEnv):
     """Six steps of ``work``: each runs ``sleep SECONDS`` in the sandbox."""
 
     name = "work"
-    tools = (EnvTool("work", "Work for a while.", {"type": "object", "properties": {"seconds": {"type": "number"}},
+    tools = (Tool("work", "Work for a while.", {"type": "object", "properties": {"seconds": {"type": "number"}},
                                                    "required": ["seconds"]}),)
     max_steps = STEPS + 1
     tool_seconds: list[float] = []

@@ -30,6 +30,7 @@ from ..client import AsyncFleet, AsyncSandbox
 from ..images import Image
 from ..models import SnapshotInfo
 from ..spec import EnvSpec
+from ..tools import Tool
 
 MAX_TEXT = 16384
 """The longest observation or action, in characters; longer observations are cut."""
@@ -59,20 +60,6 @@ def as_text(value: str | bytes) -> str:
     if len(value) > MAX_TEXT:
         value = value[: MAX_TEXT - 40] + f"\n[... cut {len(value) - MAX_TEXT + 40} characters]"
     return "".join(ch if ch in _CHARS else "?" for ch in value)
-
-
-@dataclass(frozen=True)
-class EnvTool:
-    """A tool an env offers the model: a name, what it does, and its JSON Schema arguments."""
-
-    name: str
-    description: str
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
-
-    def chat_schema(self) -> dict[str, Any]:
-        """The tool as chat completions' ``tools`` entry."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
 
 
 @dataclass(frozen=True)
@@ -134,7 +121,7 @@ class AsyncSandboxEnv:
     """
 
     name: ClassVar[str] = "sandbox"
-    tools: ClassVar[tuple[EnvTool, ...]] = ()
+    tools: ClassVar[tuple[Tool, ...]] = ()
     system_prompt: ClassVar[str] = "You are an agent working in a Linux sandbox through tool calls."
     max_steps: int = 20
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...errors import FileNotFoundInSandbox, InvalidPath
 from ...spec import EnvSpec
-from ..core import ActionError, AsyncSandboxEnv, EnvTool, ToolCall, ToolOutcome
+from ..core import ActionError, AsyncSandboxEnv, Tool, ToolCall, ToolOutcome
 
 PROJECT = Path(__file__).parent / "codefix_project"
 WORKDIR = "/env"
@@ -24,14 +24,14 @@ GRADE_CMD = ["python3", "-B", "/opt/grader/grade.py"]
 
 _PATH = {"type": "string", "description": "a file in the project, e.g. stats.py"}
 TOOLS = (
-    EnvTool("read_file", "Show a project file with line numbers.",
+    Tool("read_file", "Show a project file with line numbers.",
             {"type": "object", "properties": {"path": _PATH}, "required": ["path"], "additionalProperties": False}),
-    EnvTool("edit_file", "Replace one exact, unique occurrence of `old` with `new` in a project file.",
+    Tool("edit_file", "Replace one exact, unique occurrence of `old` with `new` in a project file.",
             {"type": "object", "properties": {"path": _PATH, "old": {"type": "string"}, "new": {"type": "string"}},
              "required": ["path", "old", "new"], "additionalProperties": False}),
-    EnvTool("run_tests", "Run the project's unit tests and show the failures.",
+    Tool("run_tests", "Run the project's unit tests and show the failures.",
             {"type": "object", "properties": {}, "additionalProperties": False}),
-    EnvTool("submit", "Finish: the reward is the share of the tests that pass.",
+    Tool("submit", "Finish: the reward is the share of the tests that pass.",
             {"type": "object", "properties": {}, "additionalProperties": False}),
 )
 

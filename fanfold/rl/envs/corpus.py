@@ -19,7 +19,7 @@ from typing import Any
 from ... import tools as generic
 from ...errors import InvalidRequest, ToolError
 from ...spec import EnvSpec
-from ..core import ActionError, AsyncSandboxEnv, EnvTool, ToolCall, ToolOutcome
+from ..core import ActionError, AsyncSandboxEnv, Tool, ToolCall, ToolOutcome
 
 ROOT = "/corpus"
 VERSION = 1
@@ -90,12 +90,12 @@ def corpus_dir() -> Path:
 
 
 TOOLS = (
-    *(EnvTool(t.name, t.description, t.parameters) for t in (generic.TOOLS["search"], generic.TOOLS["read_file"],
+    *(t for t in (generic.TOOLS["search"], generic.TOOLS["read_file"],
                                                              generic.TOOLS["shell"])),
-    EnvTool("find", "List files under /corpus whose name matches a glob, e.g. *runbook*.",
+    Tool("find", "List files under /corpus whose name matches a glob, e.g. *runbook*.",
             {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
              "additionalProperties": False}),
-    EnvTool("submit", "Finish with the documents that answer the question (paths under /corpus).",
+    Tool("submit", "Finish with the documents that answer the question (paths under /corpus).",
             {"type": "object", "properties": {"paths": {"type": "array", "items": {"type": "string"}}},
              "required": ["paths"], "additionalProperties": False}),
 )
