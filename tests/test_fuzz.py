@@ -80,8 +80,13 @@ def test_no_input_gets_a_5xx_or_hangs(case, server, live_sandbox):
 
 
 def remove_made(server, auth: dict[str, str], made: dict) -> None:  # type: ignore[type-arg]
-    """Delete a snapshot taken; kill the sandboxes a create or fork made (a fork's snapshot goes with the last)."""
+    """Delete a snapshot taken or a rollout made; kill the sandboxes a create or fork made (a fork's snapshot
+    goes with the last)."""
     with httpx.Client(base_url=server.tcp_url, headers=auth, timeout=60) as http:
+        for rollout in made.get("rollouts", [made] if "rollout_id" in made else []):
+            http.delete(f"/v1/rollouts/{rollout['rollout_id']}")
+        if "rollout_id" in made or "rollouts" in made:
+            return
         if "parent" in made:
             assert http.delete(f"/v1/snapshots/{made['id']}").status_code == 204
         for child in made.get("children", [made] if "state" in made else []):

@@ -156,7 +156,7 @@ class Rollouts:
     async def body(self, row: Any) -> dict[str, Any]:
         params = json.loads(row["params"])
         return {
-            "id": row["id"], "rollout_id": row["id"], "image": params["image"], "snapshot": params["snapshot"],
+            "rollout_id": row["id"], "image": params["image"], "snapshot": params["snapshot"],
             "limits": params["limits"], "labels": params["labels"], "created_at": row["created_at"],
             "deadline_at": row["deadline_at"], "sandbox_id": row["sandbox_id"], "state": await self._state(row),
             "forked_from": row["forked_from"],

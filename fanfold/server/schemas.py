@@ -237,7 +237,6 @@ class RolloutRequest(_Body):
 
 
 class RolloutBody(BaseModel):
-    id: str = Field(description="The same as rollout_id.")
     rollout_id: str
     image: str | None
     snapshot: str | None
