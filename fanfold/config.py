@@ -121,3 +121,8 @@ def env_trajectories() -> Path | None:
     """The trajectory store's file from ``FANFOLD_TRAJECTORIES``, if set."""
     text = os.environ.get("FANFOLD_TRAJECTORIES", "")
     return Path(text) if text else None
+
+
+def env_policy_url() -> str | None:
+    """The policy server (OpenAI-compatible chat completions) from ``FANFOLD_POLICY_URL``, if set."""
+    return os.environ.get("FANFOLD_POLICY_URL") or None

@@ -18,8 +18,10 @@ from fanfold.errors import InvalidRequest, PolicyUnavailable
 from fanfold.rl import (
     OpenAIPolicy,
     SandboxEnv,
+    ScriptedPolicy,
     ToolCall,
     TrajectoryStore,
+    default_policy,
     env_class,
     make_async,
     run_episode,
@@ -277,3 +279,13 @@ async def test_openai_policy_retries_then_reports_the_server_down(model_server):
         await policy.close()
     with pytest.raises(InvalidRequest):
         OpenAIPolicy("localhost:8000")
+
+
+def test_default_policy_follows_fanfold_policy_url(monkeypatch):
+    monkeypatch.delenv("FANFOLD_POLICY_URL", raising=False)
+    assert isinstance(default_policy("corpus"), ScriptedPolicy)
+    monkeypatch.setenv("FANFOLD_POLICY_URL", "http://gpu:8000/v1")
+    policy = default_policy("corpus", model="m")
+    assert isinstance(policy, OpenAIPolicy) and policy.url == "http://gpu:8000/v1" and policy.model == "m"
+    with pytest.raises(InvalidRequest, match="no scripted policy"):
+        scripted("nope")

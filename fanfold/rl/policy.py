@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 
 import aiohttp
 
+from ..config import env_policy_url
 from ..errors import InvalidRequest, PolicyUnavailable
 from .core import ToolCall, new_call_id
 
@@ -200,3 +201,9 @@ def scripted(env: str) -> ScriptedPolicy:
     if env not in SCRIPTS:
         raise InvalidRequest(f"no scripted policy for env {env!r}; there are: {', '.join(SCRIPTS)}")
     return ScriptedPolicy(SCRIPTS[env])
+
+
+def default_policy(env: str, *, url: str | None = None, model: str | None = None) -> OpenAIPolicy | ScriptedPolicy:
+    """The policy server at ``url`` (default ``FANFOLD_POLICY_URL``), or else env ``env``'s scripted policy."""
+    url = url or env_policy_url()
+    return OpenAIPolicy(url, model=model) if url else scripted(env)
