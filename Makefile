@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python examples/fanout_demo.py
+	.venv/bin/python examples/rl_demo.py
 
 test: setup
 	.venv/bin/python -m pytest -q
