@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -30,8 +29,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from fanfold import AsyncFleet, FanfoldError, RolloutResult, RolloutStats
-from fanfold.rl import (Episode, OpenAIPolicy, Policy, PolicyReply, TrajectoryStore, env_class, make_async, run_episode,
-                        scripted)
+from fanfold.config import env_policy_url
+from fanfold.rl import (Episode, Policy, PolicyReply, TrajectoryStore, default_policy, env_class, make_async,
+                        run_episode)
 
 from report import RunData, write_report
 
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=16, help="rollouts at once (default 16)")
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory (default demo-out/)")
     parser.add_argument("--db", type=Path, help="trajectory store (default OUT/trajectories.db)")
-    parser.add_argument("--policy-url", default=os.environ.get("FANFOLD_POLICY_URL") or None,
+    parser.add_argument("--policy-url", default=env_policy_url(),
                         help="OpenAI-compatible server, e.g. http://gpu:8000/v1 (default $FANFOLD_POLICY_URL; "
                              "none: the scripted policy)")
     parser.add_argument("--model", help="model name on the policy server (default: the first it lists)")
@@ -135,9 +135,8 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def make_policy(args: argparse.Namespace) -> CountedPolicy:
-    if args.policy_url:
-        return CountedPolicy(OpenAIPolicy(args.policy_url, model=args.model), args.policy_url)
-    return CountedPolicy(scripted(ENV), "scripted")
+    """The server at ``--policy-url``, else the scripted policy that ships with the env."""
+    return CountedPolicy(default_policy(ENV, url=args.policy_url, model=args.model), args.policy_url or "scripted")
 
 
 async def prepare(fleet: AsyncFleet, console: Console, args: argparse.Namespace) -> Any:
