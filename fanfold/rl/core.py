@@ -185,8 +185,13 @@ class AsyncSandboxEnv:
             self.image = await self.prepare(self.fleet)
         old, self.sandbox = self.sandbox, None
         labels = {"env": self.name, **self.labels}
-        self.sandbox, _ = await asyncio.gather(self.fleet.create(self.image, labels=labels, **self.limits),
-                                               _kill(old))
+        made, killed = await asyncio.gather(self.fleet.create(self.image, labels=labels, **self.limits), _kill(old),
+                                            return_exceptions=True)
+        if isinstance(made, BaseException):
+            raise made
+        self.sandbox = made  # owned before any error below, so close() still destroys it
+        if isinstance(killed, BaseException):
+            raise killed
         self.steps, self.done = 0, False
         prompt = await self.begin(dict(options or {}))
         return as_text(prompt), {"task": self.task_name(), "tools": [t.name for t in self.tools]}

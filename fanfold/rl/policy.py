@@ -80,7 +80,7 @@ class OpenAIPolicy:
             data, _ = await self._post("/tokenize", {"model": self.model or await self._model(), "prompt": text},
                                        root=True, retries=0)
             return [int(t) for t in data["tokens"]]
-        except (PolicyUnavailable, KeyError, TypeError, ValueError):
+        except (PolicyUnavailable, InvalidRequest, KeyError, TypeError, ValueError):  # no /tokenize there
             self._can_tokenize = False
             return None
 

@@ -59,7 +59,8 @@ class Step:
     """Aligned with ``token_ids``: 1 at a model token, 0 at a tool token."""
     policy_version: str | None = None
     snapshot_id: str | None = None
-    """The sandbox snapshot taken after this step, to fork from."""
+    """The memory snapshot taken just before this step, where the episode forked: this step (in
+    every branch) is the first one played from it. Fork snapshots go once their last branch does."""
     started_at: float = 0.0
     """Unix time."""
     duration_s: float = 0.0
