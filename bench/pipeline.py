@@ -6,7 +6,8 @@ A simulated policy server (its own process, OpenAI-compatible chat completions) 
 request at a time, spending 3 ms on each; every answer is a tool call whose latency is drawn
 from 300-500 ms and which runs as ``sleep`` in a real sandbox. Episodes are 6 steps, played by
 ``run_episode`` through ``OpenAIPolicy`` over HTTP, fanned out by ``fleet.map`` with N in
-flight, each in a fresh sandbox (a warm pool of N), trajectories stored in SQLite.
+flight, each in a fresh sandbox (a warm pool of N, refilled as it is used; ``--pool``),
+trajectories stored in SQLite.
 
 For each N: the server's busy fraction (its time spent answering over the wall time), the
 episodes per second, and the ideal busy fraction of an overhead-free fleet,
@@ -105,8 +106,11 @@ class WorkEnv(AsyncSandboxEnv):
 
 # -- one level ----------------------------------------------------------------------------------------
 
-async def level(fleet: AsyncFleet, image: Any, url: str, in_flight: int, episodes: int, db: Path) -> dict[str, Any]:
-    await fleet.pool(image, size=in_flight, memory_mb=64, pids=32, wait=300)
+async def level(fleet: AsyncFleet, image: Any, url: str, in_flight: int, episodes: int, db: Path,
+                pool: str) -> dict[str, Any]:
+    pool_size = in_flight if pool == "in-flight" else 0
+    if pool_size:
+        await fleet.pool(image, size=pool_size, memory_mb=64, pids=32, wait=300)
     policy = OpenAIPolicy(url, model="sim", logprobs=False, max_in_flight=in_flight)
     store = TrajectoryStore(db)
     WorkEnv.tool_seconds = []
@@ -130,7 +134,7 @@ async def level(fleet: AsyncFleet, image: Any, url: str, in_flight: int, episode
     busy = (after["seconds"] - before["seconds"]) / wall
     ideal = min(1.0, in_flight * POLICY_MS / (POLICY_MS + 1000 * sum(TOOL_S) / 2))
     return {
-        "in_flight": in_flight, "episodes": episodes, "ok": sum(r.ok and r.value == 1.0 for r in results),
+        "in_flight": in_flight, "episodes": episodes, "pool": pool_size, "ok": sum(r.ok and r.value == 1.0 for r in results),
         "errors": sum(not r.ok for r in results), "wall_s": round(wall, 2),
         "episodes_per_s": round(episodes / wall, 3), "busy_fraction": round(busy, 3), "ideal": round(ideal, 3),
         "busy_vs_ideal": round(busy / ideal, 3), "policy_requests": after["requests"] - before["requests"],
@@ -172,7 +176,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as tmp:
                 for in_flight in args.levels:
                     count = args.episodes if args.full or in_flight > 1 else min(args.episodes, args.episodes_at_1)
-                    result = await level(fleet, image, url, in_flight, count, Path(tmp) / f"traj-{in_flight}.db")
+                    result = await level(fleet, image, url, in_flight, count, Path(tmp) / f"traj-{in_flight}.db",
+                                         args.pool)
                     levels.append(result)
                     if not args.json:
                         print(json.dumps(result), flush=True)
@@ -199,6 +204,8 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="run --episodes at every level, N=1 included (~21 min)")
     parser.add_argument("--levels", type=lambda text: [int(n) for n in text.split(",")], default=[1, 8, 64, 256],
                         help="rollouts in flight, comma-separated (default 1,8,64,256)")
+    parser.add_argument("--pool", choices=("in-flight", "none"), default="in-flight",
+                        help="warm pool per level: N sandboxes, refilled as used (default), or none")
     parser.add_argument("--json", action="store_true", help="print only the final JSON line")
     args = parser.parse_args()
     try:
