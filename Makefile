@@ -18,6 +18,7 @@ bench: setup
 	.venv/bin/python bench/burst.py --json
 	.venv/bin/python bench/density.py --json
 	.venv/bin/python bench/soak.py --json
+	.venv/bin/python bench/pipeline.py --json
 
 clean:
 	rm -rf .venv build *.egg-info

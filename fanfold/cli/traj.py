@@ -13,7 +13,8 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from ..errors import InvalidRequest
-from ..rl.store import FORMATS, TrajectoryStore, default_path
+from ..rl.export import FORMATS
+from ..rl.store import TrajectoryStore, default_path
 from ..rl.trajectory import OUTCOMES, Episode, Step
 
 SHORT_ID = 12

@@ -19,7 +19,7 @@ import asyncio
 import functools
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
