@@ -10,6 +10,7 @@ import signal
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 from ..config import EngineConfig
 from ..errors import InfrastructureError
@@ -21,6 +22,8 @@ from ..host.netns import new_netns
 from ..host.spawn import log_tail, run
 from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
+
+T = TypeVar("T")
 
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 AGENT_PATH = "/.fanfold/agent"
@@ -64,7 +67,7 @@ async def provision(
 
     The caller owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
-    where = await asyncio.to_thread(_mount_disk, config, store, sandbox_id, image.layers, image.host_dirs, limits)
+    where = await _on_thread(_mount_disk, config, store, sandbox_id, image.layers, image.host_dirs, limits)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in image.services:
         args += [f"--{mode}", name, cmd]
@@ -194,7 +197,23 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     await setup.reap(pid)
     await runtime.delete(sandbox_id)
     # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread, the loop serves execs meanwhile.
-    await asyncio.to_thread(_release_host, config, sandbox_id, where)
+    await _on_thread(_release_host, config, sandbox_id, where)
+
+
+async def _on_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread, so slow syscalls leave the loop free. A thread cannot be
+    stopped: on cancellation this waits for it to end before raising, so the caller's
+    cleanup sees everything it made (a mount made after the cleanup ran would leak)."""
+    done = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                pass
+        raise
 
 
 def _release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:
