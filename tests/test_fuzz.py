@@ -8,6 +8,7 @@ exec and files see real work. Nothing may answer 5xx, hang, or leave anything be
 from __future__ import annotations
 
 import hashlib
+import time
 
 import httpx
 import pytest
@@ -74,9 +75,21 @@ def test_no_input_gets_a_5xx_or_hangs(case, server, live_sandbox):
         pool = response.json()  # a fuzzed pool is emptied now, or it would keep its sandboxes to the end
         with httpx.Client(base_url=server.tcp_url, headers=auth, timeout=60) as http:
             http.put("/v1/pools", json={"image": pool["source"], "size": 0, **pool["limits"]}).raise_for_status()
+            settle(http)
     if response.status_code >= 400:
         body = response.json()
         assert isinstance(body, dict) and body.get("kind") and "message" in body, body
+
+
+def settle(http: httpx.Client, timeout: float = 60) -> None:
+    """Wait until the host has no sandbox warming, warm or being destroyed (an emptied pool's go in the background)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = http.get("/v1/stats").json()["sandboxes_by_state"]
+        if not any(states.get(state) for state in ("pooled", "creating", "destroying")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the host did not settle in {timeout:g} s: {states}")
 
 
 def remove_made(server, auth: dict[str, str], made: dict) -> None:  # type: ignore[type-arg]

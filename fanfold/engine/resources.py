@@ -8,6 +8,7 @@ import fcntl
 import os
 import signal
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -24,6 +25,8 @@ from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
 
 T = TypeVar("T")
+# Threads of their own: the default executor's few can all be waiting on a layer-store flock.
+_HOST_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fanfold-host")
 
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 AGENT_PATH = "/.fanfold/agent"
@@ -204,7 +207,7 @@ async def _on_thread(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on a thread, so slow syscalls leave the loop free. A thread cannot be
     stopped: on cancellation this waits for it to end before raising, so the caller's
     cleanup sees everything it made (a mount made after the cleanup ran would leak)."""
-    done = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    done = asyncio.get_running_loop().run_in_executor(_HOST_THREADS, fn, *args)
     try:
         return await asyncio.shield(done)
     except asyncio.CancelledError:
