@@ -75,7 +75,8 @@ TOOLS: dict[str, Tool] = {tool.name: tool for tool in (
                  glob={"type": "string", "description": "Only files whose name matches, e.g. *.py."})),
 )}
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float)}
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
+                                            "array": (list,)}
 
 
 def parse_arguments(name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +84,11 @@ def parse_arguments(name: str, arguments: str | dict[str, Any]) -> dict[str, Any
     tool = TOOLS.get(name)
     if tool is None:
         raise ToolError(f"unknown tool {name!r}: the tools are {', '.join(TOOLS)}")
+    return check_arguments(tool, load_arguments(name, arguments))
+
+
+def load_arguments(name: str, arguments: str | dict[str, Any]) -> dict[str, Any]:
+    """Arguments as a dict, from the JSON text a model wrote (or a dict already)."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
@@ -90,14 +96,21 @@ def parse_arguments(name: str, arguments: str | dict[str, Any]) -> dict[str, Any
             raise ToolError(f"{name}: the arguments are not valid JSON ({err})") from None
     if not isinstance(arguments, dict):
         raise ToolError(f"{name}: the arguments must be a JSON object, got {type(arguments).__name__}")
-    schema = tool.parameters
+    return arguments
+
+
+def check_arguments(tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` checked against ``tool``'s schema (names, required ones, types, bounds)."""
+    name, schema = tool.name, tool.parameters
+    properties = schema.get("properties", {})
     for key in arguments:
-        if key not in schema["properties"]:
-            raise ToolError(f"{name}: unexpected argument {key!r}; it takes {', '.join(schema['properties'])}")
-    for key in schema["required"]:
+        if key not in properties:
+            takes = ", ".join(properties) or "no arguments"
+            raise ToolError(f"{name}: unexpected argument {key!r}; it takes {takes}")
+    for key in schema.get("required", ()):
         if key not in arguments:
             raise ToolError(f"{name}: missing required argument {key!r}")
-    return {key: _checked(name, key, value, schema["properties"][key]) for key, value in arguments.items()}
+    return {key: _checked(name, key, value, properties[key]) for key, value in arguments.items()}
 
 
 def _checked(tool: str, key: str, value: Any, spec: dict[str, Any]) -> Any:
@@ -106,6 +119,8 @@ def _checked(tool: str, key: str, value: Any, spec: dict[str, Any]) -> Any:
         value = int(value)  # JSON has one number type: 3.0 is 3
     if isinstance(value, bool) or not isinstance(value, _JSON_TYPES[kind]):
         raise ToolError(f"{tool}: argument {key!r} must be a {kind}, got {json.dumps(value)[:80]}")
+    if kind == "array":
+        return [_checked(tool, f"{key}[{i}]", item, spec["items"]) for i, item in enumerate(value)]
     if kind == "string" and "\0" in value:
         raise ToolError(f"{tool}: argument {key!r} must not contain NUL bytes")
     if ("minimum" in spec and value < spec["minimum"]) or \

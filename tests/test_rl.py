@@ -86,6 +86,9 @@ async def test_misused_tools_are_observations_not_exceptions(fleet):
             json.dumps({"name": "edit_file", "arguments": {"path": "stats.py", "old": "return", "new": "x"}}):
                 "occurs 5 times",
             json.dumps({"name": "read_file", "arguments": "{bad"}): "not valid JSON",
+            json.dumps({"name": "read_file", "arguments": {"path": 3}}): "'path' must be a string",
+            json.dumps({"name": "edit_file", "arguments": {"path": "stats.py"}}): "missing required argument 'old'",
+            json.dumps({"name": "run_tests", "arguments": {"all": True}}): "unexpected argument 'all'",
         }
         for action, expected in cases.items():
             obs, reward, terminated, truncated, info = await env.step(action)

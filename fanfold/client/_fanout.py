@@ -14,7 +14,7 @@ import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from ..errors import InvalidRequest, Retryable
@@ -58,10 +58,9 @@ class RolloutStats:
     timeout: int = 0
     infra_error: int = 0
     infra_retries: int = 0
-    durations: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, int]:
-        return {k: v for k, v in self.__dict__.items() if k != "durations"}
+        return dict(self.__dict__)
 
 
 class AsyncRollouts:
@@ -201,7 +200,6 @@ class AsyncRollouts:
     def _count(self, result: RolloutResult) -> None:
         self.stats.done += 1
         setattr(self.stats, result.status, getattr(self.stats, result.status) + 1)
-        self.stats.durations.append(result.duration_s)
         if self._progress:
             self._progress.update(self.stats)
 

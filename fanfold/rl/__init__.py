@@ -11,14 +11,14 @@ Fan-out is ``fleet.map(rollout_fn, items)``; tools over HTTP live under ``/v1/ro
 """
 
 from .agent import EpisodeRun, run_episode
-from .core import ActionError, AsyncSandboxEnv, Tool, ToolCall, ToolOutcome, parse_action, text_space
+from .core import AsyncSandboxEnv, Tool, ToolCall, ToolOutcome, parse_action, text_space
 from .env import ENVS, SandboxEnv, env_class, make_async
 from .policy import OpenAIPolicy, Policy, PolicyReply, ScriptedPolicy, default_policy, scripted
 from .store import TrajectoryStore
 from .trajectory import Episode, Step
 
 __all__ = [
-    "ENVS", "ActionError", "AsyncSandboxEnv", "Episode", "EpisodeRun", "OpenAIPolicy", "Policy",
+    "ENVS", "AsyncSandboxEnv", "Episode", "EpisodeRun", "OpenAIPolicy", "Policy",
     "PolicyReply", "SandboxEnv", "ScriptedPolicy", "Step", "Tool", "ToolCall", "ToolOutcome", "TrajectoryStore",
     "default_policy", "env_class", "make_async", "parse_action", "run_episode", "scripted", "text_space",
 ]

@@ -30,7 +30,8 @@ from ..client import AsyncFleet, AsyncSandbox
 from ..images import Image
 from ..models import SnapshotInfo
 from ..spec import EnvSpec
-from ..tools import Tool
+from ..errors import ToolError
+from ..tools import Tool, check_arguments, load_arguments
 
 MAX_TEXT = 16384
 """The longest observation or action, in characters; longer observations are cut."""
@@ -86,10 +87,6 @@ class ToolOutcome:
     error: bool = False
 
 
-class ActionError(ValueError):
-    """An action the env cannot run; its message is the observation the model gets."""
-
-
 def parse_action(action: str | dict[str, Any] | ToolCall) -> ToolCall:
     """A tool call from JSON text, a ``{"name", "arguments"}`` dict or a ``function_call`` item."""
     if isinstance(action, ToolCall):
@@ -98,17 +95,10 @@ def parse_action(action: str | dict[str, Any] | ToolCall) -> ToolCall:
         try:
             action = json.loads(action)
         except ValueError:
-            raise ActionError('an action is a JSON tool call: {"name": "<tool>", "arguments": {...}}') from None
+            raise ToolError('an action is a JSON tool call: {"name": "<tool>", "arguments": {...}}') from None
     if not isinstance(action, dict) or not isinstance(action.get("name"), str):
-        raise ActionError('an action is a JSON object with a "name" (the tool) and "arguments"')
-    arguments = action.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except ValueError:
-            raise ActionError(f"the arguments of {action['name']} are not valid JSON") from None
-    if not isinstance(arguments, dict):
-        raise ActionError(f"the arguments of {action['name']} must be a JSON object")
+        raise ToolError('an action is a JSON object with a "name" (the tool) and "arguments"')
+    arguments = load_arguments(action["name"], action.get("arguments", {}))
     return ToolCall(action["name"], arguments, str(action.get("call_id") or action.get("id") or ""))
 
 
@@ -163,7 +153,8 @@ class AsyncSandboxEnv:
         raise NotImplementedError
 
     async def call(self, tool: ToolCall) -> ToolOutcome:
-        """Run one tool call in ``self.sandbox``; raise ActionError for a misuse the model should see."""
+        """Run one tool call (its arguments checked against the tool's schema) in ``self.sandbox``;
+        raise ToolError for a misuse the model should see."""
         raise NotImplementedError
 
     # -- the API ----------------------------------------------------------------------------------
@@ -203,10 +194,12 @@ class AsyncSandboxEnv:
         self.steps += 1
         try:
             tool = parse_action(action)
-            if tool.name not in {t.name for t in self.tools}:
-                raise ActionError(f"unknown tool {tool.name!r}; the tools are {', '.join(t.name for t in self.tools)}")
+            spec = next((t for t in self.tools if t.name == tool.name), None)
+            if spec is None:
+                raise ToolError(f"unknown tool {tool.name!r}; the tools are {', '.join(t.name for t in self.tools)}")
+            tool = ToolCall(tool.name, check_arguments(spec, tool.arguments), tool.call_id)
             outcome = await self.call(tool)
-        except ActionError as exc:
+        except ToolError as exc:
             tool, outcome = None, ToolOutcome(f"error: {exc}", error=True)
         truncated = not outcome.done and self.steps >= self.max_steps
         self.done = outcome.done or truncated

@@ -12,9 +12,9 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
-from ...errors import FileNotFoundInSandbox, InvalidPath
+from ...errors import FileNotFoundInSandbox, InvalidPath, ToolError
 from ...spec import EnvSpec
-from ..core import ActionError, AsyncSandboxEnv, Tool, ToolCall, ToolOutcome
+from ..core import AsyncSandboxEnv, Tool, ToolCall, ToolOutcome
 
 PROJECT = Path(__file__).parent / "codefix_project"
 WORKDIR = "/env"
@@ -50,7 +50,9 @@ class CodeFixEnv(AsyncSandboxEnv):
         return (EnvSpec("host").workdir(WORKDIR)
                 .copy(PROJECT / "stats.py", f"{WORKDIR}/stats.py")
                 .copy(PROJECT / "test_stats.py", f"{WORKDIR}/test_stats.py")
-                .copy(PROJECT / "grader", "/opt/grader")
+                # The grader's copy of the tests, out of the tools' reach: editing /env's changes nothing.
+                .copy(PROJECT / "test_stats.py", "/opt/grader/test_stats.py")
+                .copy(PROJECT / "grader" / "grade.py", "/opt/grader/grade.py")
                 .env(PYTHONDONTWRITEBYTECODE="1"))
 
     async def begin(self, options: dict[str, Any]) -> str:
@@ -61,9 +63,9 @@ class CodeFixEnv(AsyncSandboxEnv):
     async def call(self, tool: ToolCall) -> ToolOutcome:
         args = tool.arguments
         if tool.name == "read_file":
-            return ToolOutcome(_numbered(await self._read(_arg(args, "path"))))
+            return ToolOutcome(_numbered(await self._read(args["path"])))
         if tool.name == "edit_file":
-            return ToolOutcome(await self._edit(_arg(args, "path"), _arg(args, "old"), _arg(args, "new")))
+            return ToolOutcome(await self._edit(args["path"], args["old"], args["new"]))
         if tool.name == "run_tests":
             result = await self.sandbox.exec(TEST_CMD, timeout=30, max_output=16384)
             return ToolOutcome(result.text.strip() or f"(no output; exit {result.exit_code})")
@@ -86,30 +88,23 @@ class CodeFixEnv(AsyncSandboxEnv):
         try:
             return (await self.sandbox.files.read(_project_path(path))).decode(errors="replace")
         except (FileNotFoundInSandbox, InvalidPath) as exc:
-            raise ActionError(f"cannot read {path}: {exc}") from None
+            raise ToolError(f"cannot read {path}: {exc}") from None
 
     async def _edit(self, path: str, old: str, new: str) -> str:
         text = await self._read(path)
         count = text.count(old) if old else 0
         if count != 1:
             where = "is empty" if not old else f"occurs {count} times in {path}; it must occur exactly once"
-            raise ActionError(f"`old` {where}")
+            raise ToolError(f"`old` {where}")
         await self.sandbox.files.write(_project_path(path), text.replace(old, new, 1))
         return f"edited {path}: replaced {len(old.splitlines()) or 1} line(s)"
-
-
-def _arg(args: dict[str, Any], name: str) -> str:
-    value = args.get(name)
-    if not isinstance(value, str):
-        raise ActionError(f"argument {name!r} must be a string")
-    return value
 
 
 def _project_path(path: str) -> str:
     """An absolute path inside the project; anything that leaves it is the model's error."""
     full = posixpath.normpath(posixpath.join(WORKDIR, path))
     if not full.startswith(WORKDIR + "/"):
-        raise ActionError(f"{path} is outside the project ({WORKDIR})")
+        raise ToolError(f"{path} is outside the project ({WORKDIR})")
     return full
 
 

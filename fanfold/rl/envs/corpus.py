@@ -19,7 +19,7 @@ from typing import Any
 from ... import tools as generic
 from ...errors import InvalidRequest, ToolError
 from ...spec import EnvSpec
-from ..core import ActionError, AsyncSandboxEnv, Tool, ToolCall, ToolOutcome
+from ..core import AsyncSandboxEnv, Tool, ToolCall, ToolOutcome
 
 ROOT = "/corpus"
 VERSION = 1
@@ -127,22 +127,17 @@ class CorpusSearchEnv(AsyncSandboxEnv):
 
     async def call(self, tool: ToolCall) -> ToolOutcome:
         if tool.name == "submit":
-            return self._grade(tool.arguments.get("paths"))
+            return self._grade(tool.arguments["paths"])
         if tool.name == "find":
-            name = tool.arguments.get("name")
-            if not isinstance(name, str) or not name:
-                raise ActionError("find needs a non-empty `name` glob")
+            name = tool.arguments["name"]
+            if not name:
+                raise ToolError("find needs a non-empty `name` glob")
             result = await self.sandbox.exec(["find", ROOT, "-name", name, "-type", "f"], timeout=30)
             return ToolOutcome("\n".join(sorted(result.stdout.decode().split())) or "no files match")
-        try:
-            return ToolOutcome(await generic.run_tool(self.fleet._transport, self.sandbox.id, tool.name,
-                                                      tool.arguments, timeout=30))
-        except ToolError as exc:
-            raise ActionError(str(exc)) from None
+        return ToolOutcome(await generic.run_tool(self.fleet._transport, self.sandbox.id, tool.name, tool.arguments,
+                                                  timeout=30))
 
-    def _grade(self, paths: Any) -> ToolOutcome:
-        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-            raise ActionError("submit needs `paths`: a list of file paths")
+    def _grade(self, paths: list[str]) -> ToolOutcome:
         chosen = {posixpath.relpath(posixpath.normpath(posixpath.join(ROOT, p)), ROOT) for p in paths}
         right = set(self.task["answer"])
         hits = len(chosen & right)
