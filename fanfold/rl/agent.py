@@ -67,13 +67,15 @@ class EpisodeRun:
             self.messages.append({"role": "tool", "tool_call_id": call.call_id, "content": obs})
         else:
             self.messages.append({"role": "user", "content": obs})
-        model_ids = reply.token_ids or []
-        tool_ids = (await self.policy.tokenize(obs) or []) if model_ids else []
+        token_ids = logprobs = loss_mask = None
+        if model_ids := reply.token_ids:  # the model's tokens (trained on), then the tool's (masked out)
+            tool_ids = await self.policy.tokenize(obs) or []
+            token_ids = model_ids + tool_ids
+            logprobs = list(reply.logprobs or [0.0] * len(model_ids)) + [0.0] * len(tool_ids)
+            loss_mask = [1] * len(model_ids) + [0] * len(tool_ids)
         step = Step(
             index=len(self.episode.steps), model_output=reply.text, tool_call=call.item() if call else None,
-            tool_result=obs, reward=reward, token_ids=(model_ids + tool_ids) if model_ids else None,
-            logprobs=(list(reply.logprobs or [0.0] * len(model_ids)) + [0.0] * len(tool_ids)) if model_ids else None,
-            loss_mask=([1] * len(model_ids) + [0] * len(tool_ids)) if model_ids else None,
+            tool_result=obs, reward=reward, token_ids=token_ids, logprobs=logprobs, loss_mask=loss_mask,
             policy_version=reply.version, snapshot_id=self._snapshot_id, started_at=started - policy_s,
             duration_s=time.time() - started + policy_s,
             info={**info, "policy_s": round(policy_s, 6), "tool_s": round(tool_s, 6)},
