@@ -10,8 +10,8 @@ demo: setup
 test: setup
 	.venv/bin/python -m pytest -q
 
-bench: setup
-	bash scripts/setup.sh --bench
+bench:
+	bash scripts/setup.sh --bench  # everything `setup` does, plus the peers (bubblewrap, podman)
 	.venv/bin/python bench/lifecycle.py --json
 	.venv/bin/python bench/api.py --json
 	.venv/bin/python bench/fork.py --json

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fanfold import AsyncFleet, EngineConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lifecycle import leaked, pct  # noqa: E402
+from common import leaked, pct  # noqa: E402
 
 
 def start_server(config: EngineConfig, where: Path, token: str) -> tuple[subprocess.Popen[str], str, str]:
@@ -88,7 +88,6 @@ async def main() -> None:
     args = parser.parse_args()
     config = EngineConfig()
     token = "bench-" + secrets.token_hex(16)
-    before = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()}
     with tempfile.TemporaryDirectory(prefix="fanfold-bench-") as where:
         async with AsyncFleet(config=config) as embedded:
             await embedded.create()  # build the base image once
@@ -110,7 +109,7 @@ async def main() -> None:
         "concurrent_exec_per_s": rates["unix"],
         "embedded_concurrent_exec_per_s": rates["embedded"],
         "server_exit_code": server_exit,
-        "leaked": leaked(config, before),
+        "leaked": leaked(config),
     }
     result["unix_minus_embedded_p50_ms"] = round(result["unix_exec_p50_ms"] - result["embedded_exec_p50_ms"], 3)
     if not args.json:

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fanfold import AsyncFleet, EngineConfig, FanfoldError, InfrastructureError  # noqa: E402
-from common import leaked, pct  # noqa: E402
+from common import BWRAP_TRUE, leaked, pct  # noqa: E402
 
 GOALS = {"ok": "all", "infra_errors": 0, "create_p99_ms_without_pool": 1000, "create_p99_ms_with_pool": 10,
          "engine_peak_rss_mb": 300}
@@ -92,8 +92,7 @@ def bwrap_burst(count: int) -> dict[str, object] | None:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return None
-    argv = [bwrap, "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-            "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "true"]
+    argv = [bwrap, *BWRAP_TRUE]
     started = time.perf_counter()
     children = [subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(count)]
     ok = sum(child.wait() == 0 for child in children)

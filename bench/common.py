@@ -10,6 +10,11 @@ from fanfold import EngineConfig
 from fanfold.host import cgroups, mounts
 
 
+BWRAP_TRUE = ["--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib",
+              "/lib", "--symlink", "usr/lib64", "/lib64", "true"]
+"""bubblewrap's arguments for the peer of a sandbox: `true` in fresh namespaces over the host's /usr."""
+
+
 def pct(values: list[float], q: float) -> float | None:
     """The ``q`` quantile of ``values`` (nearest rank), rounded; None when there are none."""
     ordered = sorted(values)

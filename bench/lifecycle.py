@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -23,9 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import pct  # noqa: E402
+from common import BWRAP_TRUE, leaked, pct  # noqa: E402
 from fanfold import AsyncFleet, EngineConfig  # noqa: E402
-from fanfold.host import cgroups, mounts  # noqa: E402
 
 
 def summary(values: list[float]) -> dict[str, float | None]:
@@ -87,33 +85,13 @@ def peers(cycles: int) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     out["subprocess_cycle_p50_ms"] = pct(time_command(["true"], cycles) or [], 0.5)
     bwrap = shutil.which("bwrap")
-    samples = time_command([bwrap, "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-                            "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "true"], cycles) if bwrap else None
+    samples = time_command([bwrap, *BWRAP_TRUE], cycles) if bwrap else None
     out["bwrap_cycle_p50_ms"] = pct(samples or [], 0.5)
     with tempfile.TemporaryDirectory() as tmp:
         image = podman_image(Path(tmp))
         samples = time_command(PODMAN + [image, "/true"], max(20, cycles // 5)) if image else None
     out["podman_cycle_p50_ms"] = pct(samples or [], 0.5)
     return out
-
-
-def leaked(config: EngineConfig, before_pids: set[int]) -> dict[str, int]:
-    runtime_root = config.run_dir / config.runtime
-    new_pids = {int(p) for p in os.listdir("/proc") if p.isdigit()} - before_pids
-    stray = 0
-    for pid in new_pids:
-        try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        stray += comm in ("agent", "fanfold-agent", "true", "crun", "runc")
-    return {
-        "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
-        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent))
-        + sum(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)),
-        "containers": len(list(runtime_root.iterdir())) if runtime_root.is_dir() else 0,
-        "processes": stray,
-    }
 
 
 async def main() -> None:
@@ -124,7 +102,6 @@ async def main() -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip the peer measurements")
     args = parser.parse_args()
     config = EngineConfig()
-    before = {int(p) for p in os.listdir("/proc") if p.isdigit()}
     async with AsyncFleet(config=config) as fleet:
         await fleet.create("host")  # build the base once; it is destroyed with the fleet
         await fanfold_cycles(fleet, 10, 1)  # warm-up
@@ -132,7 +109,7 @@ async def main() -> None:
         concurrent_start = time.perf_counter()
         concurrent = await fanfold_cycles(fleet, args.cycles, args.concurrency)
         concurrent_wall = time.perf_counter() - concurrent_start
-    leaks = leaked(config, before)
+    leaks = leaked(config)
     peer = {} if args.no_peers else peers(args.cycles)
     cycle_p50 = pct(sequential["cycle"], 0.5)
     result = {

@@ -220,7 +220,7 @@ def episode_table(run: Run, args: argparse.Namespace) -> Table:
 
 def error_lines(run: Run, most: int = 5) -> list[str]:
     """The distinct errors of rollouts that returned no episode, most common first."""
-    counts = Counter(row["error"].rsplit(" (", 1)[0] for row in episode_rows(run) if row["steps"] is None)
+    counts = Counter(f"{type(r.error).__name__}: {r.error}" for r in run.results if not r.ok)
     return [f"{n} x {error}" for error, n in counts.most_common(most)]
 
 

@@ -88,14 +88,19 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name} must be a whole number, got {text!r}") from None
 
 
+def parse_pool(item: str) -> tuple[str, int]:
+    """``IMAGE=SIZE`` as ``(image, size)``; ValueError when it is not that."""
+    ref, _, size = item.rpartition("=")
+    if not ref or not size.isdigit():
+        raise ValueError(f"{item!r} is not IMAGE=SIZE")
+    return ref, int(size)
+
+
 def _env_pools(text: str) -> tuple[tuple[str, int], ...]:
-    pools = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        ref, _, size = item.rpartition("=")
-        if not ref or not size.isdigit():
-            raise ValueError(f"FANFOLD_POOLS entries are IMAGE=SIZE separated by commas, got {item!r}")
-        pools.append((ref, int(size)))
-    return tuple(pools)
+    try:
+        return tuple(parse_pool(item) for item in filter(None, (part.strip() for part in text.split(","))))
+    except ValueError as err:
+        raise ValueError(f"FANFOLD_POOLS entries are IMAGE=SIZE separated by commas: {err}") from None
 
 
 def env_url() -> str | None:

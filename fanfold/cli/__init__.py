@@ -14,7 +14,7 @@ from rich.table import Column, Table
 from rich.tree import Tree
 
 from ..client import Fleet
-from ..config import DEFAULT_SOCKET, EngineConfig
+from ..config import DEFAULT_SOCKET, EngineConfig, parse_pool
 from ..engine.states import MAX_FORK
 from ..errors import FanfoldError
 from ..host import doctor as doctor_checks
@@ -37,18 +37,22 @@ def _fleet(ctx: click.Context, *, local: bool = False) -> Fleet:
     return Fleet(config=_config(ctx))
 
 
-def _limits_options(fn):  # type: ignore[no-untyped-def]
+def _resource_options(fn):  # type: ignore[no-untyped-def]
     for option in reversed([
-        click.option("--image", default="host", show_default=True,
-                     help="Image id or base name (host, debian:bookworm), or a snapshot id or name."),
         click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota in cores."),
         click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit."),
         click.option("--pids", type=int, default=256, show_default=True, help="Most processes at once."),
         click.option("--disk-mb", type=int, default=1024, show_default=True, help="Most bytes written to disk."),
-        click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable (repeatable)."),
     ]):
         fn = option(fn)
     return fn
+
+
+def _limits_options(fn):  # type: ignore[no-untyped-def]
+    fn = click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable (repeatable).")(fn)
+    fn = _resource_options(fn)
+    return click.option("--image", default="host", show_default=True,
+                        help="Image id or base name (host, debian:bookworm), or a snapshot id or name.")(fn)
 
 
 def _pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
@@ -142,7 +146,7 @@ def build(ctx: click.Context, specfile: str, as_json: bool) -> None:
 
     with _fleet(ctx) as fleet:
         image = fleet.build(spec, on_step=show)
-    click.echo(json.dumps(image.__dict__, default=list) if as_json else image.id)
+    click.echo(image.to_json() if as_json else image.id)
 
 
 def _stream(stream: str, data: bytes) -> None:
@@ -427,23 +431,17 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace, p
 
 
 def _pool_sizes(items: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
-    out = []
-    for item in items:
-        ref, _, size = item.rpartition("=")
-        if not ref or not size.isdigit():
-            raise click.BadParameter(f"{item!r} is not IMAGE=SIZE", param_hint="--pool")
-        out.append((ref, int(size)))
-    return tuple(out)
+    try:
+        return tuple(parse_pool(item) for item in items)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--pool") from None
 
 
 @main.command()
 @click.argument("image", default="host")
 @click.option("--size", default=None, metavar="N|auto", required=True,
               help="Sandboxes to keep warm; 'auto' follows recent demand; 0 removes the pool.")
-@click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota of its sandboxes.")
-@click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit of its sandboxes.")
-@click.option("--pids", type=int, default=256, show_default=True, help="Process limit of its sandboxes.")
-@click.option("--disk-mb", type=int, default=1024, show_default=True, help="Disk limit of its sandboxes.")
+@_resource_options
 @click.option("--wait", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Return only once the pool is full.")
 @click.pass_context

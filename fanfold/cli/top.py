@@ -14,8 +14,9 @@ from rich.text import Text
 
 from ..engine.telemetry import ALERTS
 from ..errors import FanfoldError
+from .. import models
 
-STATES = ("creating", "running", "paused", "suspended", "destroying", "pooled")
+STATES = (*models.STATES, "pooled")  # warm pool sandboxes are the operator's to see too
 HOT = "bold red"
 
 
