@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import re
 import secrets
 import shutil
 import time
@@ -28,7 +27,7 @@ from ..errors import (
     BuildFailed, CapacityExceeded, HostNotReady, ImageNotFound, InfrastructureError, InvalidRequest,
     SandboxGone, SandboxNotFound,
 )
-from ..host import cgroups, safefs, setup
+from ..host import cgroups, procs, safefs, setup
 from ..images import Image, LayerStore
 from ..images.builder import DEFAULT_PATH, Builder, OnStep
 from ..models import ExecResult, Limits, Persistence, SandboxInfo, SnapshotInfo
@@ -38,6 +37,7 @@ from ..spec import BASES, EnvSpec
 from . import db as dbmod
 from . import resources
 from .admission import Admission
+from .checks import check_deadline, check_labels, check_strings
 from .host_ops import HostOperations, LEASE_PREFIX
 from .execution import build_result, check_exec_args
 from .files import SandboxFiles
@@ -53,40 +53,24 @@ OnOutput = Callable[[str, bytes], Awaitable[None] | None]
 SWEEP_EVERY = 15
 """Reaper passes (seconds) between sweeps for resources no row names, e.g. from a runtime
 command still finishing when the engine that ran it was killed."""
-_LABEL = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
 
 
 def _owner_token() -> str:
     """This process, named so that a recycled pid is not mistaken for it."""
-    return f"{os.getpid()}:{_stat('self')[19]}:{secrets.token_hex(4)}"
-
-
-def _stat(pid: int | str) -> list[str]:
-    """The fields of /proc/PID/stat after the command name (state first), or [] when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
+    return f"{os.getpid()}:{procs.stat_fields('self')[19]}:{secrets.token_hex(4)}"
 
 
 def _process_alive(owner: str) -> bool:
     pid, start = (owner.split(":") + [""])[:2]
-    fields = _stat(pid) if pid.isdigit() else []
+    fields = procs.stat_fields(pid) if pid.isdigit() else []
     return len(fields) > 19 and fields[19] == start
-
-
-def _init_alive(pid: int | None) -> bool:
-    """Whether a sandbox's PID 1 still runs (a zombie not yet reaped counts as dead)."""
-    fields = _stat(pid) if pid else []
-    return bool(fields) and fields[0] != "Z"
 
 
 async def _init_survives(pid: int | None, within: float = 0.25) -> bool:
     """Whether PID 1 is alive a moment after its connection broke: a killed process drops
     its sockets while it exits, a little before it shows as dead."""
     give_up = time.monotonic() + within
-    while _init_alive(pid):
+    while procs.running(pid):
         if time.monotonic() > give_up:
             return True
         await asyncio.sleep(0.01)
@@ -196,7 +180,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         for sandbox_id, row in rows.items():
             dead = not self._owner_alive(row["owner"])
             expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
-            broken = row["state"] in ("running", "pooled") and not _init_alive(row["pid"])
+            broken = row["state"] in ("running", "pooled") and not procs.running(row["pid"])
             if dead or expired or broken or self._orphaned(row):
                 await self._destroy(sandbox_id)
                 reaped += 1
@@ -241,7 +225,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
     def _crashed(self, row: Any) -> bool:
         """PID 1 of a running sandbox died, seen on two passes in a row: a suspend (of any
         engine) releases the processes a moment before the row says suspended."""
-        if row["state"] not in ("running", "pooled") or _init_alive(row["pid"]):
+        if row["state"] not in ("running", "pooled") or procs.running(row["pid"]):
             self._dead_seen.discard(row["id"])
             return False
         if row["id"] in self._dead_seen:
@@ -354,12 +338,8 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
     async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
-        env, labels = _check_strings(env, "env"), _check_strings(labels, "labels")
-        for key in labels:
-            if not _LABEL.match(key):
-                raise InvalidRequest(f"bad label name {key!r}: letters, digits and _.:/- up to 128")
-        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0):
-            raise InvalidRequest(f"deadline must be a positive number of seconds, got {deadline!r}")
+        env, labels = check_strings(env, "env"), check_labels(labels)
+        check_deadline(deadline)
         source, img, limits = await self._source_limits(image, limits)
         persistence, priority, idle_timeout = policy
         if deadline is None and persistence != "persistent":
@@ -430,6 +410,10 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         return made.id
 
     def _arm_deadline(self, sandbox_id: str, deadline: float) -> None:
+        """Destroy the sandbox ``deadline`` seconds from now (instead of at any earlier deadline)."""
+        if (timer := self._timers.pop(sandbox_id, None)) is not None:
+            timer.cancel()
+
         def expire() -> None:
             self.telemetry.sandboxes_reaped.labels(reason="deadline").inc()
             asyncio.ensure_future(self._destroy(sandbox_id))
@@ -636,7 +620,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         sandbox_id = row["id"]
         img = self.store.load_image(row["image_id"])
         workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
-        merged = {**json.loads(row["env"]), **_check_strings(env, "env")}
+        merged = {**json.loads(row["env"]), **check_strings(env, "env")}
         alone = not self._in_exec.get(sandbox_id)
         self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1
         if alone:  # the peak then measures this command alone
@@ -669,17 +653,6 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
                 self._in_exec[sandbox_id] = left
         after = cgroups.counters(self.config.cgroup_parent, sandbox_id)
         return build_result(raw, argv, before, after)
-
-
-def _check_strings(value: dict[str, str] | None, what: str) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise InvalidRequest(f"{what} must be a dict of strings to strings")
-    for key, item in value.items():
-        if not key or "=" in key or "\0" in key or "\0" in item:
-            raise InvalidRequest(f"bad {what} entry {key!r}: no '=', NUL or empty names")
-    return dict(value)
 
 
 def _wait(queue_timeout: float | None, default: float) -> float:

@@ -101,18 +101,6 @@ class Database:
              json.dumps(list(layers)), info.persistence, info.priority, info.idle_timeout, info.created_at, claimed_by),
         )
 
-    def set_state(self, sandbox_id: str, state: str, *, pid: int | None = None) -> None:
-        if pid is None:
-            self.conn.execute("UPDATE sandboxes SET state=? WHERE id=?", (state, sandbox_id))
-        else:
-            self.conn.execute("UPDATE sandboxes SET state=?, pid=? WHERE id=?", (state, pid, sandbox_id))
-
-    def move(self, sandbox_id: str, old: tuple[str, ...], new: str) -> bool:
-        """Change state only from one of ``old``: the one engine that wins a race does the work."""
-        marks = ",".join("?" * len(old))
-        cursor = self.conn.execute(f"UPDATE sandboxes SET state=? WHERE id=? AND state IN ({marks})", (new, sandbox_id, *old))
-        return cursor.rowcount == 1
-
     def update(self, sandbox_id: str, **fields: object) -> None:
         names = ", ".join(f"{name}=?" for name in fields)
         values = [json.dumps(list(v)) if isinstance(v, tuple) else v for v in fields.values()]

@@ -17,6 +17,7 @@ from ..host import cgroups
 from ..images import Image
 from ..models import LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from . import admission
+from .checks import check_deadline, check_labels
 from . import db as dbmod
 
 if TYPE_CHECKING:
@@ -84,20 +85,14 @@ class HostOperations:
         row = self._known(sandbox_id)
         if row["tenant"] != tenant:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        check_deadline(deadline)
         fields: dict[str, object] = {"owner": self._owner_for(lease, tenant)}
         if labels is not None:
-            if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-                raise InvalidRequest("labels must be a dict of strings to strings")
-            fields["labels"] = json.dumps(labels)
+            fields["labels"] = json.dumps(check_labels(labels))
         if deadline is not None:
-            if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0:
-                raise InvalidRequest(f"deadline must be a positive number of seconds, got {deadline!r}")
             fields["deadline_at"] = dbmod.now() + deadline
         self.db.update(sandbox_id, **fields)
         if deadline is not None:
-            timer = self._timers.pop(sandbox_id, None)
-            if timer is not None:
-                timer.cancel()
             self._arm_deadline(sandbox_id, deadline)
         return await self.get(sandbox_id)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError
+from ..host import procs
 from ..models import Limits, PoolInfo
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class Pools:
         while pool.ready:
             sandbox_id = pool.ready.popleft()
             row = self._engine.db.get(sandbox_id)
-            if row is not None and row["state"] == "pooled" and row["pid"] and os.path.exists(f"/proc/{row['pid']}"):
+            if row is not None and row["state"] == "pooled" and procs.running(row["pid"]):  # a zombie PID 1 is dead
                 pool.handouts += 1
                 self.maintain()
                 return sandbox_id

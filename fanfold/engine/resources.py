@@ -25,7 +25,7 @@ from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
 
 T = TypeVar("T")
-# Threads of their own: the default executor's few can all be waiting on a layer-store flock.
+# Threads of their own: mounts and releases never queue behind file copies and other thread work.
 _HOST_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fanfold-host")
 
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
@@ -105,7 +105,7 @@ async def restore(
 
     Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
     """
-    where = _mount_disk(config, store, sandbox_id, layers, host_dirs, limits)
+    where = await _on_thread(_mount_disk, config, store, sandbox_id, layers, host_dirs, limits)
     where.bundle.mkdir()
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
     binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})

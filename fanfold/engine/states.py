@@ -22,6 +22,7 @@ from ..models import ExecResult, ForkResult, Limits, SandboxInfo, SnapshotInfo
 from ..spec import BASES
 from . import db as dbmod
 from .admission import memory_available_mb
+from .host_ops import LEASE_PREFIX
 from . import resources
 from . import snapshots as snapmod
 
@@ -181,7 +182,7 @@ class SandboxStates:
         async with self._changing(sandbox_id, wake=False) as row:
             if row["state"] == "running":
                 await self._freeze(sandbox_id)
-                self.db.set_state(sandbox_id, "paused")
+                self.db.update(sandbox_id, state="paused")
             elif row["state"] == "suspended":
                 raise InvalidRequest(f"sandbox {sandbox_id} is suspended: resume() it before pausing")
         return await self.get(sandbox_id)
@@ -215,7 +216,7 @@ class SandboxStates:
         sandbox_id = row["id"]
         if row["state"] == "paused":
             cgroups.thaw(self.config.cgroup_parent, sandbox_id)
-            self.db.set_state(sandbox_id, "running")
+            self.db.update(sandbox_id, state="running")
         elif row["state"] == "suspended":
             snapshot_id = row["suspended_to"]
             img = self.store.load_image(row["image_id"])
@@ -312,7 +313,7 @@ async def _agent_settled(pid: int, timeout: float = 5.0) -> None:
 
 def _lease_of(owner: str) -> str | None:
     """Fork children belong to their parent's lease, if it has one."""
-    return owner.removeprefix("lease:") if owner.startswith("lease:") else None
+    return owner.removeprefix(LEASE_PREFIX) if owner.startswith(LEASE_PREFIX) else None
 
 
 def _layers(row: Any) -> tuple[str, ...]:

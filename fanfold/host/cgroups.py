@@ -8,6 +8,8 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from . import procs
+
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "cpuset", "freezer", "devices", "blkio", "hugetlb", "systemd")
 
 
@@ -181,11 +183,10 @@ def _freezer(parent: str, sandbox_id: str) -> tuple[Path, str, str, str]:
 
 def blocked_tasks(parent: str, sandbox_id: str) -> list[int]:
     """Processes of a sandbox in uninterruptible sleep (a vfork parent whose child froze before exec)."""
-    procs = _freezer(parent, sandbox_id)[0].parent / "cgroup.procs"
+    members = _freezer(parent, sandbox_id)[0].parent / "cgroup.procs"
     blocked = []
-    for pid in _read(procs).split():
-        stat = _read(Path(f"/proc/{pid}/stat"))
-        if stat and stat.rsplit(")", 1)[-1].split()[:1] == ["D"]:
+    for pid in _read(members).split():
+        if procs.stat_fields(pid)[:1] == ["D"]:
             blocked.append(int(pid))
     return blocked
 

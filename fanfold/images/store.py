@@ -76,13 +76,19 @@ class LayerStore:
 
     @asynccontextmanager
     async def alock(self, digest: str) -> AsyncIterator[None]:
-        """The same lock for async builders: in-process waiters queue on an asyncio.Lock,
-        and the cross-process flock is taken in a thread so the loop never blocks."""
+        """The same lock for async builders: in-process waiters queue on an asyncio.Lock, and
+        the cross-process flock is tried without blocking, again every 20 ms while another
+        process holds it (a build takes seconds), so no thread is held waiting for it."""
         local = self._local_locks.setdefault(digest, asyncio.Lock())
         async with local:
             handle = open(self.locks_dir / digest[:32], "w")
             try:
-                await asyncio.to_thread(fcntl.flock, handle, fcntl.LOCK_EX)
+                while True:
+                    try:
+                        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        await asyncio.sleep(0.02)
                 yield
             finally:
                 handle.close()

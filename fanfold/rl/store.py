@@ -21,6 +21,7 @@ from typing import Any
 
 from ..config import EngineConfig, env_trajectories
 from ..errors import InfrastructureError, InvalidRequest, NotFound
+from ..host import procs
 from .export import format_of, jsonl_writer, parquet_writer
 from .trajectory import COMPLETE_OUTCOMES, FORMAT_VERSION, Episode, Step, check_outcome, digest_of
 
@@ -489,36 +490,14 @@ def _boot_id() -> str | None:
         return None
 
 
-def _proc(pid: int) -> tuple[str, int] | None:
-    """A process's state letter and start time (clock ticks since boot), or None if there is none."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return fields[0], int(fields[19])
-
 
 def _writer() -> tuple[int, int | None, str | None]:
     pid = os.getpid()
-    proc = _proc(pid)
-    return pid, proc[1] if proc else None, _boot_id()
+    return pid, procs.start_time(pid), _boot_id()
 
 
 def _alive(pid: int | None, start: int | None, boot: str | None) -> bool:
     """Whether the writer still runs: same boot, same pid, same start time (pids are reused), not a zombie."""
     if pid is None or boot != _boot_id():
         return False
-    proc = _proc(pid)
-    if proc is None and not Path("/proc/self/stat").exists():  # no procfs (not Linux): ask the kernel
-        return _signalable(pid)
-    return proc is not None and proc[0] not in "ZX" and (start is None or proc[1] == start)
-
-
-def _signalable(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
+    return procs.running(pid) and (start is None or procs.start_time(pid) == start)
