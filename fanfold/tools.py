@@ -138,7 +138,13 @@ async def run_tool(ops: SandboxOps, sandbox_id: str, name: str, arguments: str |
     ``timeout`` is the shell's default (the model may give its own); ``max_output`` caps
     the text returned. Model mistakes raise ToolError; infrastructure errors propagate.
     """
-    args = parse_arguments(name, arguments)
+    return await run_checked(ops, sandbox_id, name, parse_arguments(name, arguments), timeout=timeout,
+                             max_output=max_output)
+
+
+async def run_checked(ops: SandboxOps, sandbox_id: str, name: str, args: dict[str, Any], *,
+                      timeout: float = 60.0, max_output: int = 16384) -> str:
+    """``run_tool`` for arguments ``parse_arguments`` (or ``check_arguments``) already passed."""
     try:
         return await _RUNNERS[name](ops, sandbox_id, args, timeout, max_output)
     except ToolError:

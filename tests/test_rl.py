@@ -132,19 +132,28 @@ async def test_episodes_are_recorded_with_forks_and_token_masks(fleet, tmp_path)
             assert step.loss_mask.count(1) > 0 and step.loss_mask.count(0) == len(step.tool_result.encode())
             assert len(step.token_ids) == len(step.logprobs) == len(step.loss_mask)
             assert step.policy_version == "scripted-1" and model > 0
-    # The branch's sandbox died with its episode.
+            # The scripted policy's tokens are the bytes it wrote, then the tool's output (masked out).
+            spoken, result = (step.model_output + json.dumps(step.tool_call)).encode(), step.tool_result.encode()
+            assert step.loss_mask.count(1) == model == len(spoken)
+            assert step.token_ids == list(spoken) + list(result)
+            assert step.loss_mask == [1] * len(spoken) + [0] * len(result)
+            assert step.logprobs == [-1.0] * len(spoken) + [0.0] * len(result)
+    # The branch's sandbox died with its episode, and the fork's snapshot with its last child.
     assert [s for s in await fleet.list() if s.source == branch.snapshot_id] == []
+    assert branch.snapshot_id not in {s.id for s in await fleet.snapshots()}
 
 
 async def test_the_same_seed_replays_the_same_episode(fleet):
     env = make_async("corpus", fleet)
     try:
         first = await run_episode(env, scripted("corpus"), seed=11)
+        answer = set(env.task["answer"])
         second = await run_episode(env, scripted("corpus"), seed=11)
+        other = await run_episode(env, scripted("corpus"), seed=12)
     finally:
         await env.close()
     assert first[0].digest() == second[0].digest()
-    answer = set(env.task["answer"])
+    assert first[0].seed == 11 and other[0].digest() != first[0].digest()  # the seed is what decides
     submitted = json.loads(first[0].steps[-1].tool_call["arguments"])["paths"]
     assert first[0].total_reward == pytest.approx(
         2 * len(answer & {p.removeprefix("/corpus/") for p in submitted}) / (len(answer) + len(submitted)))

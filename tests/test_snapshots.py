@@ -269,6 +269,11 @@ async def test_bad_requests_are_clear(sfleet):
         for bad in (0, 65, -1):
             with pytest.raises(InvalidRequest, match="count"):
                 await sandbox.fork(bad)
+        before = {s.id for s in await sfleet.list()}
+        for bad_cmd in ("", []):  # refused before any child exists: none is left running
+            with pytest.raises(InvalidRequest):
+                await sandbox.fork(2, cmd=bad_cmd)
+        assert {s.id for s in await sfleet.list()} == before
         with pytest.raises(InvalidRequest, match="name"):
             await sandbox.snapshot(name="snap-nope")
         with pytest.raises(SnapshotNotFound):

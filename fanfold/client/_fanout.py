@@ -20,7 +20,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 from ..errors import InvalidRequest, Retryable
 
 RolloutFn = Callable[[Any], Awaitable[Any] | Any]
-STATUSES = ("ok", "failed", "timeout", "infra_error")
 
 
 @dataclass
@@ -73,7 +72,7 @@ class AsyncRollouts:
     def __init__(
         self, rollout_fn: RolloutFn, *, concurrency: int = 16, retries: int = 2, deadline: float | None = None,
         backoff: float = 0.5, progress: bool | None = None, total: int | None = None,
-        max_pending: int | None = None, description: str = "rollouts", items: Iterable[Any] | None = None,
+        max_pending: int | None = None, items: Iterable[Any] | None = None,
     ) -> None:
         _check(concurrency=concurrency, retries=retries, deadline=deadline, backoff=backoff)
         self._fn, self._retries, self._deadline, self._backoff = rollout_fn, retries, deadline, backoff
@@ -85,7 +84,7 @@ class AsyncRollouts:
         self._threads: ThreadPoolExecutor | None = None
         self._closed = self._cancelled = False
         self.stats = RolloutStats()
-        self._progress = _Progress(description, total) if _want_progress(progress) else None
+        self._progress = _Progress("rollouts", total) if _want_progress(progress) else None
 
     async def put(self, item: Any) -> int:
         """Queue one item; returns its index (results carry it)."""

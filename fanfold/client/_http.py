@@ -100,10 +100,14 @@ class HttpTransport:
     async def _lines(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         """NDJSON lines of a streamed reply (of any length); an ``error`` line raises it."""
         async with self._request(method, path, **kwargs) as response:
-            pending = b""
+            pending = bytearray()
             async for chunk in response.content.iter_any():
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
+                if b"\n" not in chunk:  # a long line (an exec's whole output) grows without rescanning
+                    pending += chunk
+                    continue
+                first, *rest = chunk.split(b"\n")
+                lines = [bytes(pending + first), *rest[:-1]]
+                pending = bytearray(rest[-1])
                 for text in lines:
                     if text:
                         try:
@@ -248,10 +252,8 @@ class HttpTransport:
         return wire.snapshot_from_json(await self._json("POST", _sandbox(sandbox_id) + "/snapshot", json=body))
 
     async def fork(self, sandbox_id: str, count: int, *, cmd: str | list[str] | None = None) -> ForkResult:
-        if isinstance(count, bool) or not isinstance(count, int):
+        if isinstance(count, bool) or not isinstance(count, int):  # JSON would carry True as 1
             raise InvalidRequest(f"count must be a whole number of children, got {count!r}")
-        if cmd is not None:
-            check_exec_args(cmd, None, None, None, 0)
         result = wire.fork_from_json(await self._make(_sandbox(sandbox_id) + "/fork", {"count": count, "cmd": cmd}))
         for child in result.children:
             self._track(child)

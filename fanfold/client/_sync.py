@@ -44,10 +44,16 @@ class Fleet:
         self.close()
 
     def _call(self, coro):  # type: ignore[no-untyped-def]
+        return self._started().call(coro)
+
+    def _iterate(self, agen):  # type: ignore[no-untyped-def]
+        return self._started().iterate(agen)
+
+    def _started(self) -> Portal:
         if self._portal is None:
             self.start()
         assert self._portal is not None
-        return self._portal.call(coro)
+        return self._portal
 
     def start(self) -> None:
         """Start the embedded engine (reaping what crashed owners left), or check the server and token."""
@@ -199,9 +205,7 @@ class Rollouts:
         self.cancel()
 
     def __iter__(self) -> Iterator[RolloutResult]:
-        self._fleet._call(_noop())  # start the fleet's loop if it is not yet running
-        assert self._fleet._portal is not None
-        return self._fleet._portal.iterate(self._async.__aiter__())
+        return self._fleet._iterate(self._async.__aiter__())
 
     def put(self, item: Any) -> int:
         """Queue one item; returns its index (results carry it)."""
@@ -214,10 +218,6 @@ class Rollouts:
     def cancel(self) -> None:
         """Stop now: running rollouts are cancelled."""
         self._fleet._call(self._async.cancel())
-
-
-async def _noop() -> None:
-    return None
 
 
 class Sandbox:
@@ -273,8 +273,7 @@ class Sandbox:
     ) -> Iterator[OutputChunk | ExecResult]:
         """Yield output chunks as the command runs, then its ExecResult last."""
         stream = self._async.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
-        assert self._fleet._portal is not None
-        return self._fleet._portal.iterate(stream)
+        return self._fleet._iterate(stream)
 
     def kill(self) -> None:
         """Destroy the sandbox; killing one already gone is not an error."""

@@ -58,6 +58,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     forked_from TEXT,
     PRIMARY KEY (tenant, id)
 );
+CREATE INDEX IF NOT EXISTS rollouts_deadline ON rollouts(deadline_at);  -- pruning reads only the ended
 """
 # Columns added after the first release: (name, SQL type and default). Old databases get them.
 LATER_COLUMNS = [

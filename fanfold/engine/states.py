@@ -22,6 +22,7 @@ from ..models import ExecResult, ForkResult, Limits, SandboxInfo, SnapshotInfo
 from ..spec import BASES
 from . import db as dbmod
 from .admission import memory_available_mb
+from .execution import check_exec_args
 from .host_ops import LEASE_PREFIX
 from . import resources
 from . import snapshots as snapmod
@@ -149,6 +150,8 @@ class SandboxStates:
         """
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK:
             raise InvalidRequest(f"count must be a whole number from 1 to {MAX_FORK}, got {count!r}")
+        if cmd is not None:
+            check_exec_args(cmd, None, None, None, 0)  # before any child exists to leak
         started = time.perf_counter()
         async with self._changing(sandbox_id) as row:
             snap, pause_ms = await self._take(row, memory=True, kind="fork", leave_running=True)
@@ -169,7 +172,11 @@ class SandboxStates:
             raise failed[0]
         setup: tuple[ExecResult, ...] = ()
         if cmd is not None:
-            setup = tuple(await asyncio.gather(*(self.exec(c.id, cmd) for c in children)))
+            try:
+                setup = tuple(await asyncio.gather(*(self.exec(c.id, cmd) for c in children)))
+            except BaseException:
+                await asyncio.shield(asyncio.gather(*(self._destroy(c.id) for c in children), return_exceptions=True))
+                raise
         return ForkResult(
             parent_id=sandbox_id, children=tuple(children), snapshot_id=snap.id, parent_pause_ms=round(pause_ms, 2),
             total_ms=round((time.perf_counter() - started) * 1000, 2), setup=setup,

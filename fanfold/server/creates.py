@@ -97,8 +97,15 @@ class CreateRegistry:
                 pass
 
     def _prune(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, e in self._entries.items() if now - e.started > KEEP_S and e.future.done()]:
+        # Entries are kept in the order they started: stop at the first too young to go, so
+        # a create costs the entries it expires, not a scan of every one of the last hour.
+        cutoff, stale = time.monotonic() - KEEP_S, []
+        for key, entry in self._entries.items():
+            if entry.started > cutoff:
+                break
+            if entry.future.done():
+                stale.append(key)
+        for key in stale:
             del self._entries[key]
 
     async def close(self) -> None:

@@ -36,7 +36,7 @@ from ..engine.host_ops import MAX_LEASE_TTL_S
 from ..errors import InvalidRequest, LeaseNotFound, NotFound, SandboxGone, SandboxNotFound, SnapshotNotFound, ToolError
 from ..models import Limits
 from ..spec import BASES
-from ..tools import TOOLS, function_call_output, parse_arguments, run_tool
+from ..tools import TOOLS, function_call_output, parse_arguments, run_checked
 from ..wire import error_to_json
 from .deps import check_source, tenant
 from .sandboxes import ERRORS, RequestID
@@ -221,15 +221,15 @@ class Rollouts:
     async def call(self, tenant: str, rollout_id: str, name: str, call: FunctionCall) -> Reply:
         """Run one tool call; a model-visible mistake is a 422 whose body the model can read."""
         started = time.perf_counter()
-        self.live(tenant, rollout_id)
+        row = self.live(tenant, rollout_id)
         try:
             if call.name is not None and call.name != name:
                 raise ToolError(f"the call names tool {call.name!r} but was sent to {name!r}")
             args = parse_arguments(name, call.arguments)  # before a sandbox is made for it
-            sandbox_id = await self.sandbox(tenant, rollout_id)
+            sandbox_id = row["sandbox_id"] or await self.sandbox(tenant, rollout_id)
             try:
-                output = await run_tool(self.engine, sandbox_id, name, args, timeout=TOOL_TIMEOUT_S,
-                                        max_output=TOOL_MAX_OUTPUT)
+                output = await run_checked(self.engine, sandbox_id, name, args, timeout=TOOL_TIMEOUT_S,
+                                           max_output=TOOL_MAX_OUTPUT)
             except SandboxNotFound:
                 raise SandboxGone(f"rollout {rollout_id}'s sandbox was destroyed") from None
         except ToolError as err:

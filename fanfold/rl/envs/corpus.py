@@ -134,8 +134,9 @@ class CorpusSearchEnv(AsyncSandboxEnv):
                 raise ToolError("find needs a non-empty `name` glob")
             result = await self.sandbox.exec(["find", ROOT, "-name", name, "-type", "f"], timeout=30)
             return ToolOutcome("\n".join(sorted(result.stdout.decode().split())) or "no files match")
-        return ToolOutcome(await generic.run_tool(self.fleet._transport, self.sandbox.id, tool.name, tool.arguments,
-                                                  timeout=30))
+        # step() checked the arguments against this tool's schema already.
+        return ToolOutcome(await generic.run_checked(self.fleet._transport, self.sandbox.id, tool.name,
+                                                     tool.arguments, timeout=30))
 
     def _grade(self, paths: list[str]) -> ToolOutcome:
         chosen = {posixpath.relpath(posixpath.normpath(posixpath.join(ROOT, p)), ROOT) for p in paths}
