@@ -29,6 +29,7 @@ def test_build_caches_every_step_and_rebuilds_only_what_changed(fleet, project, 
     assert time.perf_counter() - started < 1.0
     assert second == first
     assert {e.status for e in events} <= {"cached", "running"} and "running" not in {e.status for e in events[1:]}
+    assert events and events[-1].status == "cached"
     events.clear()
     changed = fleet.build(spec.run("echo extra > /env/extra.txt"), on_step=events.append)
     statuses = [e.status for e in events if e.status != "running"]

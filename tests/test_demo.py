@@ -39,6 +39,10 @@ def test_demo_runs_forks_stores_and_reports(tmp_path: Path):
         everything = store.episodes(include_incomplete=True, with_steps=False)
         step_counts = store.step_counts(e.id for e in everything)
     assert len(episodes) == 10
+    # The tools really ran: every episode's first step is run_tests on the buggy project, and
+    # some episode fixed all three bugs.
+    assert all("FAILED (failures=5)" in e.steps[0].tool_result for e in episodes)
+    assert any(e.outcome == "success" and e.total_reward == 1.0 for e in episodes)
     by_rollout: dict[str, list] = {}
     for episode in episodes:
         by_rollout.setdefault(episode.rollout_id, []).append(episode)
@@ -50,6 +54,7 @@ def test_demo_runs_forks_stores_and_reports(tmp_path: Path):
         (parent,), (branch,) = [e for e in group if e.parent_id is None], [e for e in group if e.parent_id]
         assert branch.parent_id == parent.id and branch.fork_step == 3 and branch.snapshot_id
         assert [s.tool_call["name"] for s in branch.steps[:3]] == [s.tool_call["name"] for s in parent.steps[:3]]
+        assert branch.steps[:3] == parent.steps[:3] and branch.steps[3].snapshot_id == branch.snapshot_id
         assert len(branch.steps) > 3  # it played on after the fork
 
     # The exports hold the same episodes; the Parquet file reads back with pandas.

@@ -28,7 +28,7 @@ async def test_map_runs_concurrently_and_yields_as_finished(embedded):
         peak = max(peak, running)
         try:
             async with await embedded.create(labels={"rollout_id": f"map-{item}"}) as sandbox:
-                result = await sandbox.exec(f"sleep {0.05 * (4 - item % 4)}; echo {item}")
+                result = await sandbox.exec(f"sleep {0.15 * (4 - item % 4)}; echo {item}")
                 return int(result.text)
         finally:
             running -= 1
@@ -38,7 +38,7 @@ async def test_map_runs_concurrently_and_yields_as_finished(embedded):
     assert sorted(r.value for r in results) == list(range(8))
     assert all(r.ok and r.attempts == 1 and r.value == r.item for r in results)
     assert peak == 4
-    # The first four start together: the shortest (item 3, 0.05 s) finishes first.
+    # The first four start together: the shortest (item 3, 0.15 s, the next 0.3 s) finishes first.
     assert results[0].item == 3
     assert rollouts.stats.as_dict() | {} == {"submitted": 8, "done": 8, "in_flight": 0, "ok": 8, "failed": 0,
                                             "timeout": 0, "infra_error": 0, "infra_retries": 0}

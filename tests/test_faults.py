@@ -49,18 +49,20 @@ async def test_engine_killed_mid_burst_loses_nothing_reported_and_leaks_nothing(
 
             burst = [asyncio.create_task(one(i)) for i in range(200)]
             await asyncio.wait_for(enough.wait(), 120)
+            in_flight = sum(not task.done() for task in burst)
             server.process.send_signal(signal.SIGKILL)
             server.process.wait(30)
             restarted = start_server(config.state_dir, where)
             await asyncio.gather(*burst)
             assert len(made) + len(failed) == 200 and len(made) >= 40
+            assert in_flight > 0  # the kill landed mid-burst
             assert all(isinstance(err, Retryable) for err in failed), failed[:3]
             # Every sandbox reported created survived the crash, and works.
             results = await asyncio.gather(*(sandbox.exec("echo $HOSTNAME") for sandbox in made))
             assert [r.text.strip() for r in results] == [s.id for s in made]
             # The failed ones succeed when retried: the burst completes.
             retried = await asyncio.gather(*(fleet.create() for _ in failed))
-            assert len(made) + len(retried) == 200
+            assert len(made) + len(retried) == 200 and len({s.id for s in made + retried}) == 200
             listed = {info.id for info in await fleet.list()}
             assert {s.id for s in made + retried} <= listed
         stop_server(restarted)

@@ -6,12 +6,21 @@ import asyncio
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import run_cli
 from fanfold import AsyncFleet
 
 
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 async def test_prometheus_metrics_need_a_token_and_count_the_work(server):
+    headers = {"Authorization": f"Bearer {server.tokens['bob']}"}
+    async with httpx.AsyncClient(base_url=server.tcp_url) as client:
+        before = _samples((await client.get("/metrics", headers=headers)).text)
     async with AsyncFleet(server.tcp_url, token=server.tokens["alice"]) as fleet:
         sandbox = await fleet.create()
         await sandbox.exec("true")
@@ -26,6 +35,10 @@ async def test_prometheus_metrics_need_a_token_and_count_the_work(server):
             for name in ("fanfold_provision_seconds_bucket", "fanfold_exec_seconds_count", 'fanfold_sandboxes{state="running"}',
                          "fanfold_queue_depth", "fanfold_leases_reaped_total", 'fanfold_execs_total{outcome="timeout"}'):
                 assert name in text, name
+            after = _samples(text)
+            grew = {key: after[key] - before.get(key, 0.0) for key in after}
+            assert grew[("fanfold_exec_seconds_count", ())] >= 2
+            assert grew[("fanfold_execs_total", (("outcome", "timeout"),))] >= 1
 
 
 async def test_stats_show_only_the_callers_sandboxes_with_host_figures(server):

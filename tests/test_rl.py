@@ -217,7 +217,7 @@ def test_env_lookup_by_name_and_path():
 @pytest.fixture
 async def model_server(aiohttp_port=0):
     """A fake of the model (never of the sandbox): tool calls with vLLM-style token ids and logprobs."""
-    state = {"requests": [], "fail": 0}
+    state = {"requests": [], "fail": 0, "tokenize": 200}
 
     async def complete(request):
         body = await request.json()
@@ -238,6 +238,8 @@ async def model_server(aiohttp_port=0):
 
     async def tokenize(request):
         body = await request.json()
+        if state["tokenize"] != 200:  # a server without /tokenize that answers in JSON (FastAPI does)
+            return web.json_response({"detail": "Not Found"}, status=state["tokenize"])
         return web.json_response({"tokens": list(range(len(body["prompt"].split())))})
 
     async def models(request):
@@ -270,11 +272,29 @@ async def test_openai_policy_records_tokens_logprobs_and_versions(fleet, model_s
     assert first.token_ids == [17, 4] + list(range(tool_tokens))
     assert first.loss_mask == [1, 1] + [0] * tool_tokens
     assert first.logprobs[:2] == [-0.5, -1.25]
+    assert first.logprobs == [-0.5, -1.25] + [0.0] * tool_tokens
     assert [s.policy_version for s in episode.steps] == ["v1", "v2"]
     body = state["requests"][0]
     assert body["model"] == "served-model" and body["seed"] is not None and body["temperature"] == 0.5
+    assert body["logprobs"] is True and body["return_tokens_as_token_ids"] is True
+    assert [r["seed"] for r in state["requests"]] == [5 * 1_000_003, 5 * 1_000_003 + 101]  # one per turn
     assert {t["function"]["name"] for t in body["tools"]} == {"read_file", "edit_file", "run_tests", "submit"}
     assert state["requests"][1]["messages"][-1]["role"] == "tool"
+
+
+async def test_openai_policy_without_tokenize_records_model_tokens_only(fleet, model_server):
+    url, state = model_server
+    state["tokenize"] = 404
+    policy = OpenAIPolicy(url, model="m")
+    env = make_async("codefix", fleet)
+    try:
+        [episode] = await run_episode(env, policy, seed=6)
+    finally:
+        await env.close()
+        await policy.close()
+    assert [s.tool_call["name"] for s in episode.steps] == ["run_tests", "submit"]
+    for step in episode.steps:
+        assert (step.token_ids, step.loss_mask, step.logprobs) == ([17, 4], [1, 1], [-0.5, -1.25])
 
 
 async def test_openai_policy_retries_then_reports_the_server_down(model_server):

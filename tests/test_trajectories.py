@@ -158,6 +158,7 @@ def test_queries_by_task_and_outcome_newest_first(store: TrajectoryStore):
     assert ids(store.episodes(limit=2)) == [made[4].id, made[3].id]
     assert store.count(task="b") == 2 and store.count(outcome="failure", task="a") == 1
     light = store.episodes(task="b", with_steps=False)
+    assert ids(light) == [made[4].id, made[1].id]
     assert all(e.steps == [] for e in light) and store.step_counts([e.id for e in light]) == {e.id: 2 for e in light}
 
 
