@@ -21,8 +21,11 @@ class EngineConfig:
 
     state_dir: Path = field(default_factory=lambda: Path(os.environ.get("FANFOLD_STATE_DIR", DEFAULT_STATE_DIR)))
     """Layers, images, sandboxes and the SQLite database live here."""
+    backend: str = field(default_factory=lambda: os.environ.get("FANFOLD_BACKEND", "oci"))
+    """The isolation backend (``fanfold.runtime``): ``oci`` (default: crun or runc, needs root), ``fake``
+    (plain processes in a directory, no isolation, no root: for tests of engine logic), or ``module:Class``."""
     runtime: str = field(default_factory=lambda: os.environ.get("FANFOLD_RUNTIME", "crun"))
-    """The OCI runtime binary: ``crun`` (default) or ``runc``."""
+    """The OCI backend's runtime binary: ``crun`` (default) or ``runc``."""
     debian_mirror: str = field(
         default_factory=lambda: os.environ.get("FANFOLD_DEBIAN_MIRROR", "http://deb.debian.org/debian")
     )

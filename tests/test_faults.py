@@ -168,7 +168,7 @@ async def test_fork_snapshot_and_pause_of_a_sandbox_whose_init_died_say_gone_not
 
 
 async def test_host_errors_from_resume_and_reset_are_retryable_not_raw(config, monkeypatch):
-    from fanfold.engine import resources
+    from fanfold.runtime import oci_sandbox as resources
 
     async def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -191,7 +191,7 @@ async def test_host_errors_from_resume_and_reset_are_retryable_not_raw(config, m
 
 
 async def test_a_release_that_failed_is_retried_by_the_reaper(config, monkeypatch):
-    from fanfold.engine import resources
+    from fanfold.runtime import oci_sandbox as resources
 
     real, failures = resources._release_host, []
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import leaks
 
 from fanfold import AsyncFleet, EnvSpec, InvalidPath, InvalidRequest, Limits, Outcome
-from fanfold.engine.resources import paths
+from fanfold.runtime.oci_sandbox import paths
 from fanfold.host import mounts
 
 

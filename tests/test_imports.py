@@ -87,3 +87,22 @@ def test_the_package_has_no_import_cycles():
 def test_the_cycle_finder_finds_a_loop_and_not_what_leads_into_it():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [{"a", "b", "c"}]
+
+
+# What only a backend may touch: the host's mounts, cgroups, namespaces and processes of a
+# sandbox, the OCI runtime, CRIU, and the agent's binary and socket.
+BELOW_THE_BACKEND = {
+    "fanfold.host.cgroups", "fanfold.host.mounts", "fanfold.host.netns", "fanfold.host.setup", "fanfold.host.spawn",
+    "fanfold.images.rootfs", "fanfold.runtime.oci", "fanfold.runtime.oci_backend", "fanfold.runtime.oci_sandbox",
+    "fanfold.runtime.criu", "fanfold.runtime.fake", "fanfold.runtime.container", "fanfold._agent.build",
+}
+
+
+def test_the_engine_reaches_the_host_only_through_its_backend():
+    known = module_names()
+    reached = {
+        name: sorted(imports(name, path, known) & BELOW_THE_BACKEND)
+        for name, path in known.items() if name.startswith("fanfold.engine")
+    }
+    assert reached["fanfold.engine.core"] == [], reached
+    assert {name: below for name, below in reached.items() if below} == {}

@@ -11,7 +11,7 @@ import textwrap
 from conftest import leaks
 
 from fanfold import AsyncFleet
-from fanfold.engine.resources import paths
+from fanfold.runtime.oci_sandbox import paths
 
 def alive(pid: int) -> bool:
     """Running, as opposed to gone or a zombie awaiting a parent that is not ours to reap."""

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import TOKENS, Server, start_server, stop_server
 from fanfold import AsyncFleet, InfrastructureError, SandboxGone, ToolError
-from fanfold.engine import resources
+from fanfold.runtime import oci_sandbox as resources
 from fanfold.host import cgroups
 from fanfold.models import ExecResult, Outcome
 from fanfold.tools import TOOLS, function_call_output, parse_arguments, run_tool

@@ -18,24 +18,23 @@ import secrets
 import shutil
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
-from .._agent.build import agent_binary
-from .._agent.client import AgentClient, AgentUnreachable
+from .._agent.client import AgentUnreachable
 from ..config import EngineConfig
 from ..errors import (
     CapacityExceeded, FanfoldError, HostNotReady, ImageNotFound, InfrastructureError, InvalidRequest, SandboxGone,
     SandboxNotFound, ServiceFailed,
 )
-from ..host import cgroups, procs, safefs, setup
+from ..host import procs, safefs
+from ..host.offload import host_errors
 from ..images import Image, LayerStore
 from ..images.builder import DEFAULT_PATH, Builder, OnStep
 from ..models import ExecResult, Limits, Persistence, SandboxInfo, SnapshotInfo
-from ..runtime import get_runtime
-from ..runtime.criu import Criu
+from ..runtime import Backend, Handle, SandboxSpec, get_backend
 from ..spec import BASES, EnvSpec
 from . import db as dbmod
-from . import resources
 from .admission import Admission, check_fits_host
 from .api import OnOutput
 from .checks import check_deadline, check_labels, check_strings
@@ -66,11 +65,11 @@ def _process_alive(owner: str) -> bool:
     return len(fields) > 19 and fields[19] == start
 
 
-async def _init_survives(pid: int | None, within: float = 0.25) -> bool:
+async def _init_survives(backend: Backend, handle: Handle, within: float = 0.25) -> bool:
     """Whether PID 1 is alive a moment after its connection broke: a killed process drops
     its sockets while it exits, a little before it shows as dead."""
     give_up = time.monotonic() + within
-    while procs.running(pid):
+    while backend.alive(handle):
         if time.monotonic() > give_up:
             return True
         await asyncio.sleep(0.01)
@@ -79,6 +78,8 @@ async def _init_survives(pid: int | None, within: float = 0.25) -> bool:
 
 def _pid_alive(pid: str) -> bool:
     return pid.isdigit() and os.path.exists(f"/proc/{pid}")
+
+
 
 
 class Engine(SandboxFiles, SandboxStates, HostOperations):
@@ -108,22 +109,20 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         """Check and prepare the host, open the database, and reap what dead owners left."""
         if self._started:
             return
-        if not setup.is_root():
-            raise HostNotReady("fanfold's engine needs root (mounts, cgroups): run it as root")
-        setup.fix_hybrid_cgroups()
-        setup.become_subreaper()
         cfg = self.config
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(cfg.state_dir, 0o700)  # sandbox roots and layers are no business of other host users
-        for sub in ("sandboxes", "bundles"):
-            (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            (cfg.state_dir / "bundles").mkdir(parents=True, exist_ok=True)
+            os.chmod(cfg.state_dir, 0o700)  # sandbox roots and layers are no business of other host users
+        except OSError as err:
+            raise HostNotReady(f"cannot use the state dir {cfg.state_dir}: {err}; run fanfold as root"
+                               " or set FANFOLD_STATE_DIR to a directory of yours") from None
         self.store = LayerStore(cfg.state_dir)
-        self.runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
-        self.builder = Builder(self.store, self.runtime, mirror=cfg.debian_mirror, scratch_run=cfg.state_dir / "bundles")
-        self.agent = await asyncio.to_thread(agent_binary, cfg.state_dir)
+        self.backend = get_backend(cfg, self.store)
+        await self.backend.prepare()
+        self.builder = Builder(
+            self.store, self.backend.step_runtime, mirror=cfg.debian_mirror, scratch_run=cfg.state_dir / "bundles",
+        )
         self._db = dbmod.Database(cfg.state_dir / "fanfold.db")
-        self.criu = Criu(cfg.criu)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, self._db)
         self.admission = Admission(cfg, self._db.count)
         self.telemetry = Telemetry(self._gauges)
@@ -150,20 +149,11 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             if row["owner"] == self.owner:
                 await self._destroy(row["id"])
         await asyncio.gather(*list(self._destroying.values()), return_exceptions=True)
-        setup.reap_orphans()
-        self._release_shared()
+        await self.backend.sweep()
+        if not self.db.rows():  # a suspended sandbox's restore needs the parent cgroups as they are
+            await self.backend.close()
         self.db.close()
         self._started = False
-
-    def _release_shared(self) -> None:
-        """Remove the state dir's parent cgroups once no sandbox is left.
-
-        Only empty groups are removed (rmdir), and the runtime recreates the parent on the
-        next create, so another engine on the same state dir is unaffected. The run dir
-        stays: removing it would race another engine binding a socket there.
-        """
-        if not self.db.rows():
-            cgroups.remove_parent(self.config.cgroup_parent)
 
     @property
     def db(self) -> dbmod.Database:
@@ -181,7 +171,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         for sandbox_id, row in rows.items():
             dead = not alive[row["owner"]]
             expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
-            broken = row["state"] in ("running", "pooled") and not procs.running(row["pid"])
+            broken = row["state"] in ("running", "pooled") and not self.backend.alive(dbmod.row_handle(row))
             if dead or expired or broken or self._orphaned(row):
                 await self._destroy(sandbox_id)
                 reaped += 1
@@ -196,23 +186,14 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         return {"reaped": reaped}
 
     async def _sweep_leftovers(self) -> int:
-        """Release containers, mounts, cgroups and sockets that no row names (a dead engine's)."""
-        reaped = 0
-        leftovers = await self.runtime.list_ids()
-        leftovers |= {p.name for p in (self.config.state_dir / "sandboxes").iterdir()}
-        leftovers |= cgroups.leftover_ids(self.config.cgroup_parent)
-        leftovers |= {p.name.removesuffix(".sock") for p in self.config.run_dir.glob("sb-*")}  # .sock: before 0.4
+        """Release what the backend holds for sandboxes no row names (a dead engine's)."""
+        leftovers = await self.backend.list_ids()
         # Rows are written before resources exist: reading them after the scan keeps
         # another engine's create in flight from looking like a leftover.
         known = {row["id"] for row in self.db.rows()}
         for sandbox_id in leftovers - known:
-            if sandbox_id.startswith("sb-"):
-                await resources.release(self.config, self.runtime, sandbox_id)
-                reaped += 1
-            elif sandbox_id.startswith("build-") and not _pid_alive(sandbox_id.split("-")[1]):
-                await self.runtime.delete(sandbox_id)  # a build step whose builder died
-                reaped += 1
-        return reaped
+            await self.backend.release(sandbox_id)
+        return len(leftovers - known)
 
     def _owners_alive(self, owners: set[str]) -> dict[str, bool]:
         """Whether each owner still wants its rows: detached, a live lease, or a live engine
@@ -229,7 +210,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
     def _crashed(self, row: Any) -> bool:
         """PID 1 of a running sandbox died, seen on two passes in a row: a suspend (of any
         engine) releases the processes a moment before the row says suspended."""
-        if row["state"] not in ("running", "pooled") or procs.running(row["pid"]):
+        if row["state"] not in ("running", "pooled") or self.backend.alive(dbmod.row_handle(row)):
             self._dead_seen.discard(row["id"])
             return False
         if row["id"] in self._dead_seen:
@@ -263,7 +244,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
             try:
                 if passes % SWEEP_EVERY == 0:
                     await self._sweep_leftovers()
-                setup.reap_orphans()
+                await self.backend.sweep()
                 for lease_id in self.db.expired_leases():
                     await self._reap_lease(lease_id)
                 rows = self.db.rows()
@@ -388,7 +369,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.owner)
         source, limits = info.source, info.limits
         try:
-            with resources.host_errors("creating sandbox failed"):
+            with host_errors("creating sandbox failed"):
                 pid, layers = await self._start(sandbox_id, source, limits)
         except BaseException as err:
             raced = sandbox_id in self._destroying or self.db.get(sandbox_id) is None
@@ -457,37 +438,39 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         img = await self.image(ref)  # type: ignore[arg-type]
         return img.id, img, None
 
-    async def _start(self, sandbox_id: str, source: str, limits: Limits) -> tuple[int, tuple[str, ...]]:
+    async def _start(self, sandbox_id: str, source: str, limits: Limits) -> tuple[int | None, tuple[str, ...]]:
         """Bring up a sandbox's disk and processes from its source; return PID 1 and its layers."""
+        restore = None
         if source.startswith(SNAPSHOT_PREFIX):
             row = self.snaps.row(source)
-            layers = tuple(json.loads(row["layers"]))
-            img = dataclasses.replace(self.store.load_image(row["image_id"]), layers=layers)
-            if row["memory"]:
-                pid = await resources.restore(
-                    self.config, self.store, self.criu, self.agent, sandbox_id, layers, img.host_dirs,
-                    self.snaps.memory_dir(source), limits,
-                )
-                return pid, layers
+            img = dataclasses.replace(self.store.load_image(row["image_id"]), layers=tuple(json.loads(row["layers"])))
+            restore = self.snaps.memory_dir(source) if row["memory"] else None
         else:
             img = self.store.load_image(source)
-        pid = await resources.provision(
-            self.config, self.store, self.runtime, self.agent, sandbox_id, img, limits, self._base_env(img, sandbox_id, {}),
-        )
-        if img.services:
-            await self._wait_services(sandbox_id, img)
-        return pid, img.layers
+        return await self._bring_up_from(sandbox_id, img, limits, restore), img.layers
 
-    async def _wait_services(self, sandbox_id: str, img: Image) -> None:
+    async def _bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None) -> int | None:
+        """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given)."""
+        spec = SandboxSpec(
+            id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
+            env=tuple(self._base_env(img, sandbox_id, {})), services=img.services, restore=restore,
+        )
+        handle = await self.backend.bring_up(spec)
+        if img.services and (restore is None or self.backend.capabilities.memory != "live"):
+            await self._wait_services(handle, img)
+        return handle.pid
+
+    async def _wait_services(self, handle: Handle, img: Image) -> None:
+        sandbox_id = handle.id
         try:
-            answer = await self._agent(sandbox_id).wait_ready()
+            answer = await self.backend.wait_ready(handle)
         except AgentUnreachable as err:
             raise InfrastructureError(f"sandbox {sandbox_id}'s agent died while starting services: {err}") from None
         if answer != "ok":
             # The sandbox is destroyed on the way out, its log with it: the tail goes in the error.
             _, name, code = answer.split()
-            where = resources.paths(self.config, sandbox_id).rootfs
-            tail = await asyncio.to_thread(resources.file_tail, where, f"/var/log/fanfold/{name}.log")
+            root = self.backend.root(sandbox_id)
+            tail = await asyncio.to_thread(safefs.tail, root, f"/var/log/fanfold/{name}.log")
             raise ServiceFailed(
                 f"service {name!r} of image {img.id} exited with code {code} as the sandbox started;"
                 f" the end of its log:\n{tail}",
@@ -554,15 +537,12 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
     async def _gone_if_dead(self, sandbox_id: str, pid: int | None, *, within: float = 0.0) -> None:
         """Destroy the sandbox and raise SandboxGone if its PID 1 is dead (``within`` seconds
         to show it, after a broken connection): no retry can bring it back."""
-        if await _init_survives(pid, within):
+        if await _init_survives(self.backend, Handle(sandbox_id, pid), within):
             return
         self.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
         await asyncio.shield(self._destroy(sandbox_id))
         raise SandboxGone(f"sandbox {sandbox_id}'s init process died (killed from outside or crashed);"
                           " the sandbox was destroyed")
-
-    def _agent(self, sandbox_id: str) -> AgentClient:
-        return AgentClient(str(resources.paths(self.config, sandbox_id).socket))
 
     def _visible(self, sandbox_id: str) -> Any:
         """A sandbox's row, or None when there is none or it is warm in a pool (nobody's yet)."""
@@ -610,8 +590,7 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         row = self.db.get(sandbox_id)
         if row is not None:
             self.db.update(sandbox_id, state="destroying", claimed_by=self.owner)
-        with resources.host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):
-            await resources.release(self.config, self.runtime, sandbox_id, row["pid"] if row is not None else None)
+        await self.backend.release(sandbox_id, dbmod.row_handle(row) if row is not None else None)
         self.db.delete(sandbox_id)
         self._gates.pop(sandbox_id, None)
         self.admission.released()
@@ -656,14 +635,15 @@ class Engine(SandboxFiles, SandboxStates, HostOperations):
         merged = {**json.loads(row["env"]), **check_strings(env, "env")}
         alone = not self._in_exec.get(sandbox_id)
         self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1
-        counters = cgroups.CounterFiles(self.config.cgroup_parent, sandbox_id)
+        handle = dbmod.row_handle(row)
+        counters = self.backend.counters(handle)
         if alone:  # the peak then measures this command alone
             counters.reset_peak()
         before = counters.read()
         try:
             raw = await asyncio.wait_for(
-                self._agent(sandbox_id).exec(
-                    argv, env=self._base_env(img, sandbox_id, merged), cwd=workdir,
+                self.backend.exec(
+                    handle, argv, env=self._base_env(img, sandbox_id, merged), cwd=workdir,
                     timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)),
                     max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
                 ),

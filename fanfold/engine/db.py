@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ..models import Limits, SandboxInfo, SnapshotInfo
+from ..runtime.base import Handle
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -186,6 +187,11 @@ class Database:
 
     def rows(self) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+
+
+def row_handle(row: sqlite3.Row) -> Handle:
+    """What the backend knows the row's sandbox by."""
+    return Handle(row["id"], row["pid"])
 
 
 def row_info(row: sqlite3.Row) -> SandboxInfo:

@@ -16,7 +16,6 @@ from ..errors import InvalidRequest, SandboxGone
 from ..host import safefs
 from ..images import LayerStore
 from ..models import FileEntry
-from . import resources
 from .checks import check_mode, file_bytes
 
 STREAM_CHUNK = 1 << 20
@@ -42,7 +41,7 @@ class SandboxFiles:
         sandbox_id = row["id"]
         img = self.store.load_image(row["image_id"])
         target = safefs.normalize(path, img.workdir)
-        root = resources.paths(self.config, sandbox_id).rootfs
+        root = self.backend.root(sandbox_id)
 
         def run() -> Any:
             try:

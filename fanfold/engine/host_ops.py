@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Iterable
 from prometheus_client.core import GaugeMetricFamily
 
 from ..errors import InvalidRequest, LeaseNotFound, SandboxNotFound
-from ..host import cgroups
 from ..images import Image
 from ..models import LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from . import admission
@@ -161,7 +160,7 @@ class HostOperations:
         listed = []
         if sandboxes:
             for row in rows:
-                cpu_s, memory = cgroups.usage(self.config.cgroup_parent, row["id"]) if row["pid"] else (0.0, 0)
+                cpu_s, memory = self.backend.usage(dbmod.row_handle(row))
                 labels = dbmod.row_info(row).labels
                 listed.append({
                     "id": row["id"], "state": row["state"], "cpu_s": round(cpu_s, 3), "memory_bytes": memory,

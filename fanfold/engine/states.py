@@ -7,17 +7,15 @@ in flight), so what is frozen and copied is a state no host call is halfway thro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-import os
 import shutil
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointFailed, InfrastructureError, InvalidRequest, SandboxGone
-from ..host import cgroups
-from ..images.rootfs import copy_upper
+from ..host.offload import host_errors, on_thread
 from ..models import ExecResult, ForkResult, Limits, SandboxInfo, SnapshotInfo
 from ..spec import BASES
 from . import db as dbmod
@@ -26,14 +24,12 @@ from .api import MAX_FORK
 from .checks import check_deadline
 from .execution import check_exec_args
 from .host_ops import LEASE_PREFIX
-from . import resources
 from . import snapshots as snapmod
 
 if TYPE_CHECKING:
     from .core import Engine
 
 log = logging.getLogger("fanfold.engine")
-FREEZE_TIMEOUT_S = 10.0
 
 
 class SandboxStates:
@@ -46,6 +42,8 @@ class SandboxStates:
         if not isinstance(memory, bool):
             raise InvalidRequest(f"memory must be True or False, got {memory!r}")
         name = snapmod.check_name(name)
+        if memory:
+            self._check_memory_checkpoints("a memory snapshot")
         if name is not None and self.db.snapshot(name) is not None:
             raise InvalidRequest(f"a snapshot named {name!r} exists already: pick another name")
         async with self._changing(sandbox_id) as row:
@@ -61,24 +59,11 @@ class SandboxStates:
         img = self.store.load_image(row["image_id"])
         snapshot_id = snapmod.new_id()
         staged = self.snaps.staging(snapshot_id)
-        where = resources.paths(self.config, sandbox_id)
-        was_paused = row["state"] == "paused"
-        await _agent_settled(row["pid"])
-        frozen_at = time.perf_counter()
         try:
-            await self._freeze(sandbox_id)
-            try:
-                await asyncio.to_thread(copy_upper, where.disk, img.host_dirs, staged / "layer")
-                if memory:
-                    (staged / "memory").mkdir()
-                    await self.criu.dump(
-                        row["pid"], staged / "memory", root=where.rootfs, mounts=resources.criu_mounts(img.host_dirs),
-                        freezer=cgroups.freezer_dir(self.config.cgroup_parent, sandbox_id), leave_running=leave_running,
-                    )
-            finally:
-                if not was_paused:
-                    _thaw_quietly(self.config.cgroup_parent, sandbox_id)
-            pause_ms = (time.perf_counter() - frozen_at) * 1000
+            pause_ms = await self.backend.checkpoint(
+                dbmod.row_handle(row), staged, img.host_dirs, memory=memory, leave_running=leave_running,
+                frozen=row["state"] == "paused",
+            )
             layers = tuple(json.loads(row["layers"]))
             info = SnapshotInfo(
                 id=snapshot_id, parent=row["source"], image_id=row["image_id"], sandbox_id=sandbox_id, memory=memory,
@@ -86,39 +71,21 @@ class SandboxStates:
             )
             # Renames, a walk over every file for the size, and the row: off the event loop,
             # and waited for even when cancelled, since the cleanup below removes ``staged``.
-            committed = await resources.on_thread(
-                self.snaps.commit, staged, info, layers + (snapshot_id,), row["tenant"], executor=None)
+            with host_errors(f"committing the snapshot of {sandbox_id} failed"):
+                committed = await on_thread(
+                    self.snaps.commit, staged, info, layers + (snapshot_id,), row["tenant"], executor=None)
             return committed, pause_ms
-        except (OSError, InfrastructureError) as err:
+        except (CheckpointFailed, InfrastructureError):
             # PID 1 dying mid-dump shows as a missing /proc file or a failed dump: the sandbox is gone.
             await self._gone_if_dead(sandbox_id, row["pid"], within=0.25)
-            if isinstance(err, OSError):
-                raise CheckpointFailed(f"snapshot of {sandbox_id} failed: {err}") from None
             raise
         finally:
             shutil.rmtree(staged, ignore_errors=True)
 
-    async def _freeze(self: Engine, sandbox_id: str) -> None:
-        """Freeze the sandbox at a point CRIU can dump: no process stuck in uninterruptible sleep.
-
-        A vfork parent waits in that state until its child execs; if the child froze first,
-        the parent can never be seized. Thawing for a moment lets the exec happen.
-        """
-        parent = self.config.cgroup_parent
-        deadline = time.monotonic() + FREEZE_TIMEOUT_S
-        while True:
-            poll = Path(cgroups.freeze_start(parent, sandbox_id))
-            while not cgroups.is_frozen_text(poll.read_text()):
-                if time.monotonic() > deadline:
-                    _thaw_quietly(parent, sandbox_id)
-                    raise InfrastructureError(f"sandbox {sandbox_id} did not freeze within {FREEZE_TIMEOUT_S:.0f} s")
-                await asyncio.sleep(0.0005)
-            if not cgroups.blocked_tasks(parent, sandbox_id):
-                return
-            _thaw_quietly(parent, sandbox_id)
-            if time.monotonic() > deadline:
-                raise CheckpointFailed(f"sandbox {sandbox_id} keeps processes in uninterruptible sleep; try again")
-            await asyncio.sleep(0.002)
+    def _check_memory_checkpoints(self: Engine, what: str) -> None:
+        if self.backend.capabilities.memory == "none":
+            raise InvalidRequest(f"{what} needs memory checkpoints, which the {self.backend.name} backend"
+                                 " does not have: take a disk snapshot, or use the oci backend")
 
     async def snapshots(self: Engine, *, tenant: str | None = None) -> list[SnapshotInfo]:
         """Every snapshot (of ``tenant`` only, when given), oldest first; ``parent`` links the tree."""
@@ -166,6 +133,7 @@ class SandboxStates:
         if cmd is not None:
             check_exec_args(cmd, None, None, None, 0)  # before any child exists to leak
         check_deadline(deadline)
+        self._check_memory_checkpoints("fork")
         started = time.perf_counter()
         async with self._changing(sandbox_id) as row:
             snap, pause_ms = await self._take(row, memory=True, kind="fork", leave_running=True)
@@ -206,8 +174,7 @@ class SandboxStates:
         async with self._changing(sandbox_id, wake=False) as row:
             if row["state"] == "running":
                 await self._gone_if_dead(sandbox_id, row["pid"])  # a dead sandbox would freeze at once
-                with resources.host_errors(f"pausing sandbox {sandbox_id} failed"):
-                    await self._freeze(sandbox_id)
+                await self.backend.freeze(dbmod.row_handle(row))
                 self.db.update(sandbox_id, state="paused")
             elif row["state"] == "suspended":
                 raise InvalidRequest(f"sandbox {sandbox_id} is suspended: resume() it before pausing")
@@ -221,6 +188,7 @@ class SandboxStates:
 
     async def suspend(self: Engine, sandbox_id: str) -> SandboxInfo:
         """Checkpoint memory and disk to the state dir and release every process and byte of RAM."""
+        self._check_memory_checkpoints("suspend")
         async with self._changing(sandbox_id, wake=False) as row:
             if row["state"] != "suspended":
                 await self._suspend_locked(row)
@@ -229,7 +197,7 @@ class SandboxStates:
     async def _suspend_locked(self: Engine, row: Any) -> None:
         sandbox_id = row["id"]
         snap, _ = await self._take(row, memory=True, kind="suspend", leave_running=False)
-        await resources.release(self.config, self.runtime, sandbox_id, row["pid"])
+        await self.backend.release(sandbox_id, dbmod.row_handle(row))
         self.db.update(sandbox_id, state="suspended", pid=None, suspended_to=snap.id, layers=_layers(row) + (snap.id,))
 
     async def resume(self: Engine, sandbox_id: str) -> SandboxInfo:
@@ -242,23 +210,21 @@ class SandboxStates:
         sandbox_id = row["id"]
         if row["state"] == "paused":
             try:
-                cgroups.thaw(self.config.cgroup_parent, sandbox_id)
-            except OSError as err:  # its cgroup gone: killed from outside
+                await self.backend.thaw(dbmod.row_handle(row))
+            except InfrastructureError:  # killed from outside?
                 await self._gone_if_dead(sandbox_id, row["pid"])
-                raise InfrastructureError(f"thawing sandbox {sandbox_id} failed: {err}") from None
+                raise
             self.db.update(sandbox_id, state="running")
         elif row["state"] == "suspended":
             snapshot_id = row["suspended_to"]
             img = self.store.load_image(row["image_id"])
             limits = dbmod.row_info(row).limits
-            with resources.host_errors(f"resuming sandbox {sandbox_id} failed"):
+            img = dataclasses.replace(img, layers=_layers(row))
+            with host_errors(f"resuming sandbox {sandbox_id} failed"):
                 try:
-                    pid = await resources.restore(
-                        self.config, self.store, self.criu, self.agent, sandbox_id, _layers(row), img.host_dirs,
-                        self.snaps.memory_dir(snapshot_id), limits,
-                    )
+                    pid = await self._bring_up_from(sandbox_id, img, limits, self.snaps.memory_dir(snapshot_id))
                 except BaseException:
-                    await asyncio.shield(resources.release(self.config, self.runtime, sandbox_id))
+                    await asyncio.shield(self.backend.release(sandbox_id))
                     raise
             self.db.update(sandbox_id, state="running", pid=pid, suspended_to=None)
             self.snaps.drop_memory(snapshot_id)
@@ -266,11 +232,10 @@ class SandboxStates:
     async def reset(self: Engine, sandbox_id: str) -> SandboxInfo:
         """Back to exactly the image or snapshot the sandbox was made from: disk, processes, memory."""
         async with self._changing(sandbox_id, wake=False) as row:
-            with resources.host_errors(f"resetting sandbox {sandbox_id} failed"):
-                await resources.release(self.config, self.runtime, sandbox_id, row["pid"])
+            await self.backend.release(sandbox_id, dbmod.row_handle(row))
             self.db.update(sandbox_id, state="creating", pid=None, suspended_to=None, claimed_by=self.owner)
             try:
-                with resources.host_errors(f"resetting sandbox {sandbox_id} failed"):
+                with host_errors(f"resetting sandbox {sandbox_id} failed"):
                     pid, layers = await self._start(sandbox_id, row["source"], dbmod.row_info(row).limits)
             except BaseException:
                 await asyncio.shield(self._destroy(sandbox_id))
@@ -323,27 +288,6 @@ class SandboxStates:
         return memory_available_mb() < self.config.pressure_memory_mb or disk.free < self.config.pressure_disk_mb << 20
 
 
-async def _agent_settled(pid: int, timeout: float = 5.0) -> None:
-    """Wait until the agent holds no host connection but its listener.
-
-    The agent closes a connection just after sending its last frame, so the host can be
-    done with a call a moment before the agent is; CRIU cannot carry a connection whose
-    peer is gone. With the gate held no new call comes, so this only waits out that moment.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            return  # gone: the dump reports it
-        if sum(link.startswith("socket:") for link in links) <= 1:
-            return
-        if time.monotonic() > deadline:
-            raise CheckpointFailed("the sandbox's agent still holds a connection (a process in the sandbox"
-                                   " connected to it?); try again")
-        await asyncio.sleep(0.001)
-
-
 def _lease_of(owner: str) -> str | None:
     """Fork children belong to their parent's lease, if it has one."""
     return owner.removeprefix(LEASE_PREFIX) if owner.startswith(LEASE_PREFIX) else None
@@ -351,13 +295,6 @@ def _lease_of(owner: str) -> str | None:
 
 def _layers(row: Any) -> tuple[str, ...]:
     return tuple(json.loads(row["layers"]))
-
-
-def _thaw_quietly(parent: str, sandbox_id: str) -> None:
-    try:
-        cgroups.thaw(parent, sandbox_id)
-    except OSError:
-        pass  # the sandbox is gone: nothing left to thaw
 
 
 def _limits_of(snapshot: SnapshotInfo, asked: Limits | None) -> Limits:

@@ -12,7 +12,7 @@ import os
 import shutil
 import stat
 from contextlib import contextmanager
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from ..errors import FanfoldError, FileNotFoundInSandbox, InvalidPath, InvalidRequest, LimitExceeded
@@ -273,3 +273,23 @@ def remove(root_fd: int, path: str, recursive: bool = False) -> None:
             shutil.rmtree(name, dir_fd=pfd)
         else:
             os.rmdir(name, dir_fd=pfd)
+
+
+def tail(root_dir: Path, path: str, max_bytes: int = 4096, max_lines: int = 20) -> str:
+    """The last lines of a file under ``root_dir`` (a sandbox's root read through safefs: the sandbox owns its files),
+    or a note saying why there are none."""
+    root = os.open(root_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = open_reader(root, path)
+    except FanfoldError as err:
+        return f"({path} cannot be read: {err})"
+    finally:
+        os.close(root)
+    with os.fdopen(fd, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, size - max_bytes))
+        data = handle.read(max_bytes)
+    lines = data.decode("utf-8", "replace").splitlines()
+    if size > max_bytes and lines:
+        lines = lines[1:]  # the first is cut partway
+    return "\n".join(lines[-max_lines:])

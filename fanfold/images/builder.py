@@ -41,7 +41,7 @@ OnStep = Callable[[StepEvent], None]
 class Builder:
     """Turns specs into images in one LayerStore, running ``run`` steps with a Runtime."""
 
-    def __init__(self, store: LayerStore, runtime: Runtime, *, mirror: str, scratch_run: Path) -> None:
+    def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path) -> None:
         self.store = store
         self.runtime = runtime
         self.mirror = mirror
@@ -108,6 +108,12 @@ class Builder:
                 shutil.rmtree(scratch, ignore_errors=True)
 
     async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path) -> Path:
+        if self.runtime is None:
+            raise BuildFailed(
+                f"build step {step.describe()!r} needs a runtime to run it, and this engine's backend has none:"
+                " build the image with the oci backend (its layers are then shared through the state dir)",
+                step=step.describe(), exit_code=None, output_tail="",
+            )
         rootfs = scratch / "rootfs"
         mount_rootfs(self.store, layers, dirs, rootfs, scratch)
         build_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid tells reconcile whose it is

@@ -3,20 +3,44 @@
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequest
-from .base import Bind, ContainerSpec, Runtime
+from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
+from .container import Bind, ContainerSpec, Runtime
 
-_BACKENDS = {"crun": "fanfold.runtime.oci:OciRuntime", "runc": "fanfold.runtime.oci:OciRuntime"}
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from ..images import LayerStore
+
+_RUNTIMES = {"crun": "fanfold.runtime.oci:OciRuntime", "runc": "fanfold.runtime.oci:OciRuntime"}
+_BACKENDS = {"oci": "fanfold.runtime.oci_backend:OciBackend", "fake": "fanfold.runtime.fake:FakeBackend"}
+
+
+def _lookup(kind: str, names: dict[str, str], name: str) -> type:
+    target = names.get(name, name)
+    if ":" not in target:
+        raise InvalidRequest(f"unknown {kind} {name!r}: use {', '.join(names)} or a 'module:Class' path")
+    module, _, cls = target.partition(":")
+    try:
+        return getattr(import_module(module), cls)
+    except (ImportError, AttributeError) as err:
+        raise InvalidRequest(f"cannot load the {kind} {name!r}: {err}") from None
 
 
 def get_runtime(name: str, state_root: str) -> Runtime:
-    """The backend called ``name`` (``crun``, ``runc``, or a dotted ``module:Class`` path)."""
-    target = _BACKENDS.get(name, name)
-    if ":" not in target:
-        raise InvalidRequest(f"unknown runtime {name!r}: use crun, runc or a 'module:Class' path")
-    module, _, cls = target.partition(":")
-    return getattr(import_module(module), cls)(binary=name if name in _BACKENDS else None, state_root=state_root)
+    """The OCI runtime driver called ``name`` (``crun``, ``runc``, or a dotted ``module:Class`` path)."""
+    cls = _lookup("runtime", _RUNTIMES, name)
+    return cls(binary=name if name in _RUNTIMES else None, state_root=state_root)  # type: ignore[no-any-return]
 
 
-__all__ = ["Bind", "ContainerSpec", "Runtime", "get_runtime"]
+def get_backend(config: EngineConfig, store: LayerStore) -> Backend:
+    """The backend ``config.backend`` names (``oci``, ``fake``, or a dotted ``module:Class`` path)."""
+    cls = _lookup("backend", _BACKENDS, config.backend)
+    return cls(config, store)  # type: ignore[no-any-return]
+
+
+__all__ = [
+    "Backend", "Bind", "Capabilities", "ContainerSpec", "CounterReader", "Handle", "Runtime", "SandboxSpec",
+    "get_backend", "get_runtime",
+]

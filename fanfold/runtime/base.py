@@ -1,66 +1,180 @@
-"""The runtime contract: turn a root filesystem and a config into running processes.
+"""The backend contract: what the engine needs from an isolation backend. Read this first.
 
-A backend starts a sandbox's PID 1 (the agent) detached, with one host descriptor
-handed to it as fd 3, runs build steps in the foreground, and deletes sandboxes.
-Everything else (mounts, the agent protocol, files) is the engine's business.
+A backend brings a sandbox up from read-only layers and limits, with fanfold's agent as its
+PID 1 (``_agent/PROTOCOL.md``); freezes, thaws, checkpoints, restores and releases it; runs
+commands through the agent; and reports its counters. The engine keeps the rows, leases,
+gates, pools and policies, and calls nothing below this file: no mounts, cgroups, CRIU,
+network namespaces or /proc. A backend raises FanfoldErrors only, translated from the OS in
+one place: InfrastructureError (retryable), CheckpointFailed, HostNotReady.
+
+Implementations, looked up by name in ``fanfold.runtime.get_backend``:
+``oci`` (``oci_backend.OciBackend``: crun or runc, overlayfs, cgroups, CRIU, a network namespace)
+and ``fake`` (``fake.FakeBackend``: the real agent as a plain process over a directory, no root).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
-from ..host.spawn import Finished
+from .._agent.client import AgentClient, OnChunk, RawExec
 from ..models import Limits
 
-
-@dataclass(frozen=True)
-class Bind:
-    """A host path mounted into the sandbox."""
-
-    source: str
-    destination: str
-    readonly: bool = True
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from ..images import LayerStore
+    from .container import Runtime
 
 
 @dataclass(frozen=True, kw_only=True)
-class ContainerSpec:
-    """What a backend needs to start one sandbox or build step."""
+class SandboxSpec:
+    """All a backend needs to bring one sandbox up."""
 
     id: str
-    rootfs: Path
-    args: list[str]
-    env: list[str]
-    cwd: str = "/"
-    hostname: str = "sandbox"
-    limits: Limits | None = None
-    host_network: bool = False
-    """Build steps share the host's network; sandboxes get a namespace with only loopback."""
-    binds: list[Bind] = field(default_factory=list)
-    cgroup_path: str | None = None
-    oom_score_adj: int | None = None
-    """Set for PID 1 when the host allows; None keeps the runtime's own."""
+    layers: tuple[str, ...]
+    """Layer ids in the engine's LayerStore, bottom first (``store.layer_path`` finds each)."""
+    host_dirs: tuple[str, ...] = ()
+    """Host directories overlaid read-only under the layers (the ``host`` base's /usr, /lib...)."""
+    limits: Limits
+    env: tuple[str, ...] = ()
+    """PID 1's environment as KEY=VALUE; services inherit it."""
+    services: tuple[tuple[str, str, str], ...] = ()
+    """(name, command, ``oneshot``|``simple``): what the agent starts, oneshot ones first."""
+    restore: Path | None = None
+    """A checkpoint's memory dir (``checkpoint(memory=True)`` wrote it): restore its processes
+    onto the new disk instead of starting the agent afresh."""
 
 
-class Runtime(Protocol):
-    """An isolation backend (an OCI runtime today, a microVM later)."""
+@dataclass(frozen=True)
+class Handle:
+    """A live sandbox as its backend knows it; what the engine's row keeps of it."""
 
-    name: str
+    id: str
+    pid: int | None
+    """Host pid of PID 1 (or of the VMM): for liveness, logs and a later engine's release."""
 
-    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
-        """Start ``spec`` detached with ``pass_fd`` as its fd 3; return PID 1's host pid."""
-        ...
 
-    async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:
-        """Run ``spec`` to completion in the foreground and capture its output."""
-        ...
+@dataclass(frozen=True)
+class Capabilities:
+    """What the engine may ask of a backend; it refuses the rest with a clear error."""
 
-    async def delete(self, sandbox_id: str, *, stopped: bool = False) -> None:
-        """Kill every process of the sandbox and forget it; idempotent. ``stopped``: the caller
-        killed and reaped its PID 1 and removes its cgroups, so only the runtime's state is left."""
-        ...
+    memory: Literal["none", "cold", "live"]
+    """Memory checkpoints: refused / accepted, but a restore starts the processes afresh from the
+    disk / processes kept, as they were."""
+    exact_counters: bool
+    """OOM kills and pids-limit hits are observed (not always 0)."""
+    isolated: bool
+    """Commands see only the sandbox (own root, pid and network namespaces, limits enforced)."""
 
+
+class CounterReader(Protocol):
+    """One sandbox's counters, held open for one command (see ``Backend.counters``)."""
+
+    def reset_peak(self) -> None:
+        """Start a new peak-memory measurement."""
+
+    def read(self) -> dict[str, int]:
+        """``oom_kill``, ``pids_max`` (limit hits), ``memory_peak`` (bytes) and ``cpu_us`` so far."""
+
+    def close(self) -> None: ...
+
+
+class Backend(ABC):
+    """An isolation backend: one per engine, for every sandbox of its state dir."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    step_runtime: Runtime | None = None
+    """What runs the ``run`` steps of image builds, or None when this backend cannot."""
+
+    def __init__(self, config: EngineConfig, store: LayerStore) -> None:
+        self.config = config
+        self.store = store
+
+    # -- the host -------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def prepare(self) -> None:
+        """Check and ready the host once per engine start; HostNotReady says what is missing."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release host-wide state (parent cgroups); the engine calls it as it stops when no
+        sandbox of its state dir is left. Leave what another engine there may still use."""
+
+    @abstractmethod
     async def list_ids(self) -> set[str]:
-        """Ids of every sandbox this backend holds state for."""
-        ...
+        """Ids of every sandbox this backend holds anything for: reconcile releases those no row names."""
+
+    async def sweep(self) -> None:
+        """Collect what helpers left behind (exited runtime processes, a dead builder's step);
+        the reaper calls it once a second."""
+
+    # -- one sandbox ----------------------------------------------------------------------------
+
+    @abstractmethod
+    async def bring_up(self, spec: SandboxSpec) -> Handle:
+        """Start the agent on a fresh disk over ``spec.layers`` (or restore ``spec.restore``'s
+        processes onto it, renamed ``spec.id``). On failure the caller calls ``release``."""
+
+    @abstractmethod
+    async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
+        """Kill every process and free every resource of the sandbox. Idempotent, safe on a
+        half-made sandbox and on a dead engine's handle; raises InfrastructureError when
+        something is still held (the reaper calls it again)."""
+
+    @abstractmethod
+    def alive(self, handle: Handle) -> bool:
+        """Whether PID 1 still runs (a zombie counts as dead)."""
+
+    @abstractmethod
+    async def freeze(self, handle: Handle) -> None:
+        """Stop every process in place, memory resident, at a point a checkpoint can take."""
+
+    @abstractmethod
+    async def thaw(self, handle: Handle) -> None:
+        """Let a frozen sandbox run again; a no-op on a running one."""
+
+    @abstractmethod
+    async def checkpoint(
+        self, handle: Handle, dest: Path, host_dirs: tuple[str, ...], *, memory: bool, leave_running: bool,
+        frozen: bool = False,
+    ) -> float:
+        """Write the sandbox's writes at one frozen instant as a layer tree into ``dest/layer``
+        and, with ``memory``, its processes into ``dest/memory``; return how long it stood frozen
+        (ms). Without ``leave_running`` the processes end; ``frozen``: the sandbox was frozen
+        before and stays frozen. CheckpointFailed when it cannot."""
+
+    @abstractmethod
+    def counters(self, handle: Handle) -> CounterReader:
+        """The sandbox's counters, opened for one command (closed by the caller)."""
+
+    @abstractmethod
+    def usage(self, handle: Handle) -> tuple[float, int]:
+        """CPU seconds used so far and memory in use now (bytes)."""
+
+    @abstractmethod
+    def root(self, sandbox_id: str) -> Path:
+        """The sandbox's live root filesystem on the host, for file calls and service logs."""
+
+    @abstractmethod
+    def agent(self, handle: Handle) -> AgentClient:
+        """A client of the sandbox's agent."""
+
+    # -- given: the agent protocol --------------------------------------------------------------
+
+    async def exec(
+        self, handle: Handle, argv: list[str], *, env: list[str], cwd: str, timeout_ms: int, max_output: int,
+        stdin: bytes | None = None, on_chunk: OnChunk | None = None,
+    ) -> RawExec:
+        """Run one command as a child of PID 1, streaming its output; AgentUnreachable when the
+        connection fails or breaks."""
+        return await self.agent(handle).exec(
+            argv, env=env, cwd=cwd, timeout_ms=timeout_ms, max_output=max_output, stdin=stdin, on_chunk=on_chunk,
+        )
+
+    async def wait_ready(self, handle: Handle) -> str:
+        """``ok`` once every oneshot service finished, or ``fail NAME CODE``."""
+        return await self.agent(handle).wait_ready()

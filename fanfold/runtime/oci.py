@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import HostNotReady, InfrastructureError
 from ..host import setup
 from ..host.spawn import Finished, log_tail, run
-from .base import ContainerSpec
+from .container import ContainerSpec
 
 # The capabilities Docker grants by default: enough for package managers, not for mounts or modules.
 CAPABILITIES = [

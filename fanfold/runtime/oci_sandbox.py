@@ -1,4 +1,5 @@
-"""Making and releasing the host resources of one sandbox: its disk, root, socket and container."""
+"""The OCI backend's sandbox: its disk (a tmpfs), root (overlayfs over the layers), agent channel
+and container, made and released."""
 
 from __future__ import annotations
 
@@ -8,26 +9,21 @@ import fcntl
 import os
 import signal
 import shutil
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
 
 from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError
 from ..host import cgroups, mounts, safefs, setup
-from ..images import Image, LayerStore
+from ..host.offload import on_thread
+from ..images import LayerStore
 from ..images.rootfs import mount_rootfs
 from ..models import Limits
 from ..host.netns import new_netns
 from ..host.spawn import log_tail, run
-from ..runtime import Bind, ContainerSpec, Runtime
-from ..runtime.criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
-
-T = TypeVar("T")
-# Threads of their own: mounts and releases never queue behind file copies and other thread work.
-_HOST_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fanfold-host")
+from .base import SandboxSpec
+from .container import Bind, ContainerSpec, Runtime
+from .criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
 
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 AGENT_PATH = "/.fanfold/agent"
@@ -63,34 +59,22 @@ class Paths:
         return self.root / "bundle"
 
 
-@contextmanager
-def host_errors(what: str) -> Iterator[None]:
-    """An OSError from mounts, cgroups or the runtime's files leaves as the retryable
-    InfrastructureError, saying ``what`` failed, never as a raw traceback to a client."""
-    try:
-        yield
-    except OSError as err:
-        raise InfrastructureError(f"{what}: {err}") from None
-
-
 def paths(config: EngineConfig, sandbox_id: str) -> Paths:
     return Paths(config.state_dir / "sandboxes" / sandbox_id, config.run_dir / sandbox_id)
 
 
-async def provision(
-    config: EngineConfig, store: LayerStore, runtime: Runtime, agent: Path,
-    sandbox_id: str, image: Image, limits: Limits, env: list[str],
-) -> int:
+async def provision(config: EngineConfig, store: LayerStore, runtime: Runtime, agent: Path, spec: SandboxSpec) -> int:
     """Mount the sandbox's disk and root, and start its agent; return the agent's host pid.
 
     The caller owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
-    where = await on_thread(_mount_disk, config, store, sandbox_id, image.layers, image.host_dirs, limits)
+    sandbox_id, limits = spec.id, spec.limits
+    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, spec.host_dirs, limits)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
-    for name, cmd, mode in image.services:
+    for name, cmd, mode in spec.services:
         args += [f"--{mode}", name, cmd]
-    spec = ContainerSpec(
-        id=sandbox_id, rootfs=where.rootfs, args=args, env=env, cwd="/", hostname=sandbox_id,
+    container = ContainerSpec(
+        id=sandbox_id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=sandbox_id,
         limits=limits, binds=channel_binds(agent, where),
         cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
         oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
@@ -99,7 +83,7 @@ async def provision(
     # says so on this pipe; end of file first means it died.
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     try:
-        pid = await runtime.start(spec, where.bundle, ready_w)
+        pid = await runtime.start(container, where.bundle, ready_w)
         os.close(ready_w)
         ready_w = -1
         if await asyncio.wait_for(_read_once(ready_r), 30) != b"r":
@@ -112,15 +96,14 @@ async def provision(
             os.close(ready_w)
 
 
-async def restore(
-    config: EngineConfig, store: LayerStore, criu: Criu, agent: Path, sandbox_id: str,
-    layers: tuple[str, ...], host_dirs: tuple[str, ...], images: Path, limits: Limits,
-) -> int:
-    """Mount a new disk and root over ``layers`` and restore the memory ``images`` into them.
+async def restore(config: EngineConfig, store: LayerStore, criu: Criu, agent: Path, spec: SandboxSpec) -> int:
+    """Mount a new disk and root over the spec's layers and restore its memory images into them.
 
     Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
     """
-    where = await on_thread(_mount_disk, config, store, sandbox_id, layers, host_dirs, limits)
+    sandbox_id, host_dirs, images = spec.id, spec.host_dirs, spec.restore
+    assert images is not None
+    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits)
     where.bundle.mkdir()
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
     binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})
@@ -167,26 +150,6 @@ def name_host(rootfs: Path, sandbox_id: str) -> None:
         pass  # an /etc/hostname that is a directory or a device: the kernel's name still holds
     finally:
         os.close(root)
-
-
-def file_tail(rootfs: Path, path: str, max_bytes: int = 4096, max_lines: int = 20) -> str:
-    """The last lines of a file inside a sandbox (read through safefs: the sandbox owns its files),
-    or a note saying why there are none."""
-    root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fd = safefs.open_reader(root, path)
-    except FanfoldError as err:
-        return f"({path} cannot be read: {err})"
-    finally:
-        os.close(root)
-    with os.fdopen(fd, "rb") as handle:
-        size = handle.seek(0, os.SEEK_END)
-        handle.seek(max(0, size - max_bytes))
-        data = handle.read(max_bytes)
-    lines = data.decode("utf-8", "replace").splitlines()
-    if size > max_bytes and lines:
-        lines = lines[1:]  # the first is cut partway
-    return "\n".join(lines[-max_lines:])
 
 
 def set_immutable(directory: Path, on: bool) -> None:
@@ -251,28 +214,6 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     await runtime.delete(sandbox_id, stopped=bool(pid) and not _in_sandbox_cgroup(pid, cgroup))
     # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread, the loop serves execs meanwhile.
     await on_thread(_release_host, config, sandbox_id, where)
-
-
-async def on_thread(
-    fn: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = _HOST_THREADS,
-    discard: Callable[[T], object] | None = None,
-) -> T:
-    """``fn(*args)`` on a thread (of ``executor``; None: the loop's default), so slow syscalls
-    leave the loop free. A thread cannot be stopped: on cancellation this waits for it to end
-    before raising, so the caller's cleanup sees everything it made (a mount made after the
-    cleanup ran would leak), and ``discard`` releases what it returned, which no one else will."""
-    done = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-    try:
-        return await asyncio.shield(done)
-    except asyncio.CancelledError:
-        while not done.done():
-            try:
-                await asyncio.shield(done)
-            except asyncio.CancelledError:
-                pass
-        if discard is not None and done.exception() is None:
-            discard(done.result())
-        raise
 
 
 def _release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:

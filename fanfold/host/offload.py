@@ -1,0 +1,46 @@
+"""Slow host calls off the event loop, and their OSErrors turned into fanfold's errors."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+from ..errors import InfrastructureError
+
+T = TypeVar("T")
+# Threads of their own: mounts and releases never queue behind file copies and other thread work.
+_HOST_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fanfold-host")
+
+
+@contextmanager
+def host_errors(what: str) -> Iterator[None]:
+    """An OSError from mounts, cgroups or the runtime's files leaves as the retryable
+    InfrastructureError, saying ``what`` failed, never as a raw traceback to a client."""
+    try:
+        yield
+    except OSError as err:
+        raise InfrastructureError(f"{what}: {err}") from None
+
+
+async def on_thread(
+    fn: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = _HOST_THREADS,
+    discard: Callable[[T], object] | None = None,
+) -> T:
+    """``fn(*args)`` on a thread (of ``executor``; None: the loop's default), so slow syscalls
+    leave the loop free. A thread cannot be stopped: on cancellation this waits for it to end
+    before raising, so the caller's cleanup sees everything it made (a mount made after the
+    cleanup ran would leak), and ``discard`` releases what it returned, which no one else will."""
+    done = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                pass
+        if discard is not None and done.exception() is None:
+            discard(done.result())
+        raise

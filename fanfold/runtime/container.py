@@ -1,0 +1,66 @@
+"""The OCI runtime driver's contract: turn a root filesystem and a config into running processes.
+
+A driver (crun or runc, ``oci.py``) starts a sandbox's PID 1 (the agent) detached, with one host
+descriptor handed to it as fd 3, runs build steps in the foreground, and deletes containers.
+The OCI backend (``oci_backend.py``) and the image builder drive it; the engine never does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..host.spawn import Finished
+from ..models import Limits
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host path mounted into the sandbox."""
+
+    source: str
+    destination: str
+    readonly: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerSpec:
+    """What a backend needs to start one sandbox or build step."""
+
+    id: str
+    rootfs: Path
+    args: list[str]
+    env: list[str]
+    cwd: str = "/"
+    hostname: str = "sandbox"
+    limits: Limits | None = None
+    host_network: bool = False
+    """Build steps share the host's network; sandboxes get a namespace with only loopback."""
+    binds: list[Bind] = field(default_factory=list)
+    cgroup_path: str | None = None
+    oom_score_adj: int | None = None
+    """Set for PID 1 when the host allows; None keeps the runtime's own."""
+
+
+class Runtime(Protocol):
+    """An isolation backend (an OCI runtime today, a microVM later)."""
+
+    name: str
+
+    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
+        """Start ``spec`` detached with ``pass_fd`` as its fd 3; return PID 1's host pid."""
+        ...
+
+    async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:
+        """Run ``spec`` to completion in the foreground and capture its output."""
+        ...
+
+    async def delete(self, sandbox_id: str, *, stopped: bool = False) -> None:
+        """Kill every process of the sandbox and forget it; idempotent. ``stopped``: the caller
+        killed and reaped its PID 1 and removes its cgroups, so only the runtime's state is left."""
+        ...
+
+    async def list_ids(self) -> set[str]:
+        """Ids of every sandbox this backend holds state for."""
+        ...

@@ -1,0 +1,182 @@
+"""The OCI backend: each sandbox a container of crun (or runc) on an overlayfs root over a tmpfs
+disk, in its own cgroups and network namespace, checkpointed with CRIU. Needs root.
+
+``oci_sandbox`` makes and releases one sandbox's pieces; this file adds what the engine asks of
+a live one: freeze and thaw (the cgroup freezer), checkpoints (the disk's upper layer, CRIU for
+memory) and counters (the cgroups' files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from .._agent.build import agent_binary
+from .._agent.client import AgentClient
+from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
+from ..host import cgroups, procs, setup
+from ..host.offload import host_errors
+from ..images.rootfs import copy_upper
+from . import get_runtime, oci_sandbox
+from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
+from .criu import Criu
+
+FREEZE_TIMEOUT_S = 10.0
+THOROUGH_EVERY = 15
+"""Sweeps (the reaper makes one a second) between looks for a dead builder's step containers."""
+
+
+class OciBackend(Backend):
+    """Sandboxes as OCI containers; memory checkpoints with CRIU."""
+
+    name = "oci"
+    capabilities = Capabilities(memory="live", exact_counters=True, isolated=True)
+
+    async def prepare(self) -> None:
+        if not setup.is_root():
+            raise HostNotReady("the oci backend needs root (mounts, cgroups): run fanfold as root,"
+                               " or use the fake backend (FANFOLD_BACKEND=fake) for tests of engine logic")
+        setup.fix_hybrid_cgroups()
+        setup.become_subreaper()
+        cfg = self.config
+        (cfg.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
+        self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
+        self.criu = Criu(cfg.criu)
+        self._sweeps = 0
+
+    async def close(self) -> None:
+        # Only empty groups go (rmdir), and the runtime recreates the parent on the next create,
+        # so another engine on the same state dir is unaffected. The run dir stays: removing it
+        # would race another engine binding a socket there.
+        cgroups.remove_parent(self.config.cgroup_parent)
+
+    async def list_ids(self) -> set[str]:
+        cfg = self.config
+        ids = {i for i in await self.runtime.list_ids() if i.startswith("sb-")}
+        ids |= {p.name for p in (cfg.state_dir / "sandboxes").iterdir()}
+        ids |= cgroups.leftover_ids(cfg.cgroup_parent)
+        ids |= {p.name.removesuffix(".sock") for p in cfg.run_dir.glob("sb-*")}  # .sock: before 0.4
+        return ids
+
+    async def sweep(self) -> None:
+        setup.reap_orphans()
+        self._sweeps += 1
+        if self._sweeps % THOROUGH_EVERY:
+            return
+        for container in await self.runtime.list_ids():
+            owner = container.split("-")[1] if container.startswith("build-") else ""
+            if owner and not (owner.isdigit() and os.path.exists(f"/proc/{owner}")):
+                await self.runtime.delete(container)  # a build step whose builder died
+
+    # -- one sandbox ----------------------------------------------------------------------------
+
+    async def bring_up(self, spec: SandboxSpec) -> Handle:
+        if spec.restore is not None:
+            pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec)
+        else:
+            pid = await oci_sandbox.provision(self.config, self.store, self.runtime, self.agent_path, spec)
+        return Handle(spec.id, pid)
+
+    async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
+        with host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):
+            await oci_sandbox.release(self.config, self.runtime, sandbox_id, handle.pid if handle else None)
+
+    def alive(self, handle: Handle) -> bool:
+        return procs.running(handle.pid)
+
+    async def freeze(self, handle: Handle) -> None:
+        """Freeze at a point CRIU can dump: no process stuck in uninterruptible sleep.
+
+        A vfork parent waits in that state until its child execs; if the child froze first,
+        the parent can never be seized. Thawing for a moment lets the exec happen.
+        """
+        parent, sandbox_id = self.config.cgroup_parent, handle.id
+        deadline = time.monotonic() + FREEZE_TIMEOUT_S
+        with host_errors(f"freezing sandbox {sandbox_id} failed"):
+            while True:
+                poll = Path(cgroups.freeze_start(parent, sandbox_id))
+                while not cgroups.is_frozen_text(poll.read_text()):
+                    if time.monotonic() > deadline:
+                        self._thaw_quietly(sandbox_id)
+                        raise InfrastructureError(f"sandbox {sandbox_id} did not freeze within {FREEZE_TIMEOUT_S:.0f} s")
+                    await asyncio.sleep(0.0005)
+                if not cgroups.blocked_tasks(parent, sandbox_id):
+                    return
+                self._thaw_quietly(sandbox_id)
+                if time.monotonic() > deadline:
+                    raise CheckpointFailed(f"sandbox {sandbox_id} keeps processes in uninterruptible sleep; try again")
+                await asyncio.sleep(0.002)
+
+    async def thaw(self, handle: Handle) -> None:
+        with host_errors(f"thawing sandbox {handle.id} failed"):
+            cgroups.thaw(self.config.cgroup_parent, handle.id)
+
+    def _thaw_quietly(self, sandbox_id: str) -> None:
+        try:
+            cgroups.thaw(self.config.cgroup_parent, sandbox_id)
+        except OSError:
+            pass  # the sandbox is gone: nothing left to thaw
+
+    async def checkpoint(
+        self, handle: Handle, dest: Path, host_dirs: tuple[str, ...], *, memory: bool, leave_running: bool,
+        frozen: bool = False,
+    ) -> float:
+        where = oci_sandbox.paths(self.config, handle.id)
+        await _agent_settled(handle.pid)
+        frozen_at = time.perf_counter()
+        try:
+            if not frozen:
+                await self.freeze(handle)
+            try:
+                await asyncio.to_thread(copy_upper, where.disk, host_dirs, dest / "layer")
+                if memory:
+                    (dest / "memory").mkdir()
+                    await self.criu.dump(
+                        handle.pid or 0, dest / "memory", root=where.rootfs,
+                        mounts=oci_sandbox.criu_mounts(host_dirs),
+                        freezer=cgroups.freezer_dir(self.config.cgroup_parent, handle.id), leave_running=leave_running,
+                    )
+            finally:
+                if not frozen:
+                    self._thaw_quietly(handle.id)
+        except OSError as err:
+            raise CheckpointFailed(f"snapshot of {handle.id} failed: {err}") from None
+        return (time.perf_counter() - frozen_at) * 1000
+
+    def counters(self, handle: Handle) -> CounterReader:
+        return cgroups.CounterFiles(self.config.cgroup_parent, handle.id)
+
+    def usage(self, handle: Handle) -> tuple[float, int]:
+        return cgroups.usage(self.config.cgroup_parent, handle.id) if handle.pid else (0.0, 0)
+
+    def root(self, sandbox_id: str) -> Path:
+        return oci_sandbox.paths(self.config, sandbox_id).rootfs
+
+    def agent(self, handle: Handle) -> AgentClient:
+        return AgentClient(str(oci_sandbox.paths(self.config, handle.id).socket))
+
+
+async def _agent_settled(pid: int | None, timeout: float = 5.0) -> None:
+    """Wait until the agent holds no host connection but its listener.
+
+    The agent closes a connection just after sending its last frame, so the host can be
+    done with a call a moment before the agent is; CRIU cannot carry a connection whose
+    peer is gone. With the engine's gate held no new call comes, so this only waits out that moment.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            return  # gone: the dump reports it
+        if sum(link.startswith("socket:") for link in links) <= 1:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointFailed("the sandbox's agent still holds a connection (a process in the sandbox"
+                                   " connected to it?); try again")
+        await asyncio.sleep(0.001)
+
