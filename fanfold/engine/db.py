@@ -194,6 +194,10 @@ def row_handle(row: sqlite3.Row) -> Handle:
     return Handle(row["id"], row["pid"])
 
 
+def row_layers(row: sqlite3.Row) -> tuple[str, ...]:
+    return tuple(json.loads(row["layers"]))
+
+
 def row_info(row: sqlite3.Row) -> SandboxInfo:
     return SandboxInfo(
         id=row["id"], state=row["state"], image_id=row["image_id"], limits=Limits(**json.loads(row["limits"])),

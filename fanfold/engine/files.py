@@ -9,39 +9,32 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any, AsyncContextManager, AsyncIterable, Callable
+from typing import Any, AsyncIterable, Callable
 
-from ..config import EngineConfig
 from ..errors import InvalidRequest, SandboxGone
 from ..host import safefs
-from ..images import LayerStore
 from ..models import FileEntry
 from .checks import check_mode, file_bytes
+from .lifecycle import Lifecycle
 
 STREAM_CHUNK = 1 << 20
 
 
-class SandboxFiles:
-    """Mixed into Engine, whose ``_using`` holds a sandbox running for the length of a call."""
+class Files:
+    """File calls, each holding its sandbox running (``Lifecycle.using``) for its length."""
 
-    config: EngineConfig
-    store: LayerStore
-
-    def _using(self, sandbox_id: str) -> AsyncContextManager[Any]:
-        raise NotImplementedError
-
-    def _known(self, sandbox_id: str) -> Any:
-        raise NotImplementedError
+    def __init__(self, life: Lifecycle) -> None:
+        self.life = life
 
     async def _files(self, sandbox_id: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
-        async with self._using(sandbox_id) as row:
+        async with self.life.using(sandbox_id) as row:
             return await self._in_root(row, path, fn, *args)
 
     async def _in_root(self, row: Any, path: str, fn: Callable[..., Any], *args: Any) -> Any:
         sandbox_id = row["id"]
-        img = self.store.load_image(row["image_id"])
+        img = self.life.sources.store.load_image(row["image_id"])
         target = safefs.normalize(path, img.workdir)
-        root = self.backend.root(sandbox_id)
+        root = self.life.backend.root(sandbox_id)
 
         def run() -> Any:
             try:
@@ -75,7 +68,7 @@ class SandboxFiles:
 
     async def write_stream(self, sandbox_id: str, path: str, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
         """Stream ``chunks`` into a file that appears whole, or not at all; returns its size."""
-        async with self._using(sandbox_id) as row:
+        async with self.life.using(sandbox_id) as row:
             with await self._in_root(row, path, safefs.PendingFile, check_mode(mode)) as pending:
                 batch = bytearray()
                 async for chunk in chunks:
@@ -84,7 +77,7 @@ class SandboxFiles:
                         await asyncio.to_thread(pending.write, bytes(batch))
                         batch.clear()
                 await asyncio.to_thread(pending.write, bytes(batch))
-        self._known(sandbox_id)  # killed midway: the file went down with the sandbox
+        self.life.known(sandbox_id)  # killed midway: the file went down with the sandbox
         return pending.size
 
     async def list_files(self, sandbox_id: str, path: str = ".") -> list[FileEntry]:

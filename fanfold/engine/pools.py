@@ -14,14 +14,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..config import EngineConfig
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError
-from ..host import procs
 from ..models import Limits, PoolInfo
-
-if TYPE_CHECKING:
-    from .core import Engine
+from .admission import Admission
+from .telemetry import Telemetry
 
 log = logging.getLogger("fanfold.pools")
 FILL_BACKOFF_S = 5.0
@@ -46,19 +45,35 @@ class _Pool:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+class PoolHooks(Protocol):
+    """What pools need of the engine's sandboxes (its Lifecycle)."""
+
+    closing: bool
+
+    def warm(self, sandbox_id: str) -> bool | None:
+        """Whether a pooled sandbox is still warm; None when it is gone."""
+
+    async def bring_up_pooled(self, source: str, limits: Limits) -> str:
+        """A new warm sandbox of ``source``; its id."""
+
+    async def destroy(self, sandbox_id: str) -> None: ...
+
+
 class Pools:
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    """Every warm pool of one engine."""
+
+    def __init__(self, config: EngineConfig, admission: Admission, telemetry: Telemetry, hooks: PoolHooks) -> None:
+        self._config, self._admission, self._telemetry, self._hooks = config, admission, telemetry, hooks
         self._pools: dict[PoolKey, _Pool] = {}
         self._fills: set[asyncio.Task[None]] = set()
 
     def target(self, pool: _Pool) -> int:
         if pool.size is not None:
             return pool.size
-        cutoff = time.monotonic() - self._engine.config.pool_window_s
+        cutoff = time.monotonic() - self._config.pool_window_s
         while pool.demand and pool.demand[0] < cutoff:
             pool.demand.popleft()
-        return min(self._engine.config.pool_auto_max, len(pool.demand))
+        return min(self._config.pool_auto_max, len(pool.demand))
 
     def configure(self, source: str, limits: Limits, size: int | None) -> _Pool:
         """Set a pool's size (None: follow demand; 0: remove it) and start filling or shrinking it."""
@@ -78,13 +93,13 @@ class Pools:
         pool.demand.append(time.monotonic())
         while pool.ready:
             sandbox_id = pool.ready.popleft()
-            row = self._engine.db.get(sandbox_id)
-            if row is not None and row["state"] == "pooled" and procs.running(row["pid"]):  # a zombie PID 1 is dead
+            warm = self._hooks.warm(sandbox_id)
+            if warm:
                 pool.handouts += 1
                 self.maintain()
                 return sandbox_id
-            if row is not None:
-                asyncio.ensure_future(self._engine._destroy(sandbox_id))  # died while warm
+            if warm is not None:
+                asyncio.ensure_future(self._hooks.destroy(sandbox_id))  # died while warm
         pool.misses += 1
         self.maintain()
         return None
@@ -103,19 +118,18 @@ class Pools:
 
     def maintain(self) -> None:
         """Start fills up to each pool's target and destroy what is over it."""
-        engine = self._engine
-        if engine._closing:
+        if self._hooks.closing:
             return
         for key, pool in list(self._pools.items()):
             target = self.target(pool)
             while len(pool.ready) > target:
-                asyncio.ensure_future(engine._destroy(pool.ready.pop()))
+                asyncio.ensure_future(self._hooks.destroy(pool.ready.pop()))
             if pool.size == 0 and not pool.ready and not pool.filling:
                 del self._pools[key]
                 continue
             if time.monotonic() - pool.failed_at < FILL_BACKOFF_S:
                 continue
-            room = max(1, engine.config.max_creating // 2) - pool.filling
+            room = max(1, self._config.max_creating // 2) - pool.filling
             for _ in range(min(room, target - len(pool.ready) - pool.filling)):
                 pool.filling += 1
                 task = asyncio.ensure_future(self._fill(pool))
@@ -124,15 +138,15 @@ class Pools:
 
     async def _fill(self, pool: _Pool) -> None:
         try:
-            while self._engine.admission.waiting:  # callers' creates go first
+            while self._admission.waiting:  # callers' creates go first
                 await asyncio.sleep(0.05)
-            sandbox_id = await self._engine._bring_up_pooled(pool.source, pool.limits)
+            sandbox_id = await self._hooks.bring_up_pooled(pool.source, pool.limits)
             pool.ready.append(sandbox_id)
             pool.last_error = None
         except (FanfoldError, OSError) as err:
             pool.failed_at, pool.last_error = time.monotonic(), str(err)
             if not isinstance(err, CapacityExceeded):
-                self._engine.telemetry.infra_errors.labels(op="pool").inc()
+                self._telemetry.infra_errors.labels(op="pool").inc()
             if not isinstance(err, (CapacityExceeded, InfrastructureError)):
                 log.warning("fanfold: filling the pool of %s failed: %s", pool.source, err)
         finally:

@@ -1,0 +1,85 @@
+"""Commands in sandboxes: typed results with the resources each used."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import Any
+
+from .._agent.client import AgentUnreachable
+from ..errors import InfrastructureError, SandboxGone
+from ..host import safefs
+from ..models import ExecResult
+from . import db as dbmod
+from .api import OnOutput
+from .checks import check_strings
+from .execution import build_result, check_exec_args
+from .lifecycle import Lifecycle
+from .sources import base_env
+
+
+class Execs:
+    """Runs commands through the backend's agent, each holding its sandbox running."""
+
+    def __init__(self, life: Lifecycle) -> None:
+        self.life = life
+        self._in_exec: dict[str, int] = {}
+        """Execs in flight per sandbox: a command alone in its sandbox gets its own peak memory."""
+
+    async def exec(
+        self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
+        stdin: bytes | str | None = None, timeout: float | None = None, max_output: int | None = None,
+        on_output: OnOutput | None = None,
+    ) -> ExecResult:
+        life = self.life
+        argv, stdin_bytes, limit = check_exec_args(cmd, stdin, timeout, max_output, life.config.max_output_bytes)
+        started = time.perf_counter()
+        try:
+            async with life.using(sandbox_id) as row:
+                result = await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output)
+        except InfrastructureError:
+            life.telemetry.exec_failed_infra()
+            raise
+        life.telemetry.executed(time.perf_counter() - started, result.outcome.value)
+        return result
+
+    async def _exec(self, row: Any, argv: list[str], cwd: str | None, env: dict[str, str] | None,
+                    stdin_bytes: bytes | None, timeout: float | None, limit: int,
+                    on_output: OnOutput | None) -> ExecResult:
+        life, sandbox_id = self.life, row["id"]
+        img = life.sources.store.load_image(row["image_id"])
+        workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
+        merged = {**json.loads(row["env"]), **check_strings(env, "env")}
+        alone = not self._in_exec.get(sandbox_id)
+        self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1
+        handle = dbmod.row_handle(row)
+        counters = life.backend.counters(handle)
+        if alone:  # the peak then measures this command alone
+            counters.reset_peak()
+        before = counters.read()
+        try:
+            raw = await asyncio.wait_for(
+                life.backend.exec(
+                    handle, argv, env=base_env(img, sandbox_id, merged), cwd=workdir,
+                    timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)),
+                    max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
+                ),
+                None if timeout is None else timeout + 30,
+            )
+        except (AgentUnreachable, asyncio.TimeoutError) as err:
+            if sandbox_id in life.destroying:
+                await asyncio.shield(life.destroying[sandbox_id])
+            now_row = life.db.get(sandbox_id)
+            if now_row is None or now_row["state"] != "running":
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
+            await life.gone_if_dead(sandbox_id, now_row["pid"], within=0.25)
+            raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
+        finally:
+            left = self._in_exec.pop(sandbox_id, 1) - 1
+            if left:
+                self._in_exec[sandbox_id] = left
+            after = counters.read()
+            counters.close()
+        return build_result(raw, argv, before, after, workdir)

@@ -1,0 +1,62 @@
+"""The operator's figures: the host at a glance (``stats``) and the gauges Prometheus scrapes."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client.core import GaugeMetricFamily
+
+from . import admission
+from . import db as dbmod
+from .lifecycle import Lifecycle
+from .pools import Pools
+
+
+class Figures:
+    """Counts read from the rows, pools, admission and the backend's counters."""
+
+    def __init__(self, life: Lifecycle, pools: Pools) -> None:
+        self.life, self.pools = life, pools
+
+    async def stats(self, *, tenant: str | None = None, sandboxes: bool = True) -> dict[str, Any]:
+        """The host at a glance: sandboxes by state (with their CPU and memory), queue, pools,
+        create and exec latency percentiles, error and timeout rates, and alerts."""
+        by_state = self.life.db.count_by_state()
+        rows = [r for r in self.life.db.rows() if r["state"] != "pooled" and (tenant is None or r["tenant"] == tenant)]
+        listed = []
+        if sandboxes:
+            for row in rows:
+                cpu_s, memory = self.life.backend.usage(dbmod.row_handle(row))
+                labels = dbmod.row_info(row).labels
+                listed.append({
+                    "id": row["id"], "state": row["state"], "cpu_s": round(cpu_s, 3), "memory_bytes": memory,
+                    "age_s": round(dbmod.now() - row["created_at"], 1), "rollout_id": labels.get("rollout_id"),
+                    "source": row["source"],
+                })
+        tasks, most_tasks = admission.kernel_tasks()
+        return {
+            "sandboxes_by_state": by_state,
+            "queue": {"waiting": self.life.admission.waiting, "creating": self.life.admission.creating,
+                      "max_creating": self.life.config.max_creating},
+            "pools": [pool.to_dict() for pool in self.pools.infos()],
+            "host": {"memory_available_mb": admission.memory_available_mb(), "kernel_tasks": tasks,
+                     "kernel_tasks_max": most_tasks, "shortage": self.life.admission.shortage(),
+                     "leases": self.life.db.count_leases()},
+            **self.life.telemetry.summary(),
+            "sandboxes": listed,
+        }
+
+    def gauges(self) -> Iterable[GaugeMetricFamily]:
+        states = GaugeMetricFamily("fanfold_sandboxes", "Sandboxes on this host by state.", labels=["state"])
+        counts = self.life.db.count_by_state()
+        for state in ("creating", "running", "paused", "suspended", "destroying", "pooled"):
+            states.add_metric([state], counts.get(state, 0))
+        yield states
+        yield GaugeMetricFamily("fanfold_queue_depth", "Creates waiting for a slot.", value=self.life.admission.waiting)
+        yield GaugeMetricFamily("fanfold_creating", "Creates holding a slot.", value=self.life.admission.creating)
+        ready = GaugeMetricFamily("fanfold_pool_ready", "Warm sandboxes ready per pool.", labels=["source"])
+        for pool in self.pools.infos():
+            ready.add_metric([pool.source], pool.ready)
+        yield ready
+        yield GaugeMetricFamily("fanfold_memory_available_bytes", "Host memory available (MemAvailable).",
+                                value=admission.memory_available_mb() << 20)

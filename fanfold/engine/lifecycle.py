@@ -1,0 +1,315 @@
+"""One sandbox's life on this host: its row, its gate, bring-up, deadline, wake and release.
+
+Every sandbox has one row in SQLite, written before any resource exists and removed after
+the last is released, so an engine started after a crash can find and reap whatever a dead
+owner left behind. The other parts (checkpoints, leases, execs, files, the reaper, pools)
+act on sandboxes through this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import secrets
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from .._agent.client import AgentUnreachable
+from ..config import EngineConfig
+from ..errors import InfrastructureError, SandboxGone, SandboxNotFound, ServiceFailed
+from ..host import procs, safefs
+from ..host.offload import host_errors
+from ..images import Image
+from ..models import Limits, SandboxInfo
+from ..runtime import Backend, Handle, SandboxSpec
+from . import db as dbmod
+from .admission import Admission
+from .gate import Gate
+from .snapshots import PREFIX as SNAPSHOT_PREFIX
+from .snapshots import SnapshotStore
+from .sources import Sources, base_env
+from .telemetry import Telemetry
+
+
+def owner_token() -> str:
+    """This process, named so that a recycled pid is not mistaken for it."""
+    return f"{os.getpid()}:{procs.stat_fields('self')[19]}:{secrets.token_hex(4)}"
+
+
+def process_alive(owner: str) -> bool:
+    """Whether the engine process an owner token names still runs."""
+    pid, start = (owner.split(":") + [""])[:2]
+    fields = procs.stat_fields(pid) if pid.isdigit() else []
+    return len(fields) > 19 and fields[19] == start
+
+
+async def _init_survives(backend: Backend, handle: Handle, within: float = 0.25) -> bool:
+    """Whether PID 1 is alive a moment after its connection broke: a killed process drops
+    its sockets while it exits, a little before it shows as dead."""
+    give_up = time.monotonic() + within
+    while backend.alive(handle):
+        if time.monotonic() > give_up:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+class Lifecycle:
+    """Brings sandboxes up and releases them, and holds each one for the calls on it."""
+
+    def __init__(
+        self, config: EngineConfig, db: dbmod.Database, backend: Backend, sources: Sources, snaps: SnapshotStore,
+        admission: Admission, telemetry: Telemetry, owner: str,
+    ) -> None:
+        self.config, self.db, self.backend, self.sources, self.snaps = config, db, backend, sources, snaps
+        self.admission, self.telemetry, self.owner = admission, telemetry, owner
+        self.closing = False
+        self.forget: Callable[[str], None] = lambda sandbox_id: None
+        """Told of every sandbox destroyed (the pools drop it from their ready lists)."""
+        self.destroying: dict[str, asyncio.Future[None]] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._gates: dict[str, Gate] = {}
+
+    # -- rows and gates -------------------------------------------------------------------------
+
+    def visible(self, sandbox_id: str) -> Any:
+        """A sandbox's row, or None when there is none or it is warm in a pool (nobody's yet)."""
+        row = self.db.get(sandbox_id) if isinstance(sandbox_id, str) else None
+        return None if row is None or row["state"] == "pooled" else row
+
+    def info(self, sandbox_id: str) -> SandboxInfo:
+        """A sandbox as callers see it; SandboxNotFound when there is none (or it is warm in a pool)."""
+        row = self.visible(sandbox_id)
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        return dbmod.row_info(row)
+
+    def known(self, sandbox_id: str) -> Any:
+        """The row of a live sandbox (running, paused or suspended)."""
+        if not isinstance(sandbox_id, str) or not sandbox_id:
+            raise SandboxNotFound(f"bad sandbox id {sandbox_id!r}")
+        row = self.visible(sandbox_id)
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
+        if row["state"] not in ("running", "paused", "suspended"):
+            raise SandboxGone(f"sandbox {sandbox_id} is {row['state']}")
+        return row
+
+    def gate(self, sandbox_id: str) -> Gate:
+        gate = self._gates.get(sandbox_id)
+        if gate is None:
+            gate = self._gates[sandbox_id] = Gate()
+        return gate
+
+    @asynccontextmanager
+    async def changing(self, sandbox_id: str, *, wake: bool = True) -> AsyncIterator[Any]:
+        """Hold the sandbox alone (no call in flight); with ``wake``, paused or suspended is woken first."""
+        self.known(sandbox_id)
+        async with self.gate(sandbox_id).change():
+            row = self.known(sandbox_id)
+            if wake and row["state"] != "running":
+                await self.wake_locked(row)
+                row = self.known(sandbox_id)
+            self.db.touch(sandbox_id)
+            yield row
+
+    @asynccontextmanager
+    async def using(self, sandbox_id: str) -> AsyncIterator[Any]:
+        """Hold the sandbox for a call, waking it first if paused or suspended.
+
+        Activity is stamped as the call starts and as it ends, so a long command does not
+        leave the sandbox looking idle the moment it finishes.
+        """
+        gate = self.gate(sandbox_id)
+        for _ in range(3):
+            async with gate.call():
+                row = self.known(sandbox_id)
+                if row["state"] == "running":
+                    self.db.touch(sandbox_id)
+                    try:
+                        yield row
+                    finally:
+                        self.db.touch(sandbox_id)
+                    return
+            async with self.changing(sandbox_id):
+                pass  # woken; take the call again
+        raise SandboxGone(f"sandbox {sandbox_id} keeps being paused or suspended by other calls; try again")
+
+    async def gone_if_dead(self, sandbox_id: str, pid: int | None, *, within: float = 0.0) -> None:
+        """Destroy the sandbox and raise SandboxGone if its PID 1 is dead (``within`` seconds
+        to show it, after a broken connection): no retry can bring it back."""
+        if await _init_survives(self.backend, Handle(sandbox_id, pid), within):
+            return
+        self.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
+        await asyncio.shield(self.destroy(sandbox_id))
+        raise SandboxGone(f"sandbox {sandbox_id}'s init process died (killed from outside or crashed);"
+                          " the sandbox was destroyed")
+
+    # -- bring-up -------------------------------------------------------------------------------
+
+    async def bring_up(self, info: SandboxInfo, deadline: float | None, owner: str, env: dict[str, str], tenant: str,
+                       *, state: str = "running") -> SandboxInfo:
+        """Insert the row, then start the sandbox; on any failure release all it got."""
+        sandbox_id = "sb-" + secrets.token_hex(6)
+        now = dbmod.now()
+        info = dataclasses.replace(
+            info, id=sandbox_id, state="creating", created_at=now, deadline_at=now + deadline if deadline else None,
+        )
+        # claimed_by names the engine bringing it up: if that engine dies, any engine reaps the row.
+        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.owner)
+        try:
+            with host_errors("creating sandbox failed"):
+                pid, layers = await self.start(sandbox_id, info.source, info.limits)
+        except BaseException as err:
+            raced = sandbox_id in self.destroying or self.db.get(sandbox_id) is None
+            await asyncio.shield(self.destroy(sandbox_id))
+            if raced and not isinstance(err, asyncio.CancelledError):  # its deadline passed, or a kill came first
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created") from None
+            raise
+        row = self.db.get(sandbox_id)
+        if row is None or row["state"] != "creating":  # killed or reaped while it was starting
+            await asyncio.shield(self.destroy(sandbox_id))
+            raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created")
+        self.db.update(sandbox_id, state=state, pid=pid, layers=layers, claimed_by=None)
+        if deadline:
+            self.arm_deadline(sandbox_id, deadline)
+        return dataclasses.replace(info, state=state)
+
+    def hand_out(self, sandbox_id: str, info: SandboxInfo, deadline: float | None, owner: str,
+                 env: dict[str, str], tenant: str) -> SandboxInfo:
+        """Give a warm sandbox the caller's owner, tenant, labels, env and deadline."""
+        now = dbmod.now()
+        info = dataclasses.replace(info, id=sandbox_id, created_at=now, deadline_at=now + deadline if deadline else None)
+        self.db.update(
+            sandbox_id, state="running", owner=owner, tenant=tenant, labels=json.dumps(info.labels), env=json.dumps(env),
+            created_at=now, active_at=now, deadline_at=info.deadline_at, detached=int(info.detached),
+            persistence=info.persistence, priority=info.priority, idle_timeout=info.idle_timeout,
+        )
+        if deadline:
+            self.arm_deadline(sandbox_id, deadline)
+        return info
+
+    async def bring_up_pooled(self, source: str, limits: Limits) -> str:
+        """A sandbox for a warm pool: up, owned by this engine, unreachable until handed out."""
+        img_id = self.snaps.row(source)["image_id"] if source.startswith(SNAPSHOT_PREFIX) else source
+        info = SandboxInfo(id="", state="pooled", image_id=img_id, limits=limits, source=source)
+        async with self.admission.slot(self.config.queue_timeout_s, None):
+            made = await self.bring_up(info, None, self.owner, {}, "", state="pooled")
+        return made.id
+
+    def warm(self, sandbox_id: str) -> bool | None:
+        """Whether a pooled sandbox is still warm (its PID 1 alive); None when its row is gone."""
+        row = self.db.get(sandbox_id)
+        if row is None:
+            return None
+        return row["state"] == "pooled" and self.backend.alive(dbmod.row_handle(row))
+
+    def arm_deadline(self, sandbox_id: str, deadline: float) -> None:
+        """Destroy the sandbox ``deadline`` seconds from now (instead of at any earlier deadline)."""
+        if (timer := self._timers.pop(sandbox_id, None)) is not None:
+            timer.cancel()
+
+        def expire() -> None:
+            self.telemetry.sandboxes_reaped.labels(reason="deadline").inc()
+            asyncio.ensure_future(self.destroy(sandbox_id))
+
+        self._timers[sandbox_id] = asyncio.get_running_loop().call_later(deadline, expire)
+
+    async def start(self, sandbox_id: str, source: str, limits: Limits) -> tuple[int | None, tuple[str, ...]]:
+        """Bring up a sandbox's disk and processes from its source; return PID 1 and its layers."""
+        img, restore = self.sources.start_point(source)
+        return await self.bring_up_from(sandbox_id, img, limits, restore), img.layers
+
+    async def bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None) -> int | None:
+        """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given)."""
+        spec = SandboxSpec(
+            id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
+            env=tuple(base_env(img, sandbox_id, {})), services=img.services, restore=restore,
+        )
+        handle = await self.backend.bring_up(spec)
+        if img.services and (restore is None or self.backend.capabilities.memory != "live"):
+            await self._wait_services(handle, img)
+        return handle.pid
+
+    async def _wait_services(self, handle: Handle, img: Image) -> None:
+        sandbox_id = handle.id
+        try:
+            answer = await self.backend.wait_ready(handle)
+        except AgentUnreachable as err:
+            raise InfrastructureError(f"sandbox {sandbox_id}'s agent died while starting services: {err}") from None
+        if answer != "ok":
+            # The sandbox is destroyed on the way out, its log with it: the tail goes in the error.
+            _, name, code = answer.split()
+            root = self.backend.root(sandbox_id)
+            tail = await asyncio.to_thread(safefs.tail, root, f"/var/log/fanfold/{name}.log")
+            raise ServiceFailed(
+                f"service {name!r} of image {img.id} exited with code {code} as the sandbox started;"
+                f" the end of its log:\n{tail}",
+                service=name, exit_code=int(code), log_tail=tail,
+            )
+
+    async def wake_locked(self, row: Any) -> None:
+        """Thaw a paused sandbox, or restore a suspended one where it stopped (its gate held)."""
+        sandbox_id = row["id"]
+        if row["state"] == "paused":
+            try:
+                await self.backend.thaw(dbmod.row_handle(row))
+            except InfrastructureError:  # killed from outside?
+                await self.gone_if_dead(sandbox_id, row["pid"])
+                raise
+            self.db.update(sandbox_id, state="running")
+        elif row["state"] == "suspended":
+            snapshot_id = row["suspended_to"]
+            img = dataclasses.replace(self.sources.store.load_image(row["image_id"]), layers=dbmod.row_layers(row))
+            with host_errors(f"resuming sandbox {sandbox_id} failed"):
+                try:
+                    pid = await self.bring_up_from(
+                        sandbox_id, img, dbmod.row_info(row).limits, self.snaps.memory_dir(snapshot_id))
+                except BaseException:
+                    await asyncio.shield(self.backend.release(sandbox_id))
+                    raise
+            self.db.update(sandbox_id, state="running", pid=pid, suspended_to=None)
+            self.snaps.drop_memory(snapshot_id)
+
+    # -- release --------------------------------------------------------------------------------
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Destroy once: concurrent callers (kill, deadline, reaper) share one release."""
+        task = self.destroying.get(sandbox_id)
+        if task is None:
+            task = asyncio.ensure_future(self._release(sandbox_id))
+            self.destroying[sandbox_id] = task
+            task.add_done_callback(lambda _: self.destroying.pop(sandbox_id, None))
+        await asyncio.shield(task)
+
+    async def _release(self, sandbox_id: str) -> None:
+        timer = self._timers.pop(sandbox_id, None)
+        if timer is not None:
+            timer.cancel()
+        self.forget(sandbox_id)
+        row = self.db.get(sandbox_id)
+        if row is not None:
+            self.db.update(sandbox_id, state="destroying", claimed_by=self.owner)
+        await self.backend.release(sandbox_id, dbmod.row_handle(row) if row is not None else None)
+        self.db.delete(sandbox_id)
+        self._gates.pop(sandbox_id, None)
+        self.admission.released()
+        # A sandbox's suspend images die with it, and so does a fork's snapshot with its last child.
+        spent = self.own_suspends(sandbox_id)
+        if row is not None and row["source"].startswith(SNAPSHOT_PREFIX):
+            source = self.db.snapshot(row["source"])
+            if source is not None and source["kind"] == "fork":
+                spent.add(source["id"])
+        await self.collect(spent)
+
+    async def collect(self, candidates: set[str]) -> None:
+        """Delete those of ``candidates`` nothing needs any more (most calls have none to offer)."""
+        if candidates:
+            await asyncio.to_thread(self.snaps.collect, candidates)
+
+    def own_suspends(self, sandbox_id: str) -> set[str]:
+        return self.db.snapshot_ids(kind="suspend", sandbox_id=sandbox_id)

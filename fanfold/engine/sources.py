@@ -1,0 +1,92 @@
+"""What sandboxes are made from: images (built on first use for base names) and snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..errors import ImageNotFound, InvalidRequest
+from ..images import Image, LayerStore
+from ..images.builder import DEFAULT_PATH, Builder, OnStep
+from ..models import Limits, SnapshotInfo
+from ..spec import BASES, EnvSpec
+from . import db as dbmod
+from .snapshots import PREFIX as SNAPSHOT_PREFIX
+from .snapshots import SnapshotStore
+
+
+class Sources:
+    """Images and snapshots, resolved to what a sandbox starts from."""
+
+    def __init__(self, db: dbmod.Database, store: LayerStore, builder: Builder, snaps: SnapshotStore) -> None:
+        self.db, self.store, self.builder, self.snaps = db, store, builder, snaps
+        self._bases: dict[str, Image] = {}
+
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
+        if not isinstance(spec, EnvSpec):
+            raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
+        return await self.builder.build(spec, on_step)
+
+    async def image(self, ref: str | Image) -> Image:
+        if isinstance(ref, Image):
+            return ref
+        if not isinstance(ref, str):
+            raise ImageNotFound(f"an image is an Image, an image id or a base name, not {type(ref).__name__}")
+        if ref in BASES:  # resolved once: a create from a warm pool must not wait on a build
+            cached = self._bases.get(ref)
+            if cached is None:
+                cached = self._bases[ref] = await self.build(EnvSpec(ref))
+            return cached
+        return self.store.load_image(ref)
+
+    def resolve_snapshot(self, ref: str) -> str | None:
+        """The snapshot a create's ``image`` names (its id or name), or None when it names an image.
+
+        Base names and image ids always mean the image, whatever a snapshot is called.
+        """
+        if not isinstance(ref, str) or not ref or ref in BASES or ref.startswith("img-"):
+            return None
+        row = self.db.snapshot(ref)
+        return None if row is None else row["id"]
+
+    async def source(self, ref: str | Image | SnapshotInfo) -> tuple[str, Image, SnapshotInfo | None]:
+        """What a sandbox is made from: (source id, root image, snapshot or None)."""
+        if isinstance(ref, SnapshotInfo):
+            ref = ref.id
+        snapshot_id = self.resolve_snapshot(ref)  # type: ignore[arg-type]
+        if snapshot_id is not None or (isinstance(ref, str) and ref.startswith(SNAPSHOT_PREFIX)):
+            snapshot = dbmod.snapshot_info(self.snaps.row(snapshot_id or ref))  # type: ignore[arg-type]
+            return snapshot.id, self.store.load_image(snapshot.image_id), snapshot
+        img = await self.image(ref)  # type: ignore[arg-type]
+        return img.id, img, None
+
+    async def source_limits(self, ref: str | Image | SnapshotInfo, limits: Limits | None) -> tuple[str, Image, Limits]:
+        """What a sandbox is made from (source id, root image), and the limits it gets:
+        a memory snapshot's processes keep the limits they were dumped with."""
+        source, img, snapshot = await self.source(ref)
+        if snapshot is not None and snapshot.memory:
+            return source, img, limits_of(snapshot, limits)
+        return source, img, limits or Limits()
+
+    def start_point(self, source: str) -> tuple[Image, Path | None]:
+        """The image (with the snapshot's layers, for a snapshot) and memory images a source starts from."""
+        if not source.startswith(SNAPSHOT_PREFIX):
+            return self.store.load_image(source), None
+        row = self.snaps.row(source)
+        img = dataclasses.replace(self.store.load_image(row["image_id"]), layers=tuple(json.loads(row["layers"])))
+        return img, self.snaps.memory_dir(source) if row["memory"] else None
+
+
+def base_env(img: Image, sandbox_id: str, extra: dict[str, str]) -> list[str]:
+    """A command's environment: fanfold's defaults, then the image's, then the caller's."""
+    merged = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "HOSTNAME": sandbox_id, "TERM": "xterm"}
+    merged.update(dict(img.env))
+    merged.update(extra)
+    return [f"{key}={value}" for key, value in merged.items()]
+
+
+def limits_of(snapshot: SnapshotInfo, asked: Limits | None) -> Limits:
+    """A memory snapshot's processes keep the cpu, memory and pids limits they were dumped with."""
+    base = snapshot.limits or Limits()
+    return base if asked is None else Limits(cpus=base.cpus, memory_mb=base.memory_mb, pids=base.pids, disk_mb=asked.disk_mb)
