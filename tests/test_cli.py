@@ -264,3 +264,9 @@ def test_a_lazy_command_lists_the_help_of_the_command_it_loads():
     for name, stub in FanfoldGroup.lazy.items():
         loaded = stub.load()
         assert loaded.name == name and stub.short_help == loaded.help.splitlines()[0]
+
+
+def test_the_fake_backend_runs_a_command_in_a_state_dir_of_its_own(tmp_path):
+    done = run_cli("--backend", "fake", "--state-dir", str(tmp_path), "run", "--", "sh", "-c", "echo ok > made; cat made")
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
+    assert not list((tmp_path / "fake").iterdir())  # the sandbox's dir went with it

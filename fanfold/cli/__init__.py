@@ -54,7 +54,7 @@ def _stdout_console():  # type: ignore[no-untyped-def]
 
 
 def _config(ctx: click.Context) -> EngineConfig:
-    return EngineConfig(state_dir=ctx.obj["state_dir"], runtime=ctx.obj["runtime"])
+    return EngineConfig(state_dir=ctx.obj["state_dir"], backend=ctx.obj["backend"], runtime=ctx.obj["runtime"])
 
 
 def _fleet(ctx: click.Context, *, local: bool = False) -> Fleet:
@@ -145,15 +145,18 @@ def _error(text: str) -> None:
 @click.option("--state-dir", envvar="FANFOLD_STATE_DIR", default="/var/lib/fanfold", show_default=True,
               help="Where layers, images and sandboxes live.")
 @click.option("--runtime", envvar="FANFOLD_RUNTIME", default="crun", show_default=True,
-              type=click.Choice(["crun", "runc"]), help="OCI runtime.")
+              type=click.Choice(["crun", "runc"]), help="OCI runtime of the oci backend.")
+@click.option("--backend", envvar="FANFOLD_BACKEND", default="oci", show_default=True, metavar="NAME",
+              help="Isolation backend: oci (root; crun or runc), fake (no root and no isolation: for tests of engine"
+                   " logic), or a 'module:Class' path.")
 @click.option("--url", envvar="FANFOLD_URL", default=None, metavar="URL",
               help="Use a `fanfold serve` server (unix:///run/fanfold.sock, http://host:port) instead of an embedded engine.")
 @click.option("--token", envvar="FANFOLD_TOKEN", default=None, help="Bearer token for --url.")
 @click.version_option(package_name="fanfold")
 @click.pass_context
-def main(ctx: click.Context, state_dir: str, runtime: str, url: str | None, token: str | None) -> None:
+def main(ctx: click.Context, state_dir: str, runtime: str, backend: str, url: str | None, token: str | None) -> None:
     """fanfold: isolated sandboxes for RL rollouts, built from golden environments."""
-    ctx.obj = {"state_dir": Path(state_dir), "runtime": runtime, "url": url, "token": token}
+    ctx.obj = {"state_dir": Path(state_dir), "runtime": runtime, "backend": backend, "url": url, "token": token}
 
 
 @main.command()
