@@ -123,8 +123,12 @@ def leaks(config: EngineConfig) -> dict[str, int]:
     }
 
 
-def stray_processes() -> list[str]:
-    """Live processes carrying this run's mark, but this one: what fixtures and tests failed to end."""
+def stray_processes(roots: tuple[Path, ...] = ()) -> list[str]:
+    """Live processes carrying this run's mark, but this one: what fixtures and tests failed to end.
+
+    Fake-backend agents get only their sandbox's environment, not the mark: one counts too when
+    it is a ``--subreaper`` whose ``--root`` lies under one of ``roots`` (dirs this run made).
+    """
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid() or not procs.running(entry):
@@ -133,12 +137,20 @@ def stray_processes() -> list[str]:
             with open(f"/proc/{entry}/environ", "rb") as handle:
                 marked = RUN_MARK.encode() in handle.read().split(b"\0")
             with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                command = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                argv = handle.read().split(b"\0")
         except OSError:
             continue  # gone meanwhile
-        if marked:
+        command = b" ".join(argv).decode(errors="replace").strip()
+        if marked or _fake_agent_under(argv, roots):
             found.append(f"{entry}: {command}")
     return found
+
+
+def _fake_agent_under(argv: list[bytes], roots: tuple[Path, ...]) -> bool:
+    if b"--subreaper" not in argv or b"--root" not in argv[:-1]:
+        return False
+    root = Path(os.fsdecode(argv[argv.index(b"--root") + 1]))
+    return any(root.is_relative_to(top) for top in roots)
 
 
 def run_cli(*args: str, input: str | None = None, timeout: float = 120,
@@ -151,7 +163,7 @@ def run_cli(*args: str, input: str | None = None, timeout: float = 120,
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaks_at_end(config: EngineConfig):
+def no_leaks_at_end(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
     yield
     import asyncio
 
@@ -166,7 +178,7 @@ def no_leaks_at_end(config: EngineConfig):
         await engine.close()
 
     asyncio.run(settle())
-    strays = stray_processes()
+    strays = stray_processes((tmp_path_factory.getbasetemp(),))
     for line in strays:  # reported below, but not left running for hours after a failed run
         try:
             os.kill(int(line.partition(":")[0]), signal.SIGKILL)

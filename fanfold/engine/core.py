@@ -110,6 +110,7 @@ class Engine:
             if row["owner"] == self.owner:
                 await self.life.destroy(row["id"])
         await asyncio.gather(*list(self.life.destroying.values()), return_exceptions=True)
+        await self.life.calls_done(timeout=10)
         await self.backend.sweep()
         if not self.db.rows():  # a suspended sandbox's restore needs the parent cgroups as they are
             await self.backend.close()

@@ -73,6 +73,9 @@ class Lifecycle:
         self.destroying: dict[str, asyncio.Future[None]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._gates: dict[str, Gate] = {}
+        self._calls = 0
+        self._no_calls = asyncio.Event()
+        self._no_calls.set()
 
     # -- rows and gates -------------------------------------------------------------------------
 
@@ -125,19 +128,34 @@ class Lifecycle:
         leave the sandbox looking idle the moment it finishes.
         """
         gate = self.gate(sandbox_id)
-        for _ in range(3):
-            async with gate.call():
-                row = self.known(sandbox_id)
-                if row["state"] == "running":
-                    self.db.touch(sandbox_id)
-                    try:
-                        yield row
-                    finally:
+        self._calls += 1
+        self._no_calls.clear()
+        try:
+            for _ in range(3):
+                async with gate.call():
+                    row = self.known(sandbox_id)
+                    if row["state"] == "running":
                         self.db.touch(sandbox_id)
-                    return
-            async with self.changing(sandbox_id):
-                pass  # woken; take the call again
-        raise SandboxGone(f"sandbox {sandbox_id} keeps being paused or suspended by other calls; try again")
+                        try:
+                            yield row
+                        finally:
+                            self.db.touch(sandbox_id)
+                        return
+                async with self.changing(sandbox_id):
+                    pass  # woken; take the call again
+            raise SandboxGone(f"sandbox {sandbox_id} keeps being paused or suspended by other calls; try again")
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._no_calls.set()
+
+    async def calls_done(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) until no call holds a sandbox: a closing engine's
+        destroyed sandboxes end their calls, which still read the database as they unwind."""
+        try:
+            await asyncio.wait_for(self._no_calls.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     async def gone_if_dead(self, sandbox_id: str, pid: int | None, *, within: float = 0.0) -> None:
         """Destroy the sandbox and raise SandboxGone if its PID 1 is dead (``within`` seconds

@@ -6,7 +6,7 @@ import logging
 import shutil
 from typing import Awaitable, Callable
 
-from ..errors import CheckpointFailed, InfrastructureError, SandboxGone
+from ..errors import FanfoldError
 from ..models import SandboxInfo
 from . import db as dbmod
 from .admission import memory_available_mb
@@ -23,8 +23,12 @@ class Policies:
         self.life, self.pools, self._suspend = life, pools, suspend
 
     async def apply(self) -> None:
-        """Suspend (or destroy, if ephemeral) idle sandboxes; evict sticky ones under pressure."""
+        """Suspend (or destroy, if ephemeral) idle sandboxes; evict sticky ones under pressure.
+
+        On a backend without memory checkpoints an idle sticky or persistent sandbox stays
+        running: suspending is how it would keep its processes, and it has no other way."""
         life, now = self.life, dbmod.now()
+        can_suspend = life.backend.capabilities.memory != "none"
         for row in life.db.rows():
             mine = row["owner"] in (life.owner, "detached")
             idle = row["idle_timeout"] is not None and now - row["active_at"] > row["idle_timeout"]
@@ -32,10 +36,10 @@ class Policies:
                 continue
             if row["persistence"] == "ephemeral":
                 await life.destroy(row["id"])
-            elif life.db.claim(row["id"], life.owner):
+            elif can_suspend and life.db.claim(row["id"], life.owner):
                 try:
                     await self._suspend(row["id"])
-                except (SandboxGone, CheckpointFailed, InfrastructureError) as err:
+                except FanfoldError as err:  # one sandbox's failure must not hold up the rest
                     log.warning("fanfold: idle sandbox %s: %s", row["id"], err)
                 finally:
                     life.db.unclaim(row["id"])
