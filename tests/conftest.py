@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +152,16 @@ def _fake_agent_under(argv: list[bytes], roots: tuple[Path, ...]) -> bool:
         return False
     root = Path(os.fsdecode(argv[argv.index(b"--root") + 1]))
     return any(root.is_relative_to(top) for top in roots)
+
+
+def nobody_python(run_as: list[str]) -> str | None:
+    """A Python that ``nobody`` may run (this venv's may live under /root); it gets this one's packages."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}", shutil.which(version)):
+        probe = [*run_as, "env", python, "-c", ""] if python else []
+        if probe and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+            return python
+    return None
 
 
 def run_cli(*args: str, input: str | None = None, timeout: float = 120,

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import STATE_DIR, leaks, stray_processes
+from conftest import nobody_python, STATE_DIR, leaks, stray_processes
 from fanfold import (
     AsyncFleet, CapacityExceeded, EngineConfig, FanfoldError, FileNotFoundInSandbox, InfrastructureError,
     InvalidRequest, LeaseNotFound, Outcome, SandboxGone, SandboxNotFound, SnapshotInUse, SnapshotNotFound,
@@ -699,16 +699,6 @@ NOBODY = textwrap.dedent("""
 
     asyncio.run(main(Path(sys.argv[1])))
 """)
-
-
-def nobody_python(run_as: list[str]) -> str | None:
-    """A Python that ``nobody`` may run (this venv's may live under /root); it gets this one's packages."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for python in (sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}", shutil.which(version)):
-        probe = [*run_as, "env", python, "-c", ""] if python else []
-        if probe and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
-            return python
-    return None
 
 
 def test_fake_fleet_runs_without_root(fake_state: Path):

@@ -9,13 +9,13 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from conftest import nobody_python
 
 from fanfold._agent.build import agent_binary
 from fanfold.config import EngineConfig
@@ -296,16 +296,6 @@ async def main(state):
 
 asyncio.run(main(Path(sys.argv[1])))
 """
-
-
-def nobody_python(run_as: list[str]) -> str | None:
-    """A Python that ``nobody`` may run (this venv's may live under /root); it gets this one's packages."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for python in (sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}", shutil.which(version)):
-        probe = [*run_as, "env", python, "-c", ""] if python else []
-        if probe and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
-            return python
-    return None
 
 
 def test_it_runs_without_root(built_agent: Path):

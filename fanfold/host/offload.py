@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
@@ -44,3 +45,19 @@ async def on_thread(
         if discard is not None and done.exception() is None:
             discard(done.result())
         raise
+
+
+async def read_once(fd: int, size: int = 16) -> bytes:
+    """The first bytes on ``fd`` (b"" at end of file), without blocking the loop."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[bytes] = loop.create_future()
+
+    def readable() -> None:
+        if not got.done():
+            got.set_result(os.read(fd, size))
+
+    loop.add_reader(fd, readable)
+    try:
+        return await got
+    finally:
+        loop.remove_reader(fd)

@@ -34,7 +34,7 @@ from .._agent.build import agent_binary
 from .._agent.client import AgentClient, OnChunk, RawExec
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
 from ..host import procs, setup
-from ..host.offload import host_errors, on_thread
+from ..host.offload import host_errors, on_thread, read_once
 from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class FakeBackend(Backend):
             os.close(ready_w)
             ready_w = -1
             try:
-                said = await asyncio.wait_for(_read_once(ready_r), START_TIMEOUT_S)
+                said = await asyncio.wait_for(read_once(ready_r), START_TIMEOUT_S)
             except TimeoutError:
                 raise InfrastructureError(f"sandbox {spec.id}'s agent did not listen within {START_TIMEOUT_S:.0f} s:"
                                           f" {_drain(err_r)}") from None
@@ -370,22 +370,6 @@ def _signal(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-
-
-async def _read_once(fd: int) -> bytes:
-    """The first bytes on ``fd`` (b"" at end of file), without blocking the loop."""
-    loop = asyncio.get_running_loop()
-    got: asyncio.Future[bytes] = loop.create_future()
-
-    def readable() -> None:
-        if not got.done():
-            got.set_result(os.read(fd, 16))
-
-    loop.add_reader(fd, readable)
-    try:
-        return await got
-    finally:
-        loop.remove_reader(fd)
 
 
 def _drain(fd: int) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError
 from ..host import cgroups, mounts, safefs, setup
-from ..host.offload import on_thread
+from ..host.offload import on_thread, read_once
 from ..images import LayerStore
 from ..images.rootfs import mount_rootfs
 from ..models import Limits
@@ -86,7 +86,7 @@ async def provision(config: EngineConfig, store: LayerStore, runtime: Runtime, a
         pid = await runtime.start(container, where.bundle, ready_w)
         os.close(ready_w)
         ready_w = -1
-        if await asyncio.wait_for(_read_once(ready_r), 30) != b"r":
+        if await asyncio.wait_for(read_once(ready_r), 30) != b"r":
             raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {log_tail(where.bundle / 'runtime.log')}")
         set_immutable(where.channel, True)
         return pid
@@ -172,21 +172,6 @@ def criu_mounts(host_dirs: tuple[str, ...]) -> Mounts:
 def channel_binds(agent: Path, where: Paths) -> list[Bind]:
     """The agent binary and the channel dir, as every sandbox of this host sees them."""
     return [Bind(str(agent), AGENT_PATH), Bind(str(where.channel), CHANNEL_PATH, readonly=False)]
-
-
-async def _read_once(fd: int) -> bytes:
-    loop = asyncio.get_running_loop()
-    got: asyncio.Future[bytes] = loop.create_future()
-
-    def readable() -> None:
-        if not got.done():
-            got.set_result(os.read(fd, 16))
-
-    loop.add_reader(fd, readable)
-    try:
-        return await got
-    finally:
-        loop.remove_reader(fd)
 
 
 def _in_sandbox_cgroup(pid: int, cgroup: str) -> bool:
