@@ -7,13 +7,17 @@ runs against each, and the remote SDK cannot drift from the embedded one.
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import re
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,14 +158,37 @@ def _fake_agent_under(argv: list[bytes], roots: tuple[Path, ...]) -> bool:
     return any(root.is_relative_to(top) for top in roots)
 
 
-def nobody_python(run_as: list[str]) -> str | None:
-    """A Python that ``nobody`` may run (this venv's may live under /root); it gets this one's packages."""
+def run_as_nobody(agent: Path, prefix: str, script: str, *args: str, timeout: float = 120,
+                  env: tuple[str, ...] = ()) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """Run the Python ``script`` as ``nobody`` with a temp state dir of its own (holding a copy of
+    the built ``agent``: nobody cannot compile where it cannot write) as its first argument.
+    Skips when not root or when there is no setpriv or no Python nobody may run; the caller
+    removes the state dir, returned with the result."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to become nobody")
+    run_as = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for python in (sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}", shutil.which(version)):
-        probe = [*run_as, "env", python, "-c", ""] if python else []
-        if probe and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
-            return python
-    return None
+    pythons = (sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}", shutil.which(version))
+    runnable = [p for p in pythons if p and subprocess.run([*run_as, "env", p, "-c", ""], capture_output=True).returncode == 0]
+    if not runnable:  # this venv's may live under /root
+        pytest.skip("no Python that nobody may run")
+    state = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        (state / "bin").mkdir()
+        shutil.copy2(agent, state / "bin" / agent.name)
+        for path in [state, *state.rglob("*")]:
+            os.chown(path, pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid)
+        # The chosen Python gets this one's packages and the repository.
+        pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[1]), sysconfig.get_paths()["purelib"]])
+        done = subprocess.run(
+            [*run_as, "env", f"PYTHONPATH={pythonpath}", *env, runnable[0], "-c", script, str(state), *args],
+            capture_output=True, text=True, timeout=timeout, cwd="/", check=False,
+        )
+    except BaseException:
+        shutil.rmtree(state, ignore_errors=True)
+        raise
+    return state, done
 
 
 def run_cli(*args: str, input: str | None = None, timeout: float = 120,

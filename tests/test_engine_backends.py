@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import grp
 import inspect
 import json
 import os
@@ -27,8 +26,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import textwrap
 import time
 import uuid
@@ -37,7 +34,7 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import nobody_python, STATE_DIR, leaks, stray_processes
+from conftest import run_as_nobody, STATE_DIR, leaks, stray_processes
 from fanfold import (
     AsyncFleet, CapacityExceeded, EngineConfig, FanfoldError, FileNotFoundInSandbox, InfrastructureError,
     InvalidRequest, LeaseNotFound, Outcome, SandboxGone, SandboxNotFound, SnapshotInUse, SnapshotNotFound,
@@ -702,26 +699,9 @@ NOBODY = textwrap.dedent("""
 
 
 def test_fake_fleet_runs_without_root(fake_state: Path):
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("needs root and setpriv to become nobody")
-    run_as = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-    python = nobody_python(run_as)
-    if python is None:
-        pytest.skip("no Python that nobody may run")
-    built = agent_binary(fake_state)
-    state = Path(tempfile.mkdtemp(prefix="ff-h8-nobody-", dir="/tmp"))
+    mark = f"PYTEST_FANFOLD_RUN={os.environ.get('PYTEST_FANFOLD_RUN', '')}"
+    state, done = run_as_nobody(agent_binary(fake_state), "ff-h8-nobody-", NOBODY, env=(mark,))
     try:
-        (state / "bin").mkdir()
-        shutil.copy2(built, state / "bin" / built.name)  # nobody cannot compile where it cannot write
-        for path in [state, *state.rglob("*")]:
-            os.chown(path, pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid)
-        pythonpath = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])
-        mark = f"PYTEST_FANFOLD_RUN={os.environ.get('PYTEST_FANFOLD_RUN', '')}"
-        done = subprocess.run(
-            [*run_as, "env", f"PYTHONPATH={pythonpath}", mark, python, "-c", NOBODY, str(state)],
-            capture_output=True, text=True, timeout=120, cwd="/", check=False,
-        )
         assert done.returncode == 0, done.stderr
         got = json.loads(done.stdout.strip().splitlines()[-1])
         assert got == {

@@ -4,18 +4,13 @@ over a directory. The last test runs it as ``nobody`` to show it needs no root."
 from __future__ import annotations
 
 import asyncio
-import grp
 import os
-import pwd
 import shutil
-import subprocess
-import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import nobody_python
+from conftest import run_as_nobody
 
 from fanfold._agent.build import agent_binary
 from fanfold.config import EngineConfig
@@ -26,7 +21,6 @@ from fanfold.runtime import get_backend
 from fanfold.runtime.base import Handle, SandboxSpec
 from fanfold.runtime.fake import MARKER, FakeBackend, process_tree
 
-REPO = Path(__file__).resolve().parent.parent
 # The run's mark (conftest) in every process we start, so its stray-process check sees ours too.
 MARK = [f"PYTEST_FANFOLD_RUN={os.environ['PYTEST_FANFOLD_RUN']}"] if "PYTEST_FANFOLD_RUN" in os.environ else []
 ENV = ["PATH=/usr/local/bin:/usr/bin:/bin", *MARK]
@@ -299,24 +293,8 @@ asyncio.run(main(Path(sys.argv[1])))
 
 
 def test_it_runs_without_root(built_agent: Path):
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() != 0 or setpriv is None:
-        pytest.skip("needs root and setpriv to become nobody")
-    run_as = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-    python = nobody_python(run_as)
-    if python is None:
-        pytest.skip("no Python that nobody may run")
-    state = Path(tempfile.mkdtemp(prefix="ff-nobody-", dir="/tmp"))
+    state, done = run_as_nobody(built_agent, "ff-nobody-", UNPRIVILEGED, *ENV, timeout=60)
     try:
-        (state / "bin").mkdir()
-        shutil.copy2(built_agent, state / "bin" / built_agent.name)  # nobody cannot write where it was built
-        for path in [state, *state.rglob("*")]:
-            os.chown(path, pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid)
-        pythonpath = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])
-        done = subprocess.run(
-            [*run_as, "env", f"PYTHONPATH={pythonpath}", python, "-c", UNPRIVILEGED, str(state), *ENV],
-            capture_output=True, text=True, timeout=60, cwd="/", check=False,
-        )
         assert done.returncode == 0, done.stderr
         assert done.stdout == "hiok\n True\n"
     finally:

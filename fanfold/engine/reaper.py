@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 from typing import Any
 
 from ..errors import FanfoldError
+from ..host import procs
 from . import db as dbmod
 from .leases import LEASE_PREFIX, Leases
 from .lifecycle import Lifecycle, process_alive
@@ -22,10 +22,6 @@ log = logging.getLogger("fanfold.engine")
 SWEEP_EVERY = 15
 """Reaper passes (seconds) between sweeps for resources no row names, e.g. from a runtime
 command still finishing when the engine that ran it was killed."""
-
-
-def _pid_alive(pid: str) -> bool:
-    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
 
 class Reaper:
@@ -55,12 +51,14 @@ class Reaper:
         life.sources.store.discard_scratch()
         life.snaps.discard_orphans()
         for context in (life.config.state_dir / "bundles").glob("context-*"):  # a dead server's build uploads
-            if not _pid_alive(context.name.split("-")[1]):
+            if not procs.running(context.name.split("-")[1]):
                 shutil.rmtree(context, ignore_errors=True)
         return {"reaped": reaped}
 
     async def sweep_leftovers(self) -> int:
-        """Release what the backend holds for sandboxes no row names (a dead engine's)."""
+        """Release what the backend holds for sandboxes no row names (a dead engine's), and
+        what dead helpers left (``Backend.sweep(thorough=True)``)."""
+        await self.life.backend.sweep(thorough=True)
         leftovers = await self.life.backend.list_ids()
         # Rows are written before resources exist: reading them after the scan keeps
         # another engine's create in flight from looking like a leftover.
@@ -84,7 +82,8 @@ class Reaper:
         life = self.life
         if sweep:
             await self.sweep_leftovers()
-        await life.backend.sweep()
+        else:
+            await life.backend.sweep()
         for lease_id in life.db.expired_leases():
             await self.leases.reap(lease_id)
         rows = life.db.rows()

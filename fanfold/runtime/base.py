@@ -108,9 +108,10 @@ class Backend(ABC):
     async def list_ids(self) -> set[str]:
         """Ids of every sandbox this backend holds anything for: reconcile releases those no row names."""
 
-    async def sweep(self) -> None:
-        """Collect what helpers left behind (exited runtime processes, a dead builder's step);
-        the reaper calls it once a second."""
+    async def sweep(self, *, thorough: bool = False) -> None:
+        """Collect what helpers left behind (exited runtime processes); ``thorough`` also looks
+        for leftovers of dead processes (a dead builder's step). The reaper calls it once a
+        second, thorough when it also looks for leftover sandboxes (at start, then every 15 s)."""
 
     # -- one sandbox ----------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class FakeBackend(Backend):
             ids |= {p.name.removesuffix(".sock") for p in self._sockets.glob("*.sock")}
         return ids
 
-    async def sweep(self) -> None:
+    async def sweep(self, *, thorough: bool = False) -> None:
         self._children -= {pid for pid in self._children if _reaped(pid)}
 
     def _make_dirs(self) -> None:

@@ -24,8 +24,6 @@ from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
 from .criu import Criu
 
 FREEZE_TIMEOUT_S = 10.0
-THOROUGH_EVERY = 15
-"""Sweeps (the reaper makes one a second) between looks for a dead builder's step containers."""
 
 
 class OciBackend(Backend):
@@ -46,7 +44,6 @@ class OciBackend(Backend):
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu)
-        self._sweeps = 0
 
     async def close(self) -> None:
         # Only empty groups go (rmdir), and the runtime recreates the parent on the next create,
@@ -62,14 +59,12 @@ class OciBackend(Backend):
         ids |= {p.name.removesuffix(".sock") for p in cfg.run_dir.glob("sb-*")}  # .sock: before 0.4
         return ids
 
-    async def sweep(self) -> None:
+    async def sweep(self, *, thorough: bool = False) -> None:
         setup.reap_orphans()
-        self._sweeps += 1
-        if self._sweeps % THOROUGH_EVERY:
+        if not thorough:
             return
         for container in await self.runtime.list_ids():
-            owner = container.split("-")[1] if container.startswith("build-") else ""
-            if owner and not (owner.isdigit() and os.path.exists(f"/proc/{owner}")):
+            if container.startswith("build-") and not procs.running(container.split("-")[1]):
                 await self.runtime.delete(container)  # a build step whose builder died
 
     # -- one sandbox ----------------------------------------------------------------------------
