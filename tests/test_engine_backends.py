@@ -50,9 +50,10 @@ REPO = Path(__file__).resolve().parent.parent
 CLEAN = {"mounts": 0, "cgroups": 0, "containers": 0}
 WAIT_S = 30.0
 """How long a poll waits for what should come in a second or two (2 cores, shared with other runs)."""
-COUNTER = ("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > count.new; mv count.new count; sleep 0.02; done'"
+COUNTER = ("echo 0 > count; nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > count.new; mv count.new count; sleep 0.02; done'"
            " >/dev/null 2>&1 &")
-"""A background loop ticking ``count`` in its cwd, each value renamed into place (no read sees half of one)."""
+"""A background loop ticking ``count`` in its cwd, each value renamed into place (no read sees half of one);
+the first value is written before the loop starts, so a read right after never finds no file."""
 
 
 class NoMemoryBackend(FakeBackend):

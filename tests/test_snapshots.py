@@ -18,8 +18,9 @@ from fanfold.host import cgroups
 from conftest import fleet_args
 
 # Each value is renamed into place: `echo > /tmp/count` truncates first, and a read between
-# the truncate and the write saw an empty file.
-COUNTER = ("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
+# the truncate and the write saw an empty file. The first value is written before the loop is
+# backgrounded: a pause right after starting it could freeze the loop before its first write.
+COUNTER = ("echo 0 > /tmp/count; nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
            " sleep 0.02; done' >/dev/null 2>&1 &")
 SERVER = (
     "nohup python3 -c \"import http.server, socketserver; socketserver.TCPServer(('127.0.0.1', 8000),"
