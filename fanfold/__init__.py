@@ -24,9 +24,10 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
     from .config import EngineConfig
     from .errors import (
         BuildFailed, CapacityExceeded, CheckpointFailed, CommandFailed, ExecTimeout, FanfoldError,
-        FileNotFoundInSandbox, HostNotReady, ImageNotFound, InfrastructureError, InvalidPath, InvalidRequest,
-        InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, Retryable, SandboxGone,
-        SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound, ToolError, Unauthorized,
+        FileNotFoundInSandbox, HostNotReady, ImageCorrupt, ImageNotFound, InfrastructureError, InvalidPath,
+        InvalidRequest, InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, RegistryDenied,
+        RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
+        ToolError, Unauthorized,
     )
     from .images import Image
     from .images.builder import StepEvent
@@ -46,9 +47,9 @@ _EXPORTS = {
     ".config": ("EngineConfig",),
     ".errors": (
         "BuildFailed", "CapacityExceeded", "CheckpointFailed", "CommandFailed", "ExecTimeout", "FanfoldError",
-        "FileNotFoundInSandbox", "HostNotReady", "ImageNotFound", "InfrastructureError", "InvalidPath",
-        "InvalidRequest", "InvalidSpec", "LeaseNotFound", "LimitExceeded", "NotFound", "PolicyUnavailable",
-        "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
+        "FileNotFoundInSandbox", "HostNotReady", "ImageCorrupt", "ImageNotFound", "InfrastructureError",
+        "InvalidPath", "InvalidRequest", "InvalidSpec", "LeaseNotFound", "LimitExceeded", "NotFound",
+        "PolicyUnavailable", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
         "ToolError", "Unauthorized",
     ),
     ".images": ("Image",),
@@ -84,6 +85,7 @@ __all__ = [
     "ForkResult",
     "HostNotReady",
     "Image",
+    "ImageCorrupt",
     "ImageNotFound",
     "InfrastructureError",
     "InvalidPath",
@@ -99,6 +101,8 @@ __all__ = [
     "Persistence",
     "PolicyUnavailable",
     "PoolInfo",
+    "RegistryDenied",
+    "RegistryUnavailable",
     "Retryable",
     "RolloutResult",
     "RolloutStats",

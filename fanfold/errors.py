@@ -5,7 +5,8 @@
     │   ├── InvalidSpec         an EnvSpec that cannot be built as written
     │   ├── InvalidPath         a sandbox path that is malformed or leaves the root
     │   ├── LimitExceeded       the sandbox's disk is full
-    │   └── ToolError           a tool call the model got wrong: unknown tool, bad arguments, a missing file
+    │   ├── ToolError           a tool call the model got wrong: unknown tool, bad arguments, a missing file
+    │   └── RegistryDenied      the registry refused the credentials (or gave none access)
     ├── NotFound
     │   ├── ImageNotFound
     │   ├── SandboxNotFound
@@ -15,6 +16,7 @@
     ├── SandboxGone             the sandbox was destroyed (deadline, kill, crash)
     ├── SnapshotInUse           a snapshot that sandboxes or later snapshots still need
     ├── BuildFailed             a spec step exited non-zero
+    ├── ImageCorrupt            a pulled or imported layer does not match its digest, or is not a safe tree
     ├── ServiceFailed           a oneshot service of the image failed as a sandbox started
     ├── ExecTimeout             raised only by ``check=True`` callers on a timeout
     ├── CommandFailed           raised only by ``check=True`` callers on non-zero exit
@@ -22,6 +24,7 @@
     ├── Unauthorized            the server refused the bearer token
     └── Retryable               try again; nothing was left behind
         ├── CapacityExceeded
+        ├── RegistryUnavailable the registry did not answer or broke off mid-pull
         └── InfrastructureError the runtime, the kernel or the agent failed
             ├── CheckpointFailed CRIU could not dump or restore; the sandbox runs on
             └── PolicyUnavailable the policy server failed or did not answer
@@ -67,6 +70,12 @@ class ToolError(InvalidRequest):
     """A tool call the model got wrong (unknown tool, bad arguments, a missing file); the message is for the model."""
 
     kind = "tool_error"
+
+
+class RegistryDenied(InvalidRequest):
+    """The registry refused the credentials: log in (``fanfold login``) or check ``FANFOLD_REGISTRY_AUTH``."""
+
+    kind = "registry_denied"
 
 
 class NotFound(FanfoldError):
@@ -129,6 +138,12 @@ class BuildFailed(FanfoldError):
         self.output_tail = output_tail
 
 
+class ImageCorrupt(FanfoldError):
+    """A layer's content does not match its digest, or the image is not one fanfold can use; nothing was stored."""
+
+    kind = "image_corrupt"
+
+
 class ServiceFailed(FanfoldError):
     """A oneshot service exited non-zero as a sandbox started (which was then destroyed);
     carries the service, its exit code and its log's tail."""
@@ -176,6 +191,12 @@ class CapacityExceeded(Retryable):
     """The host cannot hold another sandbox right now."""
 
     kind = "capacity_exceeded"
+
+
+class RegistryUnavailable(Retryable):
+    """The registry could not be reached or broke off mid-pull; nothing half-pulled was kept."""
+
+    kind = "registry_unavailable"
 
 
 class InfrastructureError(Retryable):

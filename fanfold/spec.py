@@ -10,8 +10,40 @@ from typing import Any
 from .errors import InvalidSpec
 
 BASES = ("host", "debian:bookworm")
+"""Bases fanfold makes itself; any other base is an image reference or a local image id."""
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+# An image reference as the distribution project's grammar has it: [domain[:port]/]path[:tag][@digest].
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+_REFERENCE = re.compile(
+    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+)
+_IMAGE_ID = re.compile(r"^img-[0-9a-f]{16}$")
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
+
+
+def is_image_id(text: str) -> bool:
+    """True for a local image's id (``img-`` and 16 hex digits)."""
+    return isinstance(text, str) and bool(_IMAGE_ID.match(text))
+
+
+def is_image_ref(text: str) -> bool:
+    """True for a registry reference (``python:3.12-slim``, ``ghcr.io/org/env@sha256:...``,
+    ``localhost:5000/env:v1``) that is neither a fanfold base nor a local image id."""
+    if not isinstance(text, str) or text in BASES or is_image_id(text) or len(text) > 512:
+        return False
+    return bool(_REFERENCE.match(text))
+
+
+def check_user(user: str) -> str:
+    """A user as ``create``/``exec``/``USER`` take it: a name or uid, optionally ``:group`` or ``:gid``."""
+    if not isinstance(user, str) or not _USER.match(user):
+        raise InvalidSpec(f"bad user {user!r}: give a name or uid, optionally with ':group' or ':gid' (e.g. 'app', '1000:1000')")
+    return user
 
 
 _REPO_URL = re.compile(r"^(https?|ssh|git)://[^/]+/|^[A-Za-z0-9_.-]+@[A-Za-z0-9_.-]+:")
@@ -40,7 +72,9 @@ def sandbox_path(path: str, *, what: str) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    """One build step; ``kind`` is workdir, copy, repo, run, env or service."""
+    """One build step; ``kind`` is workdir, copy, repo, run, env, service, user, entrypoint, cmd or expose.
+
+    env, service, user, entrypoint, cmd and expose change the image's config, not its files."""
 
     kind: str
     args: tuple[tuple[str, Any], ...]
@@ -49,7 +83,10 @@ class Step:
         return dict(self.args)[name]
 
     def describe(self) -> str:
-        values = " ".join(str(v) for _, v in self.args if not isinstance(v, tuple))
+        values = " ".join(
+            " ".join(v) if isinstance(v, tuple) and all(isinstance(x, str) for x in v) else str(v)
+            for _, v in self.args if not isinstance(v, tuple) or all(isinstance(x, str) for x in v)
+        )
         return f"{self.kind.upper()} {values}".strip()
 
 
@@ -57,7 +94,9 @@ class Step:
 class EnvSpec:
     """A golden environment: a base and the steps that build on it.
 
-    Each method returns a new spec, so a shared prefix can be reused::
+    The base is ``host`` (the host's own /usr, read-only), ``debian:bookworm`` (debootstrap), an image
+    reference pulled from its registry (``python:3.12-slim``, ``ghcr.io/org/env@sha256:...``) or a
+    local image's id. Each method returns a new spec, so a shared prefix can be reused::
 
         spec = EnvSpec("host").workdir("/env").copy("project", "/env").run("python3 -m compileall .")
     """
@@ -68,8 +107,11 @@ class EnvSpec:
     """Directory that relative ``copy``/``repo`` sources resolve against (default: the cwd)."""
 
     def __post_init__(self) -> None:
-        if self.base not in BASES:
-            raise InvalidSpec(f"unknown base {self.base!r}: choose one of {', '.join(BASES)}")
+        if self.base not in BASES and not is_image_id(self.base) and not is_image_ref(self.base):
+            raise InvalidSpec(
+                f"unknown base {self.base!r}: choose one of {', '.join(BASES)}, an image reference"
+                " (e.g. 'python:3.12-slim', 'registry.example.org/env@sha256:...') or a local image id (img-...)"
+            )
 
     def _add(self, kind: str, **args: Any) -> EnvSpec:
         return replace(self, steps=self.steps + (Step(kind, tuple(args.items())),))
@@ -115,5 +157,35 @@ class EnvSpec:
             raise InvalidSpec(f"service {name!r} needs a non-empty command")
         return self._add("service", name=name, cmd=cmd, mode=mode)
 
+    def user(self, user: str) -> EnvSpec:
+        """Run later ``run`` steps, services and execs as ``user`` (name or uid, optionally ``:group``)."""
+        return self._add("user", user=check_user(user))
+
+    def entrypoint(self, *argv: str) -> EnvSpec:
+        """The image's entrypoint: what ``fanfold run`` with no command runs, ``cmd`` appended."""
+        return self._add("entrypoint", argv=_argv(argv, "entrypoint"))
+
+    def cmd(self, *argv: str) -> EnvSpec:
+        """The image's default command (arguments to the entrypoint, if it has one)."""
+        return self._add("cmd", argv=_argv(argv, "cmd"))
+
+    def expose(self, *ports: int | str) -> EnvSpec:
+        """Note ports a service in the image listens on (``8000``, ``53/udp``); informational."""
+        return self._add("expose", ports=tuple(_port(p) for p in ports))
+
     def with_context(self, context: str | Path) -> EnvSpec:
         return replace(self, context=Path(context).absolute())
+
+
+def _argv(argv: tuple[str, ...], what: str) -> tuple[str, ...]:
+    if not all(isinstance(a, str) and "\0" not in a for a in argv):
+        raise InvalidSpec(f"{what} takes strings (an argv), got {argv!r}")
+    return tuple(argv)
+
+
+def _port(port: int | str) -> str:
+    text = str(port)
+    number, _, proto = text.partition("/")
+    if not number.isdigit() or not 0 < int(number) < 65536 or proto not in ("", "tcp", "udp", "sctp"):
+        raise InvalidSpec(f"bad port {port!r}: a number 1-65535, optionally '/tcp', '/udp' or '/sctp'")
+    return f"{int(number)}/{proto or 'tcp'}"

@@ -7,6 +7,7 @@ can feed client input straight in and get fanfold's own errors back.
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 from . import errors
@@ -94,19 +95,11 @@ def entry_from_json(data: dict[str, Any]) -> FileEntry:
 
 
 def image_to_json(image: Image) -> dict[str, Any]:
-    return {
-        "id": image.id, "base": image.base, "layers": list(image.layers), "host_dirs": list(image.host_dirs),
-        "env": [list(pair) for pair in image.env], "workdir": image.workdir,
-        "services": [list(service) for service in image.services],
-    }
+    return json.loads(image.to_json())
 
 
 def image_from_json(data: dict[str, Any]) -> Image:
-    return Image(
-        id=data["id"], base=data["base"], layers=tuple(data["layers"]), host_dirs=tuple(data["host_dirs"]),
-        env=tuple(tuple(pair) for pair in data["env"]), workdir=data["workdir"],
-        services=tuple(tuple(service) for service in data["services"]),
-    )
+    return Image.from_dict(data)
 
 
 def event_to_json(event: StepEvent) -> dict[str, Any]:
@@ -132,7 +125,8 @@ def spec_to_json(spec: EnvSpec) -> dict[str, Any]:
 
 _STEP_ARGS = {
     "workdir": ("path",), "copy": ("src", "dst"), "repo": ("src", "dst", "ref"), "run": ("cmd",),
-    "env": ("vars",), "service": ("name", "cmd", "mode"),
+    "env": ("vars",), "service": ("name", "cmd", "mode"), "user": ("user",), "entrypoint": ("argv",),
+    "cmd": ("argv",), "expose": ("ports",),
 }
 
 
@@ -158,6 +152,11 @@ def spec_from_json(data: Any) -> EnvSpec:
                 if not isinstance(variables, dict):
                     raise InvalidSpec(f"step {number} (env): vars must be an object of strings")
                 spec = spec.env(**variables)
+            elif kind in ("entrypoint", "cmd", "expose"):
+                values = args.get("argv" if kind != "expose" else "ports")
+                if not isinstance(values, (list, tuple)):
+                    raise InvalidSpec(f"step {number} ({kind}): give a list")
+                spec = getattr(spec, kind)(*values)
             else:
                 spec = getattr(spec, kind)(**args)
         except TypeError as err:

@@ -58,7 +58,11 @@ def test_spec_is_immutable_and_chainable():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: EnvSpec("alpine"),
+    lambda: EnvSpec("Alpine Linux"),  # neither a base nor an image reference
+    lambda: EnvSpec("ubuntu:22.04@sha256:short"),
+    lambda: EnvSpec("host").user("bad user"),
+    lambda: EnvSpec("host").expose(70000),
+    lambda: EnvSpec("host").cmd("ok", None),  # type: ignore[arg-type]
     lambda: EnvSpec("host").workdir("relative"),
     lambda: EnvSpec("host").copy("x", "/a/../b"),
     lambda: EnvSpec("host").run(""),

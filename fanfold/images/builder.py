@@ -11,11 +11,11 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 from ..errors import BuildFailed, InvalidSpec
 from ..runtime import Bind, ContainerSpec, Runtime
-from ..spec import EnvSpec, Step, is_repo_url
+from ..spec import BASES, EnvSpec, Step, is_repo_url
 from .bases import base_digest, ensure_base, host_dirs
 from .rootfs import fold_host_uppers, mount_rootfs, unmount_rootfs
 from .store import Image, LayerStore
@@ -36,49 +36,66 @@ class StepEvent:
 
 
 OnStep = Callable[[StepEvent], None]
+ResolveBase = Callable[[str], Awaitable[Image]]
+"""Turns a base that is not one of fanfold's own (an image reference or id) into a local image."""
+CONFIG_STEPS = ("env", "service", "user", "entrypoint", "cmd", "expose")
+"""Steps that change an image's config and make no layer."""
 
 
 class Builder:
     """Turns specs into images in one LayerStore, running ``run`` steps with a Runtime."""
 
-    def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path) -> None:
+    def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path,
+                 resolve_base: ResolveBase | None = None) -> None:
         self.store = store
         self.runtime = runtime
         self.mirror = mirror
         self.scratch_run = scratch_run
+        self.resolve_base = resolve_base
 
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
         report = on_step or (lambda event: None)
         total = len(spec.steps) + 1
         report(StepEvent(0, total, f"BASE {spec.base}", "running"))
-        cached = Path(self.store.layer_path(base_digest(spec.base))).is_dir()
-        digest = await _off_loop(ensure_base, self.store, spec.base, self.mirror)
+        start, digest, cached = await self._base(spec.base)
         report(StepEvent(0, total, f"BASE {spec.base}", "cached" if cached else "built"))
-        layers = [digest]
-        env: dict[str, str] = {}
-        workdir = "/"
-        services: list[tuple[str, str, str]] = []
-        dirs = host_dirs() if spec.base == "host" else ()
+        if not spec.steps and start.id != "":
+            return start
+        layers = list(start.layers)
+        env = dict(start.env)
+        config = {"workdir": start.workdir, "user": start.user, "entrypoint": start.entrypoint, "cmd": start.cmd}
+        ports = list(start.ports)
+        services = list(start.services)
+        dirs = start.host_dirs
         context = spec.context or Path.cwd()
         for index, step in enumerate(spec.steps, start=1):
             description = step.describe()
             inputs = await _off_loop(_step_inputs, step, context)  # hashes trees, asks remotes
             digest = _step_digest(digest, step, inputs)
-            if step.kind == "env":
-                env.update(dict(step.arg("vars")))
-                continue
-            if step.kind == "service":
-                services.append((step.arg("name"), step.arg("cmd"), step.arg("mode")))
+            if step.kind in CONFIG_STEPS:
+                if step.kind == "env":
+                    env.update(dict(step.arg("vars")))
+                elif step.kind == "service":
+                    services.append((step.arg("name"), step.arg("cmd"), step.arg("mode")))
+                elif step.kind == "user":
+                    config["user"] = step.arg("user")
+                elif step.kind == "entrypoint":  # as in Docker, a new entrypoint drops the inherited cmd
+                    config["entrypoint"], config["cmd"] = step.arg("argv"), ()
+                elif step.kind == "cmd":
+                    config["cmd"] = step.arg("argv")
+                else:
+                    ports.extend(p for p in step.arg("ports") if p not in ports)
                 continue
             if step.kind == "workdir":
-                workdir = step.arg("path")
+                config["workdir"] = step.arg("path")
             if self.store.has_layer(digest):
                 report(StepEvent(index, total, description, "cached"))
                 layers.append(digest)
                 continue
             report(StepEvent(index, total, description, "running"))
             try:
-                await self._make_layer(step, digest, tuple(layers), dirs, env, workdir, context, inputs)
+                await self._make_layer(step, digest, tuple(layers), dirs, env, str(config["workdir"]), context,
+                                       inputs, str(config["user"]))
             except BuildFailed:
                 report(StepEvent(index, total, description, "failed"))
                 raise
@@ -86,19 +103,42 @@ class Builder:
             layers.append(digest)
         image = Image(
             id="img-" + digest[:16], base=spec.base, layers=tuple(layers), host_dirs=dirs,
-            env=tuple(env.items()), workdir=workdir, services=tuple(services),
+            env=tuple(env.items()), workdir=str(config["workdir"]), services=tuple(services),
+            user=str(config["user"]), entrypoint=tuple(config["entrypoint"]), cmd=tuple(config["cmd"]),
+            ports=tuple(ports), source="build",
         )
         self.store.save_image(image)
         return image
 
-    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs) -> None:
+    async def _base(self, base: str) -> tuple[Image, str, bool]:
+        """The image a spec starts from, the digest its steps chain on, and whether it was already here.
+
+        A fanfold base is its own layer (built on first use); any other base is resolved (pulled,
+        or loaded by id) and its steps chain on its image id, so a rebuilt base rebuilds them."""
+        if base in BASES:
+            cached = self.store.has_layer(base_digest(base))
+            digest = await _off_loop(ensure_base, self.store, base, self.mirror)
+            dirs = host_dirs() if base == "host" else ()
+            return Image(id="", base=base, layers=(digest,), host_dirs=dirs), digest, cached
+        if base.startswith("img-"):
+            start = self.store.load_image(base)
+            cached = True
+        elif self.resolve_base is None:
+            raise InvalidSpec(f"base {base!r} is an image reference, and this builder cannot pull images")
+        else:
+            known = self.store.resolve_ref(base)
+            start = await self.resolve_base(base)
+            cached = known is not None and known == start.id
+        return start, hashlib.sha256(f"image:{start.id}".encode()).hexdigest(), cached
+
+    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs, user="") -> None:
         async with self.store.alock(digest):
             if self.store.has_layer(digest):
                 return
             scratch = self.store.scratch()
             try:
                 if step.kind == "run":
-                    tree = await self._run_step(step, layers, dirs, env, workdir, scratch)
+                    tree = await self._run_step(step, layers, dirs, env, workdir, scratch, user)
                 else:
                     tree = scratch / "upper"
                     tree.mkdir()
@@ -107,7 +147,7 @@ class Builder:
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
 
-    async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path) -> Path:
+    async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path, user: str = "") -> Path:
         if self.runtime is None:
             raise BuildFailed(
                 f"build step {step.describe()!r} needs a runtime to run it, and this engine's backend has none:"

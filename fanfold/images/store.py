@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -36,17 +37,34 @@ class Image:
     workdir: str = "/"
     services: tuple[tuple[str, str, str], ...] = field(default=())
     """(name, command, mode) of each service, in start order."""
+    user: str = ""
+    """Who commands run as by default (name or uid, ``:group`` optional); empty: root."""
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+    """The default command: ``entrypoint + cmd`` is what ``fanfold run`` with no command runs."""
+    ports: tuple[str, ...] = ()
+    """Ports the image says it listens on (``8000/tcp``), noted, not published."""
+    source: str = ""
+    """Where it came from: ``build``, ``registry REF`` or ``file PATH``."""
+    digest: str = ""
+    """The manifest digest of a pulled or imported image (``sha256:...``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> Image:
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Image:
+        """An image from its JSON form; records written before a field existed get its default."""
         return cls(
             id=data["id"], base=data["base"], layers=tuple(data["layers"]), host_dirs=tuple(data["host_dirs"]),
             env=tuple(tuple(kv) for kv in data["env"]), workdir=data["workdir"],
-            services=tuple(tuple(s) for s in data["services"]),
+            services=tuple(tuple(s) for s in data["services"]), user=data.get("user", ""),
+            entrypoint=tuple(data.get("entrypoint", ())), cmd=tuple(data.get("cmd", ())),
+            ports=tuple(data.get("ports", ())), source=data.get("source", ""), digest=data.get("digest", ""),
         )
 
 
@@ -57,7 +75,8 @@ class LayerStore:
         self.layers_dir = state_dir / "layers"
         self.images_dir = state_dir / "images"
         self.locks_dir = state_dir / "locks"
-        for directory in (self.layers_dir, self.images_dir, self.locks_dir):
+        self.refs_dir = state_dir / "refs"
+        for directory in (self.layers_dir, self.images_dir, self.locks_dir, self.refs_dir):
             directory.mkdir(parents=True, exist_ok=True)
         self._local_locks: dict[str, asyncio.Lock] = {}
         self._images: dict[str, Image] = {}
@@ -133,6 +152,37 @@ class LayerStore:
             )
         image = self._images[image_id] = Image.from_json(path.read_text())
         return image
+
+    def tag(self, ref: str, image_id: str) -> None:
+        """Record that ``ref`` (as the user wrote it: a registry reference, a file) names ``image_id``."""
+        path = self._ref_path(ref)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}")
+        tmp.write_text(json.dumps({"ref": ref, "image": image_id}))
+        tmp.rename(path)
+
+    def untag(self, ref: str) -> None:
+        self._ref_path(ref).unlink(missing_ok=True)
+
+    def resolve_ref(self, ref: str) -> str | None:
+        """The image id ``ref`` named when it was last pulled or imported, or None."""
+        try:
+            return json.loads(self._ref_path(ref).read_text())["image"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def refs(self) -> dict[str, str]:
+        """Every recorded reference and the image id it names."""
+        found = {}
+        for path in self.refs_dir.glob("*.json"):
+            try:
+                data = json.loads(path.read_text())
+                found[data["ref"]] = data["image"]
+            except (OSError, ValueError, KeyError):
+                continue
+        return found
+
+    def _ref_path(self, ref: str) -> Path:
+        return self.refs_dir / f"{hashlib.sha256(ref.encode()).hexdigest()[:32]}.json"
 
     def images(self) -> list[Image]:
         return [Image.from_json(p.read_text()) for p in sorted(self.images_dir.glob("img-*.json"))]

@@ -175,6 +175,12 @@ class ImageBody(BaseModel):
     env: list[list[str]]
     workdir: str
     services: list[list[str]]
+    user: str = ""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    ports: list[str] = []
+    source: str = ""
+    digest: str = ""
 
 
 class ErrorBody(BaseModel):

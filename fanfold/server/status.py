@@ -18,6 +18,7 @@ _STATUS: list[tuple[type[errors.FanfoldError], int]] = [
     (errors.HostNotReady, 503),
     (errors.InvalidRequest, 422),
     (errors.BuildFailed, 422),
+    (errors.ImageCorrupt, 422),
     (errors.ServiceFailed, 422),
     (errors.ExecTimeout, 422),
     (errors.CommandFailed, 422),
