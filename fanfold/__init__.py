@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
     from .config import EngineConfig
     from .errors import (
         BuildFailed, CapacityExceeded, CheckpointFailed, CommandFailed, ExecTimeout, FanfoldError,
-        FileNotFoundInSandbox, HostNotReady, ImageCorrupt, ImageNotFound, InfrastructureError, InvalidPath,
+        FileNotFoundInSandbox, HostNotReady, ImageCorrupt, ImageInUse, ImageNotFound, InfrastructureError, InvalidPath,
         InvalidRequest, InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, RegistryDenied,
         RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
         ToolError, Unauthorized,
@@ -47,7 +47,7 @@ _EXPORTS = {
     ".config": ("EngineConfig",),
     ".errors": (
         "BuildFailed", "CapacityExceeded", "CheckpointFailed", "CommandFailed", "ExecTimeout", "FanfoldError",
-        "FileNotFoundInSandbox", "HostNotReady", "ImageCorrupt", "ImageNotFound", "InfrastructureError",
+        "FileNotFoundInSandbox", "HostNotReady", "ImageCorrupt", "ImageInUse", "ImageNotFound", "InfrastructureError",
         "InvalidPath", "InvalidRequest", "InvalidSpec", "LeaseNotFound", "LimitExceeded", "NotFound",
         "PolicyUnavailable", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
         "ToolError", "Unauthorized",
@@ -86,6 +86,7 @@ __all__ = [
     "HostNotReady",
     "Image",
     "ImageCorrupt",
+    "ImageInUse",
     "ImageNotFound",
     "InfrastructureError",
     "InvalidPath",

@@ -15,6 +15,7 @@
     │   └── FileNotFoundInSandbox
     ├── SandboxGone             the sandbox was destroyed (deadline, kill, crash)
     ├── SnapshotInUse           a snapshot that sandboxes or later snapshots still need
+    ├── ImageInUse              an image that sandboxes or snapshots still use
     ├── BuildFailed             a spec step exited non-zero
     ├── ImageCorrupt            a pulled or imported layer does not match its digest, or is not a safe tree
     ├── ServiceFailed           a oneshot service of the image failed as a sandbox started
@@ -124,6 +125,12 @@ class SnapshotInUse(FanfoldError):
     """The snapshot cannot be deleted: sandboxes or later snapshots are made from it."""
 
     kind = "snapshot_in_use"
+
+
+class ImageInUse(FanfoldError):
+    """The image is used by sandboxes or snapshots; remove them first (or drop only its name)."""
+
+    kind = "image_in_use"
 
 
 class BuildFailed(FanfoldError):

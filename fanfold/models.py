@@ -142,6 +142,8 @@ class SandboxInfo:
     """0-10, for sticky sandboxes: under pressure the lowest go first."""
     idle_timeout: float | None = None
     """Seconds without a call before it is suspended (ephemeral: destroyed)."""
+    user: str = ""
+    """Whom its commands run as unless an exec says otherwise (``name[:group]``, ``uid[:gid]``; "" is root)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

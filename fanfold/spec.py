@@ -8,35 +8,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import InvalidSpec
+from .refs import BASES, is_image_id, is_image_ref
 
-BASES = ("host", "debian:bookworm")
-"""Bases fanfold makes itself; any other base is an image reference or a local image id."""
+__all__ = ["BASES", "EnvSpec", "Step", "check_user", "is_image_id", "is_image_ref", "is_repo_url", "sandbox_path"]
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
-# An image reference as the distribution project's grammar has it: [domain[:port]/]path[:tag][@digest].
-_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
-_REFERENCE = re.compile(
-    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
-    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
-)
-_IMAGE_ID = re.compile(r"^img-[0-9a-f]{16}$")
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
-
-
-def is_image_id(text: str) -> bool:
-    """True for a local image's id (``img-`` and 16 hex digits)."""
-    return isinstance(text, str) and bool(_IMAGE_ID.match(text))
-
-
-def is_image_ref(text: str) -> bool:
-    """True for a registry reference (``python:3.12-slim``, ``ghcr.io/org/env@sha256:...``,
-    ``localhost:5000/env:v1``) that is neither a fanfold base nor a local image id."""
-    if not isinstance(text, str) or text in BASES or is_image_id(text) or len(text) > 512:
-        return False
-    return bool(_REFERENCE.match(text))
 
 
 def check_user(user: str) -> str:
@@ -172,6 +152,15 @@ class EnvSpec:
     def expose(self, *ports: int | str) -> EnvSpec:
         """Note ports a service in the image listens on (``8000``, ``53/udp``); informational."""
         return self._add("expose", ports=tuple(_port(p) for p in ports))
+
+    @classmethod
+    def from_dockerfile(cls, path: str | Path, *, context: str | Path | None = None,
+                        build_args: dict[str, str] | None = None, target: str | None = None) -> EnvSpec:
+        """The spec a Dockerfile describes (its last stage, or the stage ``target``): COPY sources come
+        from ``context`` (default: the Dockerfile's directory), ``build_args`` override ARG defaults."""
+        from .images.dockerfile import from_dockerfile
+
+        return from_dockerfile(path, cls, context=context, build_args=build_args, target=target)
 
     def with_context(self, context: str | Path) -> EnvSpec:
         return replace(self, context=Path(context).absolute())

@@ -102,6 +102,16 @@ def image_from_json(data: dict[str, Any]) -> Image:
     return Image.from_dict(data)
 
 
+def pull_event_to_json(event: Any) -> dict[str, Any]:
+    return dict(event.__dict__)
+
+
+def pull_event_from_json(data: dict[str, Any]) -> Any:
+    from .images.oci import PullEvent  # the pull machinery loads only when a pull is watched
+
+    return PullEvent(**data)
+
+
 def event_to_json(event: StepEvent) -> dict[str, Any]:
     return dict(event.__dict__)
 

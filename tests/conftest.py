@@ -52,14 +52,17 @@ class Server:
     tokens: dict[str, str]
 
 
-def start_server(state_dir: Path, where: Path, *extra: str) -> Server:
-    """``fanfold serve`` in its own process, on a unix socket and a free TCP port; waits until it listens."""
+def start_server(state_dir: Path, where: Path, *extra: str, env: dict[str, str] | None = None) -> Server:
+    """``fanfold serve`` in its own process, on a unix socket and a free TCP port; waits until it listens.
+
+    It gets none of this process's FANFOLD_ variables, only those of ``env``."""
     tokens_file = where / "tokens"
     tokens_file.write_text("".join(f"{tenant} {token}\n" for tenant, token in TOKENS.items()))
     process = subprocess.Popen(
         [sys.executable, "-m", "fanfold.cli", "--state-dir", str(state_dir), "serve", "--socket", str(where / "ff.sock"),
          "--port", "0", "--tokens-file", str(tokens_file), *extra],
-        stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("FANFOLD_")},
+        stdout=subprocess.PIPE, text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("FANFOLD_")}, **(env or {})},
     )
     assert process.stdout is not None
     ready, _, _ = select.select([process.stdout], [], [], 120)

@@ -10,6 +10,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <grp.h>
 #include <fcntl.h>
 #include <net/if.h>
 #include <poll.h>
@@ -38,6 +39,7 @@ extern char **environ;
 #define CHUNK (64 * 1024)     /* one `o`/`r` frame at most */
 #define DRAIN_US 100000       /* forward leftovers this long after the child exits */
 #define DEFAULT_LIMIT 16777216ULL
+#define MAX_GROUPS 256        /* supplementary groups one `u` frame may name */
 
 enum { K_NEW, K_PING, K_WAIT, K_EXEC };
 enum { S_SETUP, S_RUN, S_DRAIN, S_DONE };
@@ -56,6 +58,7 @@ struct conn {
 	char **argv, **envp, *cwd;
 	int argc, envc, stdin_pipe, bad;
 	unsigned long long timeout_ms, limit;
+	struct user *user; /* the `u` frame: whom the child runs as (NULL: as the agent) */
 	/* running command */
 	pid_t pid;
 	int fds[2], in_fd; /* stdout/stderr read ends, stdin write end */
@@ -65,6 +68,13 @@ struct conn {
 	int trunc[2], timed_out, status;
 	int64_t t_start, t_end, deadline, drain_deadline;
 	int pi_sock, pi_fd[2], pi_in; /* indexes into this round's pollfd array */
+};
+
+struct user {
+	uid_t uid;
+	gid_t gid;
+	int ngroups;
+	gid_t groups[MAX_GROUPS];
 };
 
 struct service {
@@ -107,11 +117,12 @@ static void set_nonblock(int fd)
 
 /* What failed before a command could run: the caller's cwd must be named
  * apart from the program, or a missing directory reads as a missing /bin/sh. */
-enum stage { STAGE_EXEC, STAGE_CHDIR };
+enum stage { STAGE_EXEC, STAGE_CHDIR, STAGE_USER };
 
 /* Runs in the forked child: never returns. Failures before exec go to the
  * parent as a raw {errno, stage} over errfd (closed by a successful exec). */
-static void child(char **argv, char **envp, const char *cwd, int in, int out, int err, int errfd)
+static void child(char **argv, char **envp, const char *cwd, const struct user *u, int in, int out, int err,
+		  int errfd)
 {
 	struct sigaction sa = { .sa_handler = SIG_DFL };
 	sigset_t none;
@@ -135,6 +146,11 @@ static void child(char **argv, char **envp, const char *cwd, int in, int out, in
 		goto fail;
 	if (nofile.rlim_max) /* after the opens above: they may need the raised limit */
 		setrlimit(RLIMIT_NOFILE, &nofile);
+	/* groups first, uid last: each step needs the rights the next one drops */
+	if (u && (setgroups(u->ngroups, u->groups) < 0 || setgid(u->gid) < 0 || setuid(u->uid) < 0)) {
+		report[1] = STAGE_USER;
+		goto fail;
+	}
 	if (chdir(cwd) < 0) {
 		report[1] = STAGE_CHDIR;
 		goto fail;
@@ -150,7 +166,8 @@ fail:
 /* Fork and exec; returns the pid, or -1 with *errp set (and *stagep, when
  * given, saying whether the cwd or the exec failed). Waits only until the
  * child has exec'd (or failed), which is immediate in practice. */
-static pid_t spawn(char **argv, char **envp, const char *cwd, int in, int out, int err, int *errp, int *stagep)
+static pid_t spawn(char **argv, char **envp, const char *cwd, const struct user *u, int in, int out, int err,
+		   int *errp, int *stagep)
 {
 	int ep[2], report[2];
 	ssize_t n;
@@ -160,7 +177,7 @@ static pid_t spawn(char **argv, char **envp, const char *cwd, int in, int out, i
 		return *errp = errno, -1;
 	if ((pid = fork()) == 0) {
 		close(ep[0]);
-		child(argv, envp, cwd, in, out, err, ep[1]);
+		child(argv, envp, cwd, u, in, out, err, ep[1]);
 	}
 	close(ep[1]);
 	if (pid < 0) {
@@ -290,7 +307,8 @@ static void maybe_finish(struct conn *c)
 
 static void fail(struct conn *c, int e, int stage)
 {
-	putf(c, 'f', "%d %s %s", e, stage == STAGE_CHDIR ? "chdir" : "exec", strerror(e));
+	putf(c, 'f', "%d %s %s", e, stage == STAGE_CHDIR ? "chdir" : stage == STAGE_USER ? "user" : "exec",
+	     strerror(e));
 	c->state = S_DONE;
 	c->close_after = 1;
 }
@@ -306,7 +324,7 @@ static void start_exec(struct conn *c)
 		e = errno;
 	if (!e) {
 		c->t_start = now_us();
-		c->pid = spawn(c->argv, c->envp ? c->envp : empty_env, c->cwd ? c->cwd : "/",
+		c->pid = spawn(c->argv, c->envp ? c->envp : empty_env, c->cwd ? c->cwd : "/", c->user,
 			       in[0], out[1], err[1], &e, &stage);
 	}
 	xclose(&in[0]);
@@ -410,13 +428,43 @@ static unsigned long long parse_num(struct conn *c, const char *s)
 	return v;
 }
 
+/* A uid or gid: (uid_t)-1 means "unchanged" to the kernel, so it is refused too. */
+static unsigned long long parse_id(struct conn *c, const char *s)
+{
+	unsigned long long v = parse_num(c, s);
+	if (v >= 0xffffffffULL)
+		c->bad = 1;
+	return v;
+}
+
+/* `u` payload: "UID GID" then, optionally, " G1,G2,..." (the supplementary groups). */
+static void parse_user(struct conn *c, char *pl)
+{
+	char *uid = strtok(pl, " "), *gid = strtok(NULL, " "), *groups = strtok(NULL, " "), *g;
+
+	free(c->user);
+	if (!uid || !gid || strtok(NULL, " ") || !(c->user = calloc(1, sizeof *c->user))) {
+		c->bad = 1;
+		return;
+	}
+	c->user->uid = (uid_t)parse_id(c, uid);
+	c->user->gid = (gid_t)parse_id(c, gid);
+	for (g = groups ? strtok(groups, ",") : NULL; g; g = strtok(NULL, ",")) {
+		if (c->user->ngroups == MAX_GROUPS) {
+			c->bad = 1;
+			return;
+		}
+		c->user->groups[c->user->ngroups++] = (gid_t)parse_id(c, g);
+	}
+}
+
 /* Takes ownership of pl (NUL-terminated, n bytes). */
 static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 {
 	if (c->kind == K_NEW) {
 		if (t == 'h') {
 			c->kind = K_PING;
-			put(c, 'h', "fanfold-agent 1");
+			put(c, 'h', "fanfold-agent 2");
 			c->close_after = 1;
 		} else if (t == 'w') {
 			c->kind = K_WAIT;
@@ -424,7 +472,7 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 				put(c, 'w', ready_msg);
 				c->close_after = 1;
 			}
-		} else if (t && strchr("aectlsx", t)) {
+		} else if (t && strchr("aectlsux", t)) {
 			c->kind = K_EXEC;
 		} else {
 			host_gone(c);
@@ -442,7 +490,9 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 		case 't': c->timeout_ms = parse_num(c, pl); break;
 		case 'l': c->limit = parse_num(c, pl); break;
 		case 's': c->stdin_pipe = strcmp(pl, "pipe") == 0; break;
+		case 'u': parse_user(c, pl); break;
 		case 'x': start_exec(c); break;
+		default: c->bad = 1; /* a frame we do not know: refuse rather than half-honour */
 		}
 	} else if (c->state == S_RUN || c->state == S_DRAIN) {
 		if (t == 'i' && c->in_fd >= 0) {
@@ -524,6 +574,7 @@ static void free_conn(struct conn *c)
 	free(c->argv);
 	free(c->envp);
 	free(c->cwd);
+	free(c->user);
 	free(c->pl);
 	free(c->ob);
 	free(c);
@@ -584,7 +635,7 @@ static int start_service(struct service *s)
 	log = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
 	if (log < 0)
 		log = open("/dev/null", O_WRONLY | O_CLOEXEC);
-	s->pid = spawn(argv, environ, *svc_root ? svc_root : "/", -1, log, log, &e, NULL);
+	s->pid = spawn(argv, environ, *svc_root ? svc_root : "/", NULL, -1, log, log, &e, NULL);
 	close(log);
 	return s->pid > 0 ? 0 : -1;
 }

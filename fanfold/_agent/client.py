@@ -12,8 +12,31 @@ _MAX_FRAME = 1 << 20
 OnChunk = Callable[[str, bytes], Awaitable[None] | None]
 
 
+PROTOCOL_VERSION = 2
+"""What this client speaks: version 2 added the ``u`` frame (run the command as a user)."""
+
+
 class AgentUnreachable(Exception):
     """The agent's socket refused us or the connection broke mid-request."""
+
+
+class AgentTooOld(Exception):
+    """The agent (restored from an older memory snapshot) cannot do what was asked."""
+
+
+@dataclass(frozen=True)
+class ExecUser:
+    """Whom a command runs as: the ``u`` frame's uid, gid and supplementary gids."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def payload(self) -> bytes:
+        text = f"{self.uid} {self.gid}"
+        if self.groups:
+            text += " " + ",".join(str(g) for g in self.groups)
+        return text.encode()
 
 
 @dataclass
@@ -82,12 +105,31 @@ class AgentClient:
         max_output: int,
         stdin: bytes | None = None,
         on_chunk: OnChunk | None = None,
+        user: ExecUser | None = None,
     ) -> RawExec:
+        """Run one command; with ``user``, the ``u`` frame goes first, so an agent of protocol 1
+        (which knows no ``u``) drops the connection instead of running the command as root."""
+        try:
+            return await self._exec(argv, env, cwd, timeout_ms, max_output, stdin, on_chunk, user)
+        except AgentUnreachable:
+            if user is not None and await self._version() < PROTOCOL_VERSION:
+                raise AgentTooOld("this sandbox's agent predates running commands as a user") from None
+            raise
+
+    async def _version(self) -> int:
+        try:
+            return int((await self.ping()).rpartition(" ")[2])
+        except (AgentUnreachable, ValueError):
+            return PROTOCOL_VERSION  # unknown: the first error stands
+
+    async def _exec(self, argv: list[str], env: list[str], cwd: str, timeout_ms: int, max_output: int,
+                    stdin: bytes | None, on_chunk: OnChunk | None, user: ExecUser | None) -> RawExec:
         reader, writer = await self._connect()
         result = RawExec()
         feeder: asyncio.Task[None] | None = None
         try:
-            frames = [_frame(b"a", arg.encode()) for arg in argv]
+            frames = [] if user is None else [_frame(b"u", user.payload())]
+            frames += [_frame(b"a", arg.encode()) for arg in argv]
             frames += [_frame(b"e", item.encode()) for item in env]
             frames += [_frame(b"c", cwd.encode()), _frame(b"t", str(timeout_ms).encode())]
             frames.append(_frame(b"l", str(max_output).encode()))

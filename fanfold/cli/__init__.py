@@ -81,7 +81,8 @@ def _limits_options(fn):  # type: ignore[no-untyped-def]
     fn = click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable (repeatable).")(fn)
     fn = _resource_options(fn)
     return click.option("--image", default="host", show_default=True,
-                        help="Image id or base name (host, debian:bookworm), or a snapshot id or name.")(fn)
+                        help="Image: a base (host, debian:bookworm), an image id, a reference (python:3.12-slim,"
+                             " pulled on first use), or a snapshot id or name.")(fn)
 
 
 def _pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
@@ -110,8 +111,21 @@ class FanfoldGroup(click.Group):
     """Turns fanfold's errors into one clear line and exit status 2, never a traceback;
     Ctrl-C into exit status 130 once the command has been cancelled and cleaned up."""
 
-    lazy = {"traj": _LazyCommand("traj", "fanfold.cli.traj:traj",
-                                 "Trajectories of RL rollouts: list, show, export, dedupe, expire.")}
+    lazy = {
+        "traj": _LazyCommand("traj", "fanfold.cli.traj:traj",
+                             "Trajectories of RL rollouts: list, show, export, dedupe, expire."),
+        "pull": _LazyCommand("pull", "fanfold.cli.images:pull",
+                             "Pull image REF from its registry (python:3.12-slim, host:5000/env@sha256:...); print its id."),
+        "import": _LazyCommand("import", "fanfold.cli.images:import_", "Import an image from PATH: a `docker save`"
+                               " tarball, an OCI archive or an OCI layout directory."),
+        "images": _LazyCommand("images", "fanfold.cli.images:images",
+                               "List images: their names, where they came from, layers and size on disk."),
+        "rmi": _LazyCommand("rmi", "fanfold.cli.images:rmi",
+                            "Remove images by id or name; `fanfold gc` then frees layers nothing uses."),
+        "login": _LazyCommand("login", "fanfold.cli.images:login", "Log in to REGISTRY (host[:port]); pulls then use"
+                              " the credentials, kept in the state dir (mode 0600)."),
+        "logout": _LazyCommand("logout", "fanfold.cli.images:logout", "Forget the credentials kept for REGISTRY."),
+    }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy])
@@ -197,12 +211,24 @@ def _sandbox_check(ctx: click.Context) -> Check:
 
 
 @main.command()
-@click.argument("specfile", type=click.Path(exists=True, dir_okay=False))
+@click.argument("specfile", required=False, type=click.Path(exists=True))
+@click.option("-f", "--dockerfile", type=click.Path(exists=True, dir_okay=False),
+              help="Build this Dockerfile; SPECFILE, if given, is then its build context directory.")
+@click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE", help="Set a Dockerfile ARG (repeatable).")
+@click.option("--target", help="The Dockerfile stage to build (default: the last).")
 @click.option("--json", "as_json", is_flag=True, help="Print the image as JSON.")
 @click.pass_context
-def build(ctx: click.Context, specfile: str, as_json: bool) -> None:
-    """Build the EnvSpec named `spec` in SPECFILE (a Python file)."""
-    spec = _load_spec(specfile)
+def build(ctx: click.Context, specfile: str | None, dockerfile: str | None, build_args: tuple[str, ...],
+          target: str | None, as_json: bool) -> None:
+    """Build the EnvSpec named `spec` in SPECFILE (a Python file), or a Dockerfile: SPECFILE named
+    `Dockerfile`, `*.Dockerfile` or `Dockerfile.*`, a directory holding a `Dockerfile`, or `-f FILE`."""
+    spec = _load_dockerfile(specfile, dockerfile, build_args, target)
+    if spec is None:
+        if specfile is None:
+            raise click.UsageError("give a spec file (Python), a Dockerfile, or -f DOCKERFILE")
+        if build_args or target:
+            raise click.UsageError("--build-arg and --target apply to Dockerfiles; SPECFILE is a Python spec file")
+        spec = _load_spec(specfile)
 
     def show(event: StepEvent) -> None:
         if event.status == "running":
@@ -215,6 +241,32 @@ def build(ctx: click.Context, specfile: str, as_json: bool) -> None:
     with _fleet(ctx) as fleet:
         image = fleet.build(spec, on_step=show)
     click.echo(image.to_json() if as_json else image.id)
+
+
+def _load_dockerfile(specfile: str | None, dockerfile: str | None, build_args: tuple[str, ...],
+                     target: str | None) -> EnvSpec | None:
+    """The spec of the Dockerfile the arguments name, or None when SPECFILE is a Python spec file."""
+    from ..spec import EnvSpec
+
+    context = None
+    if dockerfile is None and specfile is not None and Path(specfile).is_dir():
+        dockerfile, context = str(Path(specfile) / "Dockerfile"), specfile
+        if not Path(dockerfile).is_file():
+            raise click.UsageError(f"directory {specfile} holds no Dockerfile: name one with -f")
+    elif dockerfile is not None:
+        if specfile is not None and not Path(specfile).is_dir():
+            raise click.UsageError(f"with -f, SPECFILE is the build context and must be a directory: {specfile}")
+        context = specfile
+    elif specfile is None or not _is_dockerfile_name(Path(specfile).name):
+        return None
+    else:
+        dockerfile = specfile
+    return EnvSpec.from_dockerfile(dockerfile, context=context, build_args=_pairs(build_args, "--build-arg"),
+                                   target=target)
+
+
+def _is_dockerfile_name(name: str) -> bool:
+    return name == "Dockerfile" or name.endswith(".Dockerfile") or name.startswith("Dockerfile.")
 
 
 def _load_spec(specfile: str) -> EnvSpec:
@@ -293,24 +345,37 @@ def _exit_with(result: ExecResult) -> None:
 
 _CWD = click.option("--cwd", default=None, metavar="DIR", help="Working directory inside the sandbox (default: the image's).")
 _TIMEOUT = click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
+_USER = click.option("-u", "--user", default=None, metavar="USER[:GROUP]",
+                     help="Run as this user (a name or uid, resolved in the sandbox's /etc/passwd); default: the image's USER, else root.")
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @_limits_options
 @_TIMEOUT
 @_CWD
-@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@_USER
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, cmd) -> None:  # type: ignore[no-untyped-def]
+def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, cmd) -> None:  # type: ignore[no-untyped-def]
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
-    Our stdin goes to CMD when it is a pipe or a file. Ctrl-C kills CMD and the sandbox (exit 130).
+    With no CMD, runs the image's default command (its entrypoint and cmd). Our stdin goes to
+    CMD when it is a pipe or a file. Ctrl-C kills CMD and the sandbox (exit 130).
     """
     with _fleet(ctx) as fleet:
         with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
-                          env=_pairs(env, "--env")) as sandbox:
-            result = _exec(sandbox, cmd, timeout=timeout, cwd=cwd)
+                          env=_pairs(env, "--env"), user=user) as sandbox:
+            result = _exec(sandbox, cmd or _default_command(fleet, sandbox.info.image_id, image), timeout=timeout, cwd=cwd)
     _exit_with(result)
+
+
+def _default_command(fleet: Fleet, image_id: str, asked: str) -> tuple[str, ...]:
+    """The image's entrypoint and cmd: what `fanfold run IMAGE` runs with no command."""
+    found = next((img for img in fleet.images() if img.id == image_id), None)
+    argv = (*found.entrypoint, *found.cmd) if found is not None else ()
+    if not argv:
+        raise click.UsageError(f"image {asked!r} has no default command (no ENTRYPOINT or CMD): give one after the image")
+    return argv
 
 
 @main.command()
@@ -324,9 +389,10 @@ def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, cmd) -> N
               help="Eviction order of sticky sandboxes under pressure: the lowest go first.")
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Suspend it (ephemeral: destroy it) after this long without a call.")
+@_USER
 @click.pass_context
 def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  # type: ignore[no-untyped-def]
-           persistence, priority, idle_timeout) -> None:
+           persistence, priority, idle_timeout, user) -> None:
     """Create a sandbox that outlives this command; print its id.
 
     --image also takes a snapshot id or name, to start from a snapshot.
@@ -334,7 +400,8 @@ def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  #
     with _fleet(ctx) as fleet:
         sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
                                env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
-                               detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout)
+                               detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
+                               user=user)
     click.echo(sandbox.id)
 
 
@@ -343,15 +410,16 @@ def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  #
 @_TIMEOUT
 @_CWD
 @click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable for CMD (repeatable).")
+@_USER
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
-def exec_(ctx, sandbox_id, timeout, cwd, env, cmd) -> None:  # type: ignore[no-untyped-def]
+def exec_(ctx, sandbox_id, timeout, cwd, env, user, cmd) -> None:  # type: ignore[no-untyped-def]
     """Run CMD in sandbox SANDBOX_ID, streaming its output; exit with its status.
 
     Our stdin goes to CMD when it is a pipe or a file. Ctrl-C kills CMD (exit 130).
     """
     with _fleet(ctx) as fleet:
-        result = _exec(fleet.get(sandbox_id), cmd, timeout=timeout, cwd=cwd, env=_pairs(env, "--env"))
+        result = _exec(fleet.get(sandbox_id), cmd, timeout=timeout, cwd=cwd, env=_pairs(env, "--env"), user=user)
     _exit_with(result)
 
 
@@ -532,21 +600,16 @@ def rm_snapshot(ctx: click.Context, snapshot_ids: tuple[str, ...]) -> None:
 @main.command()
 @click.pass_context
 def gc(ctx: click.Context) -> None:
-    """Delete the snapshots that are unnamed and that no sandbox or later snapshot needs; print their ids."""
+    """Delete unnamed snapshots no sandbox or later snapshot needs, and layers no image, snapshot or
+    sandbox uses; print what went."""
     with _fleet(ctx) as fleet:
         removed = fleet.gc()
-    for snapshot_id in removed:
-        click.echo(snapshot_id)
-    console.print(f"removed {len(removed)} snapshot{'' if len(removed) == 1 else 's'}", highlight=False)
-
-
-@main.command()
-@click.pass_context
-def images(ctx: click.Context) -> None:
-    """List built images."""
-    with _fleet(ctx) as fleet:
-        for image in fleet.images():
-            click.echo(f"{image.id}  base={image.base}  layers={len(image.layers)}  workdir={image.workdir}")
+    for item in removed:
+        click.echo(item)
+    layers = sum(1 for item in removed if item.startswith("layer:"))
+    snapshots = len(removed) - layers
+    console.print(f"removed {snapshots} snapshot{'' if snapshots == 1 else 's'} and {layers}"
+                  f" layer{'' if layers == 1 else 's'}", highlight=False)
 
 
 @main.command()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remot
     from ..engine.api import OnOutput
     from ..images import Image
     from ..images.builder import OnStep
+    from ..images.oci import OnPull
     from ..engine.api import EngineAPI as Transport
 
 
@@ -64,7 +65,32 @@ class AsyncFleet:
         return await self._transport.build(spec, on_step)
 
     async def images(self) -> list[Image]:
+        """Every image on the host: ``source`` says where each came from, ``names`` what names it."""
         return await self._transport.images()
+
+    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image:
+        """Pull an image from its registry (``python:3.12-slim``, ``ghcr.io/org/env@sha256:...``).
+
+        Layers already on the host are not fetched again; ``platform`` (``linux/arm64``) picks from a
+        multi-arch index (default: this host's); ``on_progress`` gets a ``PullEvent`` per layer."""
+        return await self._transport.pull(ref, platform=platform, on_progress=on_progress)
+
+    async def import_image(self, path: str | Path, *, ref: str | None = None,
+                           on_progress: OnPull | None = None) -> Image:
+        """Import a ``docker save`` tarball, an OCI archive or an OCI layout directory (sent to a server)."""
+        return await self._transport.import_image(path, ref=ref, on_progress=on_progress)
+
+    async def remove_image(self, ref: str, *, force: bool = False) -> str:
+        """Remove an image by id or reference; returns its id. Refused (``ImageInUse``) while sandboxes
+        or snapshots use it, unless ``force``, which drops only the name. ``gc()`` frees its layers."""
+        return await self._transport.remove_image(ref, force=force)
+
+    async def login(self, registry: str, username: str, password: str) -> None:
+        """Check credentials against ``registry`` (``host[:port]``) and keep them for pulls."""
+        await self._transport.login(registry, username, password)
+
+    async def logout(self, registry: str) -> None:
+        await self._transport.logout(registry)
 
     async def create(
         self,
@@ -82,6 +108,7 @@ class AsyncFleet:
         priority: int = 0,
         idle_timeout: float | None = None,
         queue_timeout: float | None = None,
+        user: str | None = None,
     ) -> AsyncSandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -89,14 +116,15 @@ class AsyncFleet:
         gets the host's default deadline, an hour unless configured); ``persistence`` and
         ``priority`` (0-10) say what becomes of it when idle or when the host runs short (see
         ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
-        (default 300), before a retryable CapacityExceeded.
+        (default 300), before a retryable CapacityExceeded. ``user`` (``name[:group]`` or
+        ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
         """
         limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
         source = image.id if isinstance(image, SnapshotInfo) else image
         info = await self._transport.create(
             source, limits=limits, env=env, labels=labels, deadline=deadline, detached=detached,
             persistence=_persistence(persistence), priority=priority, idle_timeout=idle_timeout,
-            queue_timeout=queue_timeout,
+            queue_timeout=queue_timeout, user=user,
         )
         return AsyncSandbox(self, info)
 
@@ -165,7 +193,8 @@ class AsyncFleet:
         await self._transport.delete_snapshot(snapshot_id)
 
     async def gc(self) -> list[str]:
-        """Delete the snapshots that are unnamed and that nothing needs; returns their ids."""
+        """Delete the snapshots that are unnamed and that nothing needs, and (for the host's own
+        callers) layers no image, snapshot or sandbox uses; returns what went."""
         return await self._transport.gc()
 
 
@@ -209,10 +238,13 @@ class AsyncSandbox:
         timeout: float | None = None,
         max_output: int | None = None,
         on_output: OnOutput | None = None,
+        user: str | None = None,
     ) -> ExecResult:
-        """Run a shell string or argv list; ``on_output(stream, data)`` sees output as it comes."""
+        """Run a shell string or argv list; ``on_output(stream, data)`` sees output as it comes.
+        ``user`` runs it as that user (default: the sandbox's, see ``create``)."""
         return await self._transport.exec(
-            self.id, cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output, on_output=on_output
+            self.id, cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output, on_output=on_output,
+            user=user,
         )
 
     async def exec_stream(
@@ -224,6 +256,7 @@ class AsyncSandbox:
         stdin: bytes | str | None = None,
         timeout: float | None = None,
         max_output: int | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[OutputChunk | ExecResult]:
         """Yield output chunks as the command runs, then its ExecResult last."""
         # Unbounded is safe: the agent caps each stream at max_output.
@@ -233,7 +266,8 @@ class AsyncSandbox:
             queue.put_nowait(OutputChunk(stream=stream, data=data))
 
         task = asyncio.create_task(
-            self.exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output, on_output=push)
+            self.exec(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output, on_output=push,
+                      user=user)
         )
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import tarfile
+import tempfile
 import uuid
 from pathlib import Path
 from contextlib import aclosing, asynccontextmanager
@@ -32,6 +33,7 @@ from ._h1 import Client, ConnectionLost, Response
 
 if TYPE_CHECKING:
     from ..engine.api import OnOutput
+    from ..images.oci import OnPull
 
 log = logging.getLogger("fanfold.client")
 CHUNK = 1 << 20
@@ -187,6 +189,47 @@ class HttpTransport:
     async def images(self) -> list[Image]:
         return [wire.image_from_json(i) for i in await self._json("GET", "/v1/images")]
 
+    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image:
+        body = {"ref": ref, "platform": platform}
+        return await self._image_stream("POST", "/v1/images/pull", on_progress, json=body)
+
+    async def import_image(self, path: str | Path, *, ref: str | None = None,
+                           on_progress: OnPull | None = None) -> Image:
+        local = Path(path)
+        if not local.exists():
+            raise InvalidRequest(f"no file or directory {str(path)!r} to import")
+        # An OCI layout directory travels as an OCI archive: the same files in one tar.
+        archive = await asyncio.to_thread(_tar_dir, local) if local.is_dir() else None
+        params = {"ref": ref} if ref else {}
+        try:
+            return await self._image_stream(
+                "POST", "/v1/images/import", on_progress, data=_read_chunks(archive or local), params=params,
+                headers={"Content-Type": "application/x-tar"},
+            )
+        finally:
+            if archive is not None:
+                archive.unlink(missing_ok=True)
+
+    async def _image_stream(self, method: str, path: str, on_progress: OnPull | None, **kwargs: Any) -> Image:
+        async with aclosing(self._lines(method, path, **kwargs)) as lines:
+            async for item in lines:
+                if "event" in item and on_progress is not None:
+                    on_progress(wire.pull_event_from_json(item["event"]))
+                elif "image" in item:
+                    return wire.image_from_json(item["image"])
+        raise InfrastructureError("the server ended the pull without an image")
+
+    async def remove_image(self, ref: str, *, force: bool = False) -> str:
+        done = await self._json("DELETE", "/v1/images", params={"ref": ref, "force": "true" if force else "false"})
+        return done["id"]
+
+    async def login(self, registry: str, username: str, password: str) -> None:
+        await self._json("POST", "/v1/registries/login", json={"registry": registry, "username": username,
+                                                               "password": password})
+
+    async def logout(self, registry: str) -> None:
+        await self._json("POST", "/v1/registries/logout", json={"registry": registry})
+
     async def _make(self, path: str, body: dict[str, Any]) -> Any:
         """POST a create or fork, retried on connection loss and 429/503 under one X-Request-ID."""
         request_id = uuid.uuid4().hex
@@ -208,7 +251,7 @@ class HttpTransport:
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
         persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
-        queue_timeout: float | None = None,
+        queue_timeout: float | None = None, user: str | None = None,
     ) -> SandboxInfo:
         limits = limits or Limits()
         body = {
@@ -216,7 +259,7 @@ class HttpTransport:
             "env": env or {}, "labels": labels or {}, "deadline": deadline, "detached": detached,
             "persistence": persistence, "priority": priority, "idle_timeout": idle_timeout,
             "lease": self.lease.id if self.lease is not None and not detached and persistence == "ephemeral" else None,
-            "queue_timeout": queue_timeout,
+            "queue_timeout": queue_timeout, "user": user,
         }
         info = wire.info_from_json(await self._make("/v1/sandboxes", body))
         self._track(info)
@@ -295,12 +338,12 @@ class HttpTransport:
     async def exec(
         self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
         stdin: bytes | str | None = None, timeout: float | None = None, max_output: int | None = None,
-        on_output: OnOutput | None = None,
+        on_output: OnOutput | None = None, user: str | None = None,
     ) -> ExecResult:
         # The engine's own checks, so bad arguments fail here exactly as they do in-process.
         _, stdin_bytes, _ = check_exec_args(cmd, stdin, timeout, max_output, 0)
         body = {"cmd": cmd, "cwd": cwd, "env": env or {}, "timeout": timeout, "max_output": max_output,
-                "stdin": None if stdin_bytes is None else wire.b64(stdin_bytes)}
+                "stdin": None if stdin_bytes is None else wire.b64(stdin_bytes), "user": user}
         path = _sandbox(sandbox_id) + "/exec"
         if on_output is None:
             return wire.result_from_json(await self._json("POST", path, json=body, headers={"Accept": "application/json"}))
@@ -381,6 +424,19 @@ async def _read_chunks(path: Path) -> AsyncIterator[bytes]:
     with open(path, "rb") as handle:
         while chunk := await asyncio.to_thread(handle.read, CHUNK):
             yield chunk
+
+
+def _tar_dir(directory: Path) -> Path:
+    """An OCI layout directory as one uncompressed tar (an OCI archive) in a temp file; the caller removes it."""
+    handle, name = tempfile.mkstemp(prefix="fanfold-import-", suffix=".tar")
+    try:
+        with os.fdopen(handle, "wb") as out, tarfile.open(fileobj=out, mode="w") as tar:
+            for child in sorted(directory.iterdir()):
+                tar.add(child, arcname=child.name)
+    except BaseException:
+        os.unlink(name)
+        raise
+    return Path(name)
 
 
 def _build_request(spec: EnvSpec) -> tuple[bytes, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from ..config import EngineConfig
 from ..images import Image
@@ -18,6 +18,9 @@ from ..spec import EnvSpec
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
 from ._fanout import AsyncRollouts, RolloutFn, RolloutResult, RolloutStats
 from ._portal import Portal
+
+if TYPE_CHECKING:
+    from ..images.oci import OnPull
 
 OnOutputSync = Callable[[str, bytes], None]
 
@@ -84,7 +87,27 @@ class Fleet:
         return self._call(self._async.build(spec, on_step=on_step))
 
     def images(self) -> list[Image]:
+        """Every image on the host: ``source`` says where each came from, ``names`` what names it."""
         return self._call(self._async.images())
+
+    def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image:
+        """Pull an image from its registry; layers already on the host are not fetched again."""
+        return self._call(self._async.pull(ref, platform=platform, on_progress=on_progress))
+
+    def import_image(self, path: str | Path, *, ref: str | None = None, on_progress: OnPull | None = None) -> Image:
+        """Import a ``docker save`` tarball, an OCI archive or an OCI layout directory."""
+        return self._call(self._async.import_image(path, ref=ref, on_progress=on_progress))
+
+    def remove_image(self, ref: str, *, force: bool = False) -> str:
+        """Remove an image by id or reference (``ImageInUse`` while sandboxes or snapshots use it)."""
+        return self._call(self._async.remove_image(ref, force=force))
+
+    def login(self, registry: str, username: str, password: str) -> None:
+        """Check credentials against ``registry`` and keep them for pulls."""
+        self._call(self._async.login(registry, username, password))
+
+    def logout(self, registry: str) -> None:
+        self._call(self._async.logout(registry))
 
     def create(
         self,
@@ -102,6 +125,7 @@ class Fleet:
         priority: int = 0,
         idle_timeout: float | None = None,
         queue_timeout: float | None = None,
+        user: str | None = None,
     ) -> Sandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -109,12 +133,13 @@ class Fleet:
         gets the host's default deadline, an hour unless configured); ``persistence`` and
         ``priority`` (0-10) say what becomes of it when idle or when the host runs short (see
         ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
-        (default 300), before a retryable CapacityExceeded.
+        (default 300), before a retryable CapacityExceeded. ``user`` (``name[:group]`` or
+        ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
         """
         inner = self._call(self._async.create(
             image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, env=env, labels=labels,
             deadline=deadline, detached=detached, persistence=persistence, priority=priority,
-            idle_timeout=idle_timeout, queue_timeout=queue_timeout,
+            idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user,
         ))
         return Sandbox(self, inner)
 
@@ -183,7 +208,7 @@ class Fleet:
         self._call(self._async.delete_snapshot(snapshot_id))
 
     def gc(self) -> list[str]:
-        """Delete the snapshots that are unnamed and that nothing needs; returns their ids."""
+        """Delete unnamed snapshots nothing needs and layers nothing uses; returns what went."""
         return self._call(self._async.gc())
 
 
@@ -255,10 +280,13 @@ class Sandbox:
         timeout: float | None = None,
         max_output: int | None = None,
         on_output: OnOutputSync | None = None,
+        user: str | None = None,
     ) -> ExecResult:
-        """Run a shell string or argv list; ``on_output(stream, data)`` sees output as it comes."""
+        """Run a shell string or argv list; ``on_output(stream, data)`` sees output as it comes.
+        ``user`` runs it as that user (default: the sandbox's, see ``create``)."""
         return self._fleet._call(self._async.exec(
-            cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output, on_output=on_output
+            cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output, on_output=on_output,
+            user=user,
         ))
 
     def exec_stream(
@@ -270,9 +298,11 @@ class Sandbox:
         stdin: bytes | str | None = None,
         timeout: float | None = None,
         max_output: int | None = None,
+        user: str | None = None,
     ) -> Iterator[OutputChunk | ExecResult]:
         """Yield output chunks as the command runs, then its ExecResult last."""
-        stream = self._async.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output)
+        stream = self._async.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output,
+                                         user=user)
         return self._fleet._iterate(stream)
 
     def kill(self) -> None:

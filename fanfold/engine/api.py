@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # a contract for type checkers: importing it loads nothing mo
 
     from ..images import Image
     from ..images.builder import OnStep
+    from ..images.oci import OnPull
     from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
     from ..spec import EnvSpec
 
@@ -37,12 +38,18 @@ class EngineAPI(Protocol):
     async def close(self) -> None: ...
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image: ...
     async def images(self) -> list[Image]: ...
+    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image: ...
+    async def import_image(self, path: str | Path, *, ref: str | None = None,
+                           on_progress: OnPull | None = None) -> Image: ...
+    async def remove_image(self, ref: str, *, force: bool = False) -> str: ...
+    async def login(self, registry: str, username: str, password: str) -> None: ...
+    async def logout(self, registry: str) -> None: ...
 
     async def create(
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
         persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
-        queue_timeout: float | None = None,
+        queue_timeout: float | None = None, user: str | None = None,
     ) -> SandboxInfo: ...
 
     async def set_pool(self, image: str | Image, size: int | None, *, limits: Limits | None = None,
@@ -71,7 +78,7 @@ class EngineAPI(Protocol):
     async def exec(
         self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
         stdin: bytes | str | None = None, timeout: float | None = None, max_output: int | None = None,
-        on_output: OnOutput | None = None,
+        on_output: OnOutput | None = None, user: str | None = None,
     ) -> ExecResult: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...

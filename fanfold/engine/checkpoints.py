@@ -136,6 +136,7 @@ class Checkpoints:
                 snap.id, limits=parent.limits, env=env, labels=parent.labels, deadline=deadline,
                 detached=parent.detached, tenant=row["tenant"], persistence=parent.persistence,
                 priority=parent.priority, idle_timeout=parent.idle_timeout, lease=_lease_of(row["owner"]),
+                user=parent.user or None,
             ) for _ in range(count)
         ), return_exceptions=True)
         children = [c for c in made if isinstance(c, SandboxInfo)]

@@ -14,19 +14,20 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import Any, AsyncIterable
+from typing import TYPE_CHECKING, Any, AsyncIterable
 
 from ..config import EngineConfig
 from ..errors import CapacityExceeded, HostNotReady, InfrastructureError, InvalidRequest
-from ..images import Image, LayerStore
+from ..images import Image, LayerStore, users
 from ..images.builder import Builder, OnStep
 from ..models import (
     ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
 )
 from ..runtime import get_backend
-from ..spec import EnvSpec
+from ..spec import EnvSpec, check_user
 from . import db as dbmod
 from .admission import Admission, check_fits_host
+from .catalog import Catalog
 from .api import MAX_POOL, OnOutput
 from .checkpoints import Checkpoints
 from .checks import check_deadline, check_labels, check_strings
@@ -41,6 +42,9 @@ from .reaper import Reaper
 from .snapshots import SnapshotStore
 from .sources import Sources
 from .telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from ..images.oci import OnPull
 
 
 class Engine:
@@ -70,13 +74,14 @@ class Engine:
         self.store = LayerStore(cfg.state_dir)
         self.backend = get_backend(cfg, self.store)
         await self.backend.prepare()
-        builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
-                          scratch_run=cfg.state_dir / "bundles")
         self._db = db = dbmod.Database(cfg.state_dir / "fanfold.db")
+        self.catalog = Catalog(db, self.store, cfg.state_dir)
+        builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
+                          scratch_run=cfg.state_dir / "bundles", resolve_base=self.catalog.resolve)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count)
         self.telemetry = Telemetry(lambda: self.figures.gauges())
-        self.sources = Sources(db, self.store, builder, self.snaps)
+        self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve)
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
                                      self.owner)
         self.pools = Pools(cfg, self.admission, self.telemetry, life)
@@ -134,11 +139,33 @@ class Engine:
         return await self.sources.build(spec, on_step)
 
     async def image(self, ref: str | Image) -> Image:
-        """An image from an Image, an image id, or a base name (``host``, ``debian:bookworm``)."""
+        """An image from an Image, an image id, a base name (``host``, ``debian:bookworm``) or a
+        reference (pulled from its registry the first time)."""
         return await self.sources.image(ref)
 
     async def images(self) -> list[Image]:
-        return self.store.images()
+        """Every image on this host, with the references that name it."""
+        return self.catalog.images()
+
+    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image:
+        """Pull ``ref`` from its registry (``python:3.12-slim``, ``host:5000/env@sha256:...``)."""
+        return await self.catalog.pull(ref, platform=platform, on_progress=on_progress)
+
+    async def import_image(self, path: str | Path, *, ref: str | None = None,
+                           on_progress: OnPull | None = None) -> Image:
+        """Import a ``docker save`` tarball, an OCI archive or an OCI layout directory on this host."""
+        return await self.catalog.import_file(path, ref=ref, on_progress=on_progress)
+
+    async def remove_image(self, ref: str, *, force: bool = False) -> str:
+        """Remove an image by id or reference; refused while sandboxes or snapshots use it."""
+        return await self.catalog.remove(ref, force=force)
+
+    async def login(self, registry: str, username: str, password: str) -> None:
+        """Check credentials against ``registry`` and keep them for later pulls."""
+        await self.catalog.oci.login(registry, username, password)
+
+    async def logout(self, registry: str) -> None:
+        await self.catalog.oci.logout(registry)
 
     # -- sandboxes ----------------------------------------------------------------------------
 
@@ -157,6 +184,7 @@ class Engine:
         idle_timeout: float | None = None,
         lease: str | None = None,
         queue_timeout: float | None = None,
+        user: str | None = None,
     ) -> SandboxInfo:
         """Start a sandbox from an image or a snapshot (id or name); it is running when this returns.
 
@@ -165,6 +193,8 @@ class Engine:
         ("" for local callers). Sticky and persistent sandboxes outlive their creator; a
         sandbox with a ``lease`` dies when the lease expires. A create waits up to
         ``queue_timeout`` seconds for a slot and for host headroom before CapacityExceeded.
+        ``user`` (``name[:group]`` or ``uid[:gid]``, resolved in the sandbox's /etc/passwd) is whom
+        its commands run as unless an exec says otherwise; by default the image's ``USER``, else root.
         """
         if not self._started or self.life.closing:
             raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
@@ -175,7 +205,7 @@ class Engine:
         try:
             info, pooled = await self._create(
                 image, limits, env, labels, deadline, detached, tenant, _persistence(persistence, priority, idle_timeout),
-                self.leases.owner_for(lease, tenant), _wait(queue_timeout, self.config.queue_timeout_s),
+                self.leases.owner_for(lease, tenant), _wait(queue_timeout, self.config.queue_timeout_s), user,
             )
         except (InfrastructureError, CapacityExceeded) as err:
             self.telemetry.create_failed_infra("capacity" if isinstance(err, CapacityExceeded) else "infra_error")
@@ -186,9 +216,11 @@ class Engine:
         self.telemetry.created(info.source, time.perf_counter() - started, pooled=pooled)
         return info
 
-    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
+    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait, user) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
+        if user is not None and user != "":
+            check_user(user)
         env, labels = check_strings(env, "env"), check_labels(labels)
         check_deadline(deadline)
         source, img, limits = await self.sources.source_limits(image, limits)
@@ -201,13 +233,21 @@ class Engine:
             owner = "detached"
         info = SandboxInfo(
             id="", state="running", image_id=img.id, limits=limits, labels=labels, created_at=0.0, detached=detached,
-            source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
+            source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout, user=user or img.user,
         )
         pooled_id = self.pools.take(source, limits)
         if pooled_id is not None:
-            return self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
-        async with self.admission.slot(wait, self.policies.evict_for_room):
-            return await self.life.bring_up(info, deadline, owner, env, tenant), False
+            made, pooled = self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
+        else:
+            async with self.admission.slot(wait, self.policies.evict_for_room):
+                made, pooled = await self.life.bring_up(info, deadline, owner, env, tenant), False
+        if made.user:  # a user the sandbox does not know fails its create, not its first exec
+            try:
+                users.resolve(self.backend.root(made.id), made.user)
+            except BaseException:
+                await asyncio.shield(self.life.destroy(made.id))
+                raise
+        return made, pooled
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return self.life.info(sandbox_id)
@@ -242,10 +282,14 @@ class Engine:
         timeout: float | None = None,
         max_output: int | None = None,
         on_output: OnOutput | None = None,
+        user: str | None = None,
     ) -> ExecResult:
-        """Run ``cmd`` (a shell string or an argv list) in the sandbox and return its typed result."""
+        """Run ``cmd`` (a shell string or an argv list) in the sandbox and return its typed result.
+
+        ``user`` (``name[:group]`` or ``uid[:gid]``) runs it as that user, with their HOME, USER and
+        LOGNAME unless ``env`` sets them; by default as the sandbox's user (see ``create``)."""
         return await self.execs.exec(sandbox_id, cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout,
-                                     max_output=max_output, on_output=on_output)
+                                     max_output=max_output, on_output=on_output, user=user)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return await self.files.read_file(sandbox_id, path)
@@ -324,8 +368,13 @@ class Engine:
         await self.checkpoints.delete_snapshot(snapshot_id)
 
     async def gc(self, *, tenant: str | None = None) -> list[str]:
-        """Delete every snapshot that has no name and that no sandbox or kept snapshot needs."""
-        return await self.checkpoints.gc(tenant=tenant)
+        """Delete every snapshot that has no name and that no sandbox or kept snapshot needs; for the
+        host's own callers (no tenant) also every layer no image, snapshot or sandbox uses."""
+        removed = await self.checkpoints.gc(tenant=tenant)
+        if tenant is None or tenant == "":
+            removed += [f"layer:{name}" for name in await self.catalog.collect_layers()]
+            removed += [f"layer:{name}" for name in await self.catalog.gc_storage()]
+        return removed
 
     # -- leases -------------------------------------------------------------------------------
 

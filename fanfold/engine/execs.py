@@ -8,9 +8,10 @@ import math
 import time
 from typing import Any
 
-from .._agent.client import AgentUnreachable
-from ..errors import InfrastructureError, SandboxGone
+from .._agent.client import AgentTooOld, AgentUnreachable, ExecUser
+from ..errors import InfrastructureError, InvalidRequest, SandboxGone
 from ..host import safefs
+from ..images import users
 from ..models import ExecResult
 from . import db as dbmod
 from .api import OnOutput
@@ -31,14 +32,16 @@ class Execs:
     async def exec(
         self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
         stdin: bytes | str | None = None, timeout: float | None = None, max_output: int | None = None,
-        on_output: OnOutput | None = None,
+        on_output: OnOutput | None = None, user: str | None = None,
     ) -> ExecResult:
         life = self.life
+        if user is not None and not isinstance(user, str):
+            raise InvalidRequest(f"user must be a name or uid, optionally with ':group', got {user!r}")
         argv, stdin_bytes, limit = check_exec_args(cmd, stdin, timeout, max_output, life.config.max_output_bytes)
         started = time.perf_counter()
         try:
             async with life.using(sandbox_id) as row:
-                result = await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output)
+                result = await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output, user)
         except InfrastructureError:
             life.telemetry.exec_failed_infra()
             raise
@@ -47,11 +50,15 @@ class Execs:
 
     async def _exec(self, row: Any, argv: list[str], cwd: str | None, env: dict[str, str] | None,
                     stdin_bytes: bytes | None, timeout: float | None, limit: int,
-                    on_output: OnOutput | None) -> ExecResult:
+                    on_output: OnOutput | None, user: str | None) -> ExecResult:
         life, sandbox_id = self.life, row["id"]
         img = life.sources.store.load_image(row["image_id"])
         workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
-        merged = {**json.loads(row["env"]), **check_strings(env, "env")}
+        as_user = user or row["exec_user"]
+        who = users.resolve(life.backend.root(sandbox_id), as_user) if as_user else None
+        # the user's HOME, USER and LOGNAME, unless the image or the caller set them
+        ident = {} if who is None else {k: v for k, v in who.env().items() if k not in dict(img.env)}
+        merged = {**ident, **json.loads(row["env"]), **check_strings(env, "env")}
         alone = not self._in_exec.get(sandbox_id)
         self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1
         handle = dbmod.row_handle(row)
@@ -65,9 +72,14 @@ class Execs:
                     handle, argv, env=base_env(img, sandbox_id, merged), cwd=workdir,
                     timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)),
                     max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
+                    user=_switch(who),
                 ),
                 None if timeout is None else timeout + 30,
             )
+        except AgentTooOld:
+            raise InvalidRequest(
+                f"sandbox {sandbox_id} runs an agent from an older memory snapshot that cannot run commands as"
+                f" user {as_user!r}: run it as user='root', or create the sandbox afresh from its image") from None
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             if sandbox_id in life.destroying:
                 await asyncio.shield(life.destroying[sandbox_id])
@@ -83,3 +95,11 @@ class Execs:
             after = counters.read()
             counters.close()
         return build_result(raw, argv, before, after, workdir)
+
+
+def _switch(who: users.User | None) -> ExecUser | None:
+    """The agent's ``u`` frame, or None to run as PID 1 does (root with no other group): so root
+    needs no frame, and works on agents restored from snapshots older than the frame."""
+    if who is None or (who.uid == 0 and who.gid == 0 and set(who.groups) <= {0}):
+        return None
+    return ExecUser(who.uid, who.gid, who.groups)

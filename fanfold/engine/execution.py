@@ -41,13 +41,15 @@ def check_exec_args(
 def start_failure(error: str, argv: list[str], cwd: str) -> str:
     """The line a command that could not start prints, from the agent's ``ERRNO STAGE message``.
 
-    STAGE says whether the cwd (``chdir``) or the program (``exec``) failed; agents
+    STAGE says whether switching user (``user``), the cwd (``chdir``) or the program (``exec``) failed; agents
     restored from snapshots taken before it existed send ``ERRNO message``.
     """
     errno_text, _, rest = error.partition(" ")
     stage, _, message = rest.partition(" ")
     if stage == "chdir":
         return f"fanfold: cannot change to directory {cwd!r}: {message or errno_text}\n"
+    if stage == "user":
+        return f"fanfold: cannot switch to the command's user: {message or errno_text}\n"
     if stage != "exec":
         message = rest
     return f"fanfold: cannot run {argv[0]!r}: {message or errno_text}\n"

@@ -199,13 +199,13 @@ class Lifecycle:
 
     def hand_out(self, sandbox_id: str, info: SandboxInfo, deadline: float | None, owner: str,
                  env: dict[str, str], tenant: str) -> SandboxInfo:
-        """Give a warm sandbox the caller's owner, tenant, labels, env and deadline."""
+        """Give a warm sandbox the caller's owner, tenant, labels, env, user and deadline."""
         now = dbmod.now()
         info = dataclasses.replace(info, id=sandbox_id, created_at=now, deadline_at=now + deadline if deadline else None)
         self.db.update(
             sandbox_id, state="running", owner=owner, tenant=tenant, labels=json.dumps(info.labels), env=json.dumps(env),
             created_at=now, active_at=now, deadline_at=info.deadline_at, detached=int(info.detached),
-            persistence=info.persistence, priority=info.priority, idle_timeout=info.idle_timeout,
+            persistence=info.persistence, priority=info.priority, idle_timeout=info.idle_timeout, exec_user=info.user,
         )
         if deadline:
             self.arm_deadline(sandbox_id, deadline)

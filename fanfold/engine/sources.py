@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from ..errors import ImageNotFound, InvalidRequest
 from ..images import Image, LayerStore
@@ -19,8 +20,11 @@ from .snapshots import SnapshotStore
 class Sources:
     """Images and snapshots, resolved to what a sandbox starts from."""
 
-    def __init__(self, db: dbmod.Database, store: LayerStore, builder: Builder, snaps: SnapshotStore) -> None:
+    def __init__(self, db: dbmod.Database, store: LayerStore, builder: Builder, snaps: SnapshotStore,
+                 resolve: Callable[[str], Awaitable[Image]]) -> None:
         self.db, self.store, self.builder, self.snaps = db, store, builder, snaps
+        self.resolve = resolve
+        """An image id or reference to its image (a reference never pulled is pulled)."""
         self._bases: dict[str, Image] = {}
 
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
@@ -32,13 +36,13 @@ class Sources:
         if isinstance(ref, Image):
             return ref
         if not isinstance(ref, str):
-            raise ImageNotFound(f"an image is an Image, an image id or a base name, not {type(ref).__name__}")
+            raise ImageNotFound(f"an image is an Image, an image id, a reference or a base name, not {type(ref).__name__}")
         if ref in BASES:  # resolved once: a create from a warm pool must not wait on a build
             cached = self._bases.get(ref)
             if cached is None:
                 cached = self._bases[ref] = await self.build(EnvSpec(ref))
             return cached
-        return self.store.load_image(ref)
+        return await self.resolve(ref)
 
     def resolve_snapshot(self, ref: str) -> str | None:
         """The snapshot a create's ``image`` names (its id or name), or None when it names an image.

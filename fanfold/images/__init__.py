@@ -1,4 +1,5 @@
-"""Building EnvSpecs into content-addressed layers, and the images that stack them."""
+"""Building EnvSpecs into content-addressed layers, and the images that stack them; pulling and
+importing images (``fanfold.images.oci``, loaded when first used)."""
 
 from .store import Image, LayerStore
 

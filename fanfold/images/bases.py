@@ -12,14 +12,19 @@ from ..errors import BuildFailed, HostNotReady, ImageNotFound
 from ..spec import BASES
 from .store import LayerStore
 
-HOST_SKELETON_VERSION = "host-skeleton-4"
+HOST_SKELETON_VERSION = "host-skeleton-5"
 # System files safe to show a sandbox: nothing with secrets (no shadow, ssh keys or machine-id).
+# PAM's, the shadow suite's and sudo's configuration let su, runuser, sudo and useradd work inside.
 HOST_ETC = [
+    "pam.conf", "pam.d", "security", "default/useradd", "default/su", "default/runuser", "skel", "sudoers",
+    "sudoers.d", "sudo.conf",
     "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "ssl/certs", "ca-certificates",
     "ca-certificates.conf", "python3", "python3.11", "mime.types", "localtime", "timezone", "os-release",
     "debian_version", "profile", "bash.bashrc", "shells", "protocols", "services", "gai.conf",
     "host.conf", "inputrc", "login.defs", "issue", "libaudit.conf", "mke2fs.conf", "adduser.conf",
 ]
+SECRET_NAMES = ("opasswd", "shadow", "shadow-", "gshadow", "gshadow-")
+"""Never copied from the host's /etc, wherever they sit (security/opasswd keeps old password hashes)."""
 USR_MERGE_CANDIDATES = ["bin", "sbin", "lib", "lib32", "lib64", "libx32"]
 SKELETON_DIRS = {
     "tmp": 0o1777, "root": 0o700, "home": 0o755, "var": 0o755, "var/tmp": 0o1777, "var/log": 0o755,
@@ -28,6 +33,9 @@ SKELETON_DIRS = {
 }
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
 GROUP = "root:x:0:\nnogroup:x:65534:\n"
+# Locked entries for the skeleton's users: PAM's account checks (su, runuser) want one per user.
+SHADOW = "root:*:20000:0:99999:7:::\nnobody:*:20000:0:99999:7:::\n"
+GSHADOW = "root:*::\nnogroup:*::\n"
 HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 
 
@@ -86,11 +94,14 @@ def _host_skeleton(tree: Path) -> None:
         dst = etc / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir() and not src.is_symlink():
-            shutil.copytree(src, dst, symlinks=True)
+            shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(*SECRET_NAMES))
         else:
             shutil.copy2(src, dst, follow_symlinks=False)
     for name, text in {"passwd": PASSWD, "group": GROUP, "hosts": HOSTS, "resolv.conf": "", "hostname": "sandbox\n"}.items():
         (etc / name).write_text(text)
+    for name, text in {"shadow": SHADOW, "gshadow": GSHADOW}.items():
+        (etc / name).write_text(text)
+        os.chmod(etc / name, 0o600)
 
 
 def _debootstrap(tree: Path, mirror: str) -> None:

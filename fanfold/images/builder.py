@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from ..errors import BuildFailed, InvalidSpec
+from ..errors import BuildFailed, InvalidRequest, InvalidSpec
 from ..runtime import Bind, ContainerSpec, Runtime
+from ..runtime.container import ProcessUser
+from ..refs import DEFAULT_PATH
 from ..spec import BASES, EnvSpec, Step, is_repo_url
+from . import users
 from .bases import base_digest, ensure_base, host_dirs
 from .rootfs import fold_host_uppers, mount_rootfs, unmount_rootfs
 from .store import Image, LayerStore
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 STEP_TIMEOUT_S = 3600
 
 
@@ -157,13 +159,16 @@ class Builder:
         rootfs = scratch / "rootfs"
         mount_rootfs(self.store, layers, dirs, rootfs, scratch)
         build_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid tells reconcile whose it is
-        variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **env}
-        spec = ContainerSpec(
-            id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],
-            env=[f"{k}={v}" for k, v in variables.items()], cwd=workdir, hostname="fanfold-build",
-            host_network=True, binds=[Bind("/etc/resolv.conf", "/etc/resolv.conf")],
-        )
         try:
+            who = _step_user(step, rootfs, user)
+            ident = {} if who is None else who.env()  # the USER's HOME, USER, LOGNAME unless ENV set them
+            variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **ident, **env}
+            spec = ContainerSpec(
+                id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],
+                env=[f"{k}={v}" for k, v in variables.items()], cwd=workdir, hostname="fanfold-build",
+                host_network=True, binds=[Bind("/etc/resolv.conf", "/etc/resolv.conf")],
+                user=ProcessUser() if who is None else ProcessUser(who.uid, who.gid, who.groups),
+            )
             done = await self.runtime.run(spec, self.scratch_run / build_id, timeout=STEP_TIMEOUT_S)
         finally:
             unmount_rootfs(rootfs)
@@ -175,6 +180,17 @@ class Builder:
                 step=step.describe(), exit_code=done.returncode, output_tail=tail,
             )
         return fold_host_uppers(scratch, dirs)
+
+
+def _step_user(step: Step, rootfs: Path, user: str) -> users.User | None:
+    """The USER a run step runs as, resolved in the image as built so far; None for root."""
+    if not user:
+        return None
+    try:
+        return users.resolve(rootfs, user, where="the image's")
+    except InvalidRequest as err:
+        raise BuildFailed(f"build step {step.describe()!r} runs as user {user!r}: {err}",
+                          step=step.describe(), exit_code=None, output_tail="") from None
 
 
 def _step_inputs(step: Step, context: Path) -> dict[str, object]:

@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -48,9 +48,15 @@ class Image:
     """Where it came from: ``build``, ``registry REF`` or ``file PATH``."""
     digest: str = ""
     """The manifest digest of a pulled or imported image (``sha256:...``)."""
+    names: tuple[str, ...] = ()
+    """The references that name it now (filled in by listings; not part of the stored record)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    def stored(self) -> Image:
+        """The record as saved: without the names a listing added."""
+        return replace(self, names=())
 
     @classmethod
     def from_json(cls, text: str) -> Image:
@@ -65,6 +71,7 @@ class Image:
             services=tuple(tuple(s) for s in data["services"]), user=data.get("user", ""),
             entrypoint=tuple(data.get("entrypoint", ())), cmd=tuple(data.get("cmd", ())),
             ports=tuple(data.get("ports", ())), source=data.get("source", ""), digest=data.get("digest", ""),
+            names=tuple(data.get("names", ())),
         )
 
 
@@ -136,7 +143,7 @@ class LayerStore:
 
     def save_image(self, image: Image) -> None:
         tmp = self.images_dir / f".{image.id}.{uuid.uuid4().hex[:6]}"
-        tmp.write_text(image.to_json())
+        tmp.write_text(image.stored().to_json())
         tmp.rename(self.images_dir / f"{image.id}.json")
 
     def load_image(self, image_id: str) -> Image:
@@ -152,6 +159,12 @@ class LayerStore:
             )
         image = self._images[image_id] = Image.from_json(path.read_text())
         return image
+
+    def drop_image(self, image_id: str) -> None:
+        """Delete an image record (its layers stay for garbage collection)."""
+        self._images.pop(image_id, None)
+        if "/" not in image_id:
+            (self.images_dir / f"{image_id}.json").unlink(missing_ok=True)
 
     def tag(self, ref: str, image_id: str) -> None:
         """Record that ``ref`` (as the user wrote it: a registry reference, a file) names ``image_id``."""

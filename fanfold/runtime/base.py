@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
-from .._agent.client import AgentClient, OnChunk, RawExec
+from .._agent.client import AgentClient, ExecUser, OnChunk, RawExec
 from ..models import Limits
 
 if TYPE_CHECKING:
@@ -168,12 +168,14 @@ class Backend(ABC):
 
     async def exec(
         self, handle: Handle, argv: list[str], *, env: list[str], cwd: str, timeout_ms: int, max_output: int,
-        stdin: bytes | None = None, on_chunk: OnChunk | None = None,
+        stdin: bytes | None = None, on_chunk: OnChunk | None = None, user: ExecUser | None = None,
     ) -> RawExec:
-        """Run one command as a child of PID 1, streaming its output; AgentUnreachable when the
-        connection fails or breaks."""
+        """Run one command as a child of PID 1 (as ``user``, else as PID 1's own), streaming its
+        output; AgentUnreachable when the connection fails or breaks, AgentTooOld when a
+        ``user`` is asked of an agent that cannot switch."""
         return await self.agent(handle).exec(
             argv, env=env, cwd=cwd, timeout_ms=timeout_ms, max_output=max_output, stdin=stdin, on_chunk=on_chunk,
+            user=user,
         )
 
     async def wait_ready(self, handle: Handle) -> str:

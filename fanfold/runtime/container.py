@@ -24,6 +24,15 @@ class Bind:
     readonly: bool = True
 
 
+@dataclass(frozen=True)
+class ProcessUser:
+    """Whom a container's process runs as (the OCI config's ``process.user``)."""
+
+    uid: int = 0
+    gid: int = 0
+    additional_gids: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ContainerSpec:
     """What a backend needs to start one sandbox or build step."""
@@ -41,6 +50,8 @@ class ContainerSpec:
     cgroup_path: str | None = None
     oom_score_adj: int | None = None
     """Set for PID 1 when the host allows; None keeps the runtime's own."""
+    user: ProcessUser = ProcessUser()
+    """Root unless a build step's USER says otherwise (a sandbox's PID 1, the agent, is always root)."""
 
 
 class Runtime(Protocol):

@@ -86,10 +86,13 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
     if spec.cgroup_path:
         linux["cgroupsPath"] = spec.cgroup_path
     process_extra = {} if spec.oom_score_adj is None else {"oomScoreAdj": spec.oom_score_adj}
+    user: dict[str, Any] = {"uid": spec.user.uid, "gid": spec.user.gid}
+    if spec.user.additional_gids:
+        user["additionalGids"] = list(spec.user.additional_gids)
     return {
         "ociVersion": "1.0.2",
         "process": {
-            "terminal": False, "user": {"uid": 0, "gid": 0}, "args": spec.args, "env": spec.env, "cwd": spec.cwd,
+            "terminal": False, "user": user, "args": spec.args, "env": spec.env, "cwd": spec.cwd,
             "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True, **process_extra,
         },

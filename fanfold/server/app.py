@@ -62,7 +62,8 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     app.state.rollouts = rollouts.Rollouts(engine)
     _add_error_handlers(app)
     app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
-    for router in (sandboxes.router, snapshots.router, files.router, images.router, host.router, rollouts.router):
+    for router in (sandboxes.router, snapshots.router, files.router, images.router, images.registries, host.router,
+                   rollouts.router):
         app.include_router(router)
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])
@@ -134,7 +135,7 @@ class Gate:
             return
         headers = dict(scope["headers"])
         streamed = (scope["method"] == "PUT" and _FILE_CONTENT.match(scope["path"])) or (
-            scope["method"] == "POST" and scope["path"] == "/v1/images"
+            scope["method"] == "POST" and scope["path"] in ("/v1/images", "/v1/images/import")
             and headers.get(b"content-type", b"").startswith(b"application/x-tar")
         )
         if streamed:

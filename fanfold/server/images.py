@@ -1,4 +1,5 @@
-"""Routes of images: list, and build from a spec (with its copy sources, when it has any)."""
+"""Routes of images: list, build from a spec (with its copy sources, when it has any), pull from a
+registry, import an archive, remove; and registry credentials (the host's own tenant only)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
 
 from ..engine import Engine
-from ..errors import FanfoldError, InvalidRequest, InvalidSpec
+from ..errors import FanfoldError, InvalidRequest, InvalidSpec, Unauthorized
 from ..host import safefs
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
-from ..wire import event_to_json, image_to_json, spec_from_json
+from ..wire import event_to_json, image_to_json, pull_event_to_json, spec_from_json
+from .auth import LOCAL_TENANT
 from .deps import NDJSON, engine, ndjson_events, tenant
 from .sandboxes import ERRORS
 from .schemas import ImageBody
@@ -68,6 +71,100 @@ async def build(request: Request) -> StreamingResponse:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
 
     return StreamingResponse(ndjson_events(queue, asyncio.create_task(run()), "image"), media_type=NDJSON)
+
+
+class PullRequest(BaseModel):
+    ref: str = Field(description="An image reference: python:3.12-slim, registry.example.org/env@sha256:...")
+    platform: str | None = Field(None, description="os/arch[/variant] to take from a multi-arch index; default the host's.")
+
+
+class LoginRequest(BaseModel):
+    registry: str = Field(description="host[:port] of the registry.")
+    username: str = ""
+    password: str = ""
+
+
+class RemovedImage(BaseModel):
+    id: str
+
+
+PULL_STREAM = {**ERRORS, 200: {"content": {NDJSON: {}}, "description":
+    "NDJSON: `{\"event\": PullEvent}` lines per layer as it goes, then `{\"image\": Image}` or `{\"error\": Error}`."}}
+
+
+def _stream_image(work) -> StreamingResponse:  # type: ignore[no-untyped-def]
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def run() -> dict[str, Any]:
+        return image_to_json(await work(lambda event: queue.put_nowait({"event": pull_event_to_json(event)})))
+
+    return StreamingResponse(ndjson_events(queue, asyncio.create_task(run()), "image"), media_type=NDJSON)
+
+
+@router.post("/pull", dependencies=[Depends(tenant)], responses=PULL_STREAM)
+async def pull(body: PullRequest, request: Request) -> StreamingResponse:
+    """Pull an image from its registry with the host's credentials; layers already here are kept."""
+    fleet: Engine = engine(request)
+    return _stream_image(lambda report: fleet.pull(body.ref, platform=body.platform, on_progress=report))
+
+
+@router.post("/import", dependencies=[Depends(tenant)], responses=PULL_STREAM, openapi_extra={"requestBody": {
+    "required": True, "content": {TAR: {"schema": {"type": "string", "format": "binary"},
+                                        "description": "A docker save tarball or an OCI archive"}}}})
+async def import_image(request: Request, ref: str | None = Query(None, description="A name to give the image.")
+                       ) -> StreamingResponse:
+    """Import an image from a ``docker save`` tarball or an OCI archive sent as the body."""
+    fleet: Engine = engine(request)
+    scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
+    archive = scratch / "image.tar"
+    try:
+        size = 0
+        with open(archive, "wb") as handle:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_CONTEXT:
+                    raise InvalidRequest(f"the image archive is over {MAX_CONTEXT >> 30} GiB")
+                await asyncio.to_thread(handle.write, chunk)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+    async def work(report):  # type: ignore[no-untyped-def]
+        try:
+            return await fleet.import_image(archive, ref=ref, on_progress=report)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
+
+    return _stream_image(work)
+
+
+@router.delete("", response_model=RemovedImage, responses=ERRORS)
+async def remove_image(request: Request, ref: str = Query(description="An image id or a reference naming it."),
+                       force: bool = False, caller: str = Depends(tenant)) -> dict[str, str]:
+    """Remove an image (the host's own tenant only: images are shared by every tenant)."""
+    _host_only(caller, "remove images")
+    return {"id": await engine(request).remove_image(ref, force=force)}
+
+
+registries = APIRouter(prefix="/v1/registries", tags=["images"])
+
+
+@registries.post("/login", status_code=204, responses=ERRORS)
+async def login(body: LoginRequest, request: Request, caller: str = Depends(tenant)) -> None:
+    """Check credentials against a registry and keep them for the host's pulls (the host's own tenant only)."""
+    _host_only(caller, "log in to registries")
+    await engine(request).login(body.registry, body.username, body.password)
+
+
+@registries.post("/logout", status_code=204, responses=ERRORS)
+async def logout(body: LoginRequest, request: Request, caller: str = Depends(tenant)) -> None:
+    _host_only(caller, "log out of registries")
+    await engine(request).logout(body.registry)
+
+
+def _host_only(caller: str, what: str) -> None:
+    if caller != LOCAL_TENANT:
+        raise Unauthorized(f"only the host's own tenant (the unix socket) may {what}")
 
 
 async def _read_spec(request: Request, scratch: Path) -> EnvSpec:

@@ -39,6 +39,7 @@ async def create(
         body.image, limits=limits, env=body.env, labels=body.labels, deadline=body.deadline,
         detached=body.detached, persistence=body.persistence, priority=body.priority,
         idle_timeout=body.idle_timeout, tenant=caller, lease=body.lease, queue_timeout=body.queue_timeout,
+        user=body.user,
     ))
     return info_to_json(info)
 
@@ -106,7 +107,7 @@ async def exec_command(body: ExecRequest, request: Request, sandbox_id: str = De
     async def run() -> dict[str, Any]:
         result = await fleet.exec(
             sandbox_id, body.cmd, cwd=body.cwd, env=body.env, stdin=stdin, timeout=body.timeout,
-            max_output=body.max_output, on_output=on_output if streaming else None,
+            max_output=body.max_output, on_output=on_output if streaming else None, user=body.user,
         )
         return result_to_json(result)
 

@@ -37,6 +37,8 @@ class CreateRequest(_Body):
         "A lease of the caller's (POST /v1/leases): the sandbox dies when the lease is closed or expires."))
     queue_timeout: float | None = Field(None, ge=0, le=3600, description=(
         "Seconds to wait for a create slot and host headroom before 429 capacity_exceeded (default 300)."))
+    user: str | None = Field(None, max_length=65, description=(
+        "name[:group] or uid[:gid] its commands run as, resolved in its /etc/passwd (default: the image's USER, else root)."))
 
 
 class LeaseRequest(_Body):
@@ -101,6 +103,7 @@ class SandboxBody(BaseModel):
     persistence: PersistenceName
     priority: int
     idle_timeout: float | None
+    user: str = Field("", description="Whom its commands run as unless an exec says otherwise (\"\": root).")
 
 
 class ExecRequest(_Body):
@@ -111,6 +114,8 @@ class ExecRequest(_Body):
     timeout: float | None = Field(None, gt=0, le=86400, description="Seconds before the command is killed.")
     max_output: int | None = Field(None, ge=0, le=64 << 20,
                                    description="Bytes kept of each of stdout and stderr (default 16 MiB, at most 64 MiB).")
+    user: str | None = Field(None, max_length=65, description=(
+        "name[:group] or uid[:gid] to run as, resolved in the sandbox's /etc/passwd (default: the sandbox's user)."))
 
 
 class ExecResultBody(BaseModel):
@@ -181,6 +186,7 @@ class ImageBody(BaseModel):
     ports: list[str] = []
     source: str = ""
     digest: str = ""
+    names: list[str] = []
 
 
 class ErrorBody(BaseModel):

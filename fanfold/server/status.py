@@ -13,6 +13,7 @@ _STATUS: list[tuple[type[errors.FanfoldError], int]] = [
     (errors.NotFound, 404),
     (errors.SandboxGone, 409),
     (errors.SnapshotInUse, 409),
+    (errors.ImageInUse, 409),
     (errors.CapacityExceeded, 429),
     (errors.Retryable, 503),
     (errors.HostNotReady, 503),

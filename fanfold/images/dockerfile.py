@@ -1,0 +1,405 @@
+"""Dockerfiles as EnvSpecs: buildkit's own parser (the ``dockerfile`` package) reads the file, and each
+instruction maps onto EnvSpec steps, so a Dockerfile builds into the same cached layers as a spec.
+
+Mapped: FROM (fanfold's bases, an image reference, a local image id, or an earlier ``AS`` stage),
+RUN, COPY and ADD of local files, WORKDIR, ENV, ARG, USER, ENTRYPOINT, CMD, EXPOSE; LABEL is
+accepted and ignored. Anything else is an InvalidSpec naming the file, the line and what to do.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Mapping
+
+import dockerfile
+
+from ..errors import InvalidSpec
+from ..refs import BASES, DEFAULT_PATH, is_image_id, is_image_ref  # DEFAULT_PATH: what `ENV PATH=/x:$PATH` extends
+
+EnvSpec = Any
+"""An ``fanfold.spec.EnvSpec``, whose class the caller hands in: the spec module imports this one."""
+
+
+_UNSUPPORTED = {
+    "HEALTHCHECK": "fanfold does not probe sandboxes; drop it, or check from your env's code",
+    "ONBUILD": "build triggers are not supported; put the instructions in the Dockerfile that uses the image",
+    "SHELL": "RUN always uses /bin/sh -c; write `RUN bash -c '...'` or use the exec form",
+    "VOLUME": "a sandbox's whole filesystem is its own; drop it",
+    "STOPSIGNAL": "sandboxes are stopped by fanfold; drop it",
+    "MAINTAINER": "it is deprecated; use LABEL or drop it",
+}
+_NAME = re.compile(r"[A-Za-z0-9_]")
+_ARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def from_dockerfile(path: str | Path, spec_type: type, *, context: str | Path | None = None,
+                    build_args: Mapping[str, str] | None = None, target: str | None = None) -> EnvSpec:
+    """The EnvSpec a Dockerfile describes: its last stage, or the stage named ``target``.
+
+    ``context`` (default: the Dockerfile's directory) is where COPY and ADD sources are found;
+    ``build_args`` override ARG defaults as ``docker build --build-arg`` does."""
+    path = Path(path)
+    try:
+        commands = dockerfile.parse_file(str(path))
+    except dockerfile.GoIOError as err:
+        raise InvalidSpec(f"cannot read Dockerfile {path}: {err}") from None
+    except dockerfile.GoParseError as err:
+        raise InvalidSpec(f"{path}: {err}") from None
+    root = Path(context if context is not None else path.parent).absolute()
+    if not root.is_dir():
+        raise InvalidSpec(f"build context {root} is not a directory")
+    return _Translator(str(path), root, dict(build_args or {}), spec_type).translate(commands, target)
+
+
+@dataclass
+class _Stage:
+    spec: EnvSpec
+    env: dict[str, str]
+    """ENV values known at parse time; a base image's own are not, which ``known`` says."""
+    known: bool
+    workdir: str | None
+    """None while it is the base image's, unknown until an absolute WORKDIR."""
+    args: dict[str, str | None] = field(default_factory=dict)
+    dirs: set[str] = field(default_factory=set)
+    """Paths this Dockerfile made directories (WORKDIR, COPY of a directory)."""
+    cmd: tuple[str, ...] | None = None
+    """The stage's own CMD, which a later ENTRYPOINT keeps (an inherited one it drops)."""
+
+    def variables(self) -> dict[str, str]:
+        return {**{k: v for k, v in self.args.items() if v is not None}, **self.env}
+
+
+class _Translator:
+    def __init__(self, name: str, context: Path, build_args: dict[str, str], spec_type: type) -> None:
+        self.name, self.context, self.build_args, self.spec_type = name, context, build_args, spec_type
+        self.globals: dict[str, str | None] = {}
+        self.stages: dict[str, _Stage] = {}
+        self.line = 0
+        self.instruction = ""
+
+    def fail(self, message: str) -> InvalidSpec:
+        return InvalidSpec(f"{self.name}:{self.line}: {self.instruction}: {message}")
+
+    def translate(self, commands: tuple, target: str | None) -> EnvSpec:
+        stage: _Stage | None = None
+        names: list[str] = []
+        for command in commands:
+            self.line, self.instruction = command.start_line, command.cmd.upper()
+            if self.instruction == "FROM":
+                if stage is not None and target is not None and names[-1] == target.lower():
+                    break
+                stage, stage_name = self._from(command)
+                names.append(stage_name)
+                self.stages[stage_name] = stage
+            elif self.instruction == "ARG" and stage is None:
+                self._arg(command, self.globals, {}, {k: v for k, v in self.globals.items() if v is not None})
+            elif stage is None:
+                raise self.fail("a Dockerfile starts with FROM (only ARG may come before it)")
+            else:
+                self._instruction(command, stage)
+        if stage is None:
+            raise InvalidSpec(f"{self.name}: no FROM instruction: a Dockerfile starts with FROM")
+        if target is not None and target.lower() not in self.stages:
+            raise InvalidSpec(f"{self.name}: no stage named {target!r}: stages are {', '.join(names)}")
+        return (self.stages[target.lower()] if target is not None else stage).spec.with_context(self.context)
+
+    def _from(self, command) -> tuple[_Stage, str]:
+        if command.flags:
+            raise self.fail(f"{' '.join(command.flags)} is not supported: fanfold builds for this host's platform")
+        words = command.value
+        if len(words) not in (1, 3) or (len(words) == 3 and words[1].lower() != "as"):
+            raise self.fail("write `FROM image` or `FROM image AS name`")
+        base = self.expand(words[0], {k: v for k, v in self.globals.items() if v is not None}, known=True)
+        name = words[2].lower() if len(words) == 3 else str(len(self.stages))
+        if base.lower() in self.stages:
+            parent = self.stages[base.lower()]
+            return _Stage(parent.spec, dict(parent.env), parent.known, parent.workdir, dirs=set(parent.dirs)), name
+        if base == "scratch":
+            raise self.fail("FROM scratch is not supported: start from host, debian:bookworm or an image")
+        if base in BASES:
+            return _Stage(self.spec_type(base), {"PATH": DEFAULT_PATH}, True, "/", dirs={"/"}), name
+        if is_image_id(base) or is_image_ref(base):
+            return _Stage(self.spec_type(base), {}, False, None), name
+        raise self.fail(f"{base!r} is neither a stage of this file, one of {', '.join(BASES)}, an image reference"
+                        " nor a local image id (img-...)")
+
+    def _instruction(self, command, stage: _Stage) -> None:
+        kind = self.instruction
+        if kind in _UNSUPPORTED:
+            raise self.fail(f"not supported: {_UNSUPPORTED[kind]}")
+        if command.heredocs:
+            raise self.fail("heredocs are not supported: put the script in a file and COPY it, or use one RUN line")
+        if kind == "ARG":
+            return self._arg(command, stage.args, self.globals, stage.variables())
+        handler = getattr(self, f"_{kind.lower()}_step", None)
+        if handler is None:
+            raise self.fail("unknown or unsupported instruction: fanfold maps FROM, RUN, COPY, ADD, WORKDIR, ENV,"
+                            " ARG, USER, ENTRYPOINT, CMD, EXPOSE and LABEL")
+        if kind not in ("COPY", "ADD") and command.flags:
+            raise self.fail(f"{' '.join(command.flags)} is not supported: remove it")
+        handler(command, stage)
+
+    # -- variables ---------------------------------------------------------------------------------
+
+    def _arg(self, command, scope: dict[str, str | None], inherited: dict[str, str | None],
+             variables: dict[str, str]) -> None:
+        """Declare build args in ``scope``: a ``--build-arg`` wins over the default, and a stage's ARG
+        without a default takes the value of the global ARG of that name."""
+        for word in command.value:
+            name, has_default, default = word.partition("=")
+            if not _ARG_NAME.match(name):
+                raise self.fail(f"bad ARG name {name!r}: letters, digits and '_'")
+            if name in self.build_args:
+                scope[name] = self.build_args[name]
+            elif has_default:
+                scope[name] = self.expand(default, variables, known=True)
+            else:
+                scope[name] = inherited.get(name)
+            if scope[name] is not None:
+                variables[name] = scope[name]  # type: ignore[assignment]
+
+    def word(self, text: str, stage: _Stage) -> str:
+        return self.expand(text, stage.variables(), known=stage.known)
+
+    def expand(self, text: str, variables: Mapping[str, str], *, known: bool) -> str:
+        """A word as Docker's shell lexer reads it: quotes removed, ``$VAR``, ``${VAR}``, ``${VAR:-x}``,
+        ``${VAR:+x}`` (and the forms without ``:``) replaced."""
+        try:
+            value, _ = _Lexer(text, variables, known).word(stop="")
+        except _UnknownVariable as err:
+            raise self.fail(f"${{{err.args[0]}}} is not set by this Dockerfile, and the base image's value is not"
+                            " known when the Dockerfile is read: set it with ENV or ARG, or give a default"
+                            f" (${{{err.args[0]}:-...}})") from None
+        except ValueError as err:
+            raise self.fail(str(err)) from None
+        return value
+
+    # -- instructions ------------------------------------------------------------------------------
+
+    def _run_step(self, command, stage: _Stage) -> None:
+        script = shlex.join(command.value) if command.json else command.value[0]
+        # Docker gives RUN the build args as environment variables, not kept in the image.
+        exports = {k: v for k, v in stage.args.items() if v is not None and k not in stage.env}
+        if exports:
+            script = "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(exports.items())) + "\n" + script
+        stage.spec = self._spec(lambda: stage.spec.run(script))
+
+    def _env_step(self, command, stage: _Stage) -> None:
+        values = command.value  # every value of one line sees the variables from before that line
+        variables = {name: self.word(raw, stage) for name, raw in zip(values[0::2], values[1::2])}
+        stage.env.update(variables)
+        stage.spec = self._spec(lambda: stage.spec.env(**variables))
+
+    def _label_step(self, command, stage: _Stage) -> None:
+        """Labels are metadata fanfold's images do not keep."""
+
+    def _workdir_step(self, command, stage: _Stage) -> None:
+        stage.workdir = self._absolute(self.word(command.value[0], stage), stage, "WORKDIR")
+        stage.dirs.add(stage.workdir)
+        stage.spec = self._spec(lambda: stage.spec.workdir(stage.workdir))
+
+    def _user_step(self, command, stage: _Stage) -> None:
+        user = self.word(command.value[0], stage)
+        stage.spec = self._spec(lambda: stage.spec.user(user))
+
+    def _expose_step(self, command, stage: _Stage) -> None:
+        ports = [self.word(word, stage) for word in command.value]
+        stage.spec = self._spec(lambda: stage.spec.expose(*ports))
+
+    def _entrypoint_step(self, command, stage: _Stage) -> None:
+        stage.spec = self._spec(lambda: stage.spec.entrypoint(*self._argv(command)))
+        if stage.cmd is not None:  # the builder's entrypoint step drops the cmd, as Docker does an inherited one
+            stage.spec = stage.spec.cmd(*stage.cmd)
+
+    def _cmd_step(self, command, stage: _Stage) -> None:
+        stage.cmd = self._argv(command)
+        stage.spec = self._spec(lambda: stage.spec.cmd(*stage.cmd))
+
+    def _argv(self, command) -> tuple[str, ...]:
+        if command.json:
+            return tuple(command.value)
+        return ("/bin/sh", "-c", command.value[0]) if command.value and command.value[0] else ()
+
+    def _copy_step(self, command, stage: _Stage) -> None:
+        self._sources(command, stage, add=False)
+
+    def _add_step(self, command, stage: _Stage) -> None:
+        self._sources(command, stage, add=True)
+
+    def _sources(self, command, stage: _Stage, *, add: bool) -> None:
+        for flag in command.flags:
+            option = flag.partition("=")[0]
+            if option == "--from":
+                raise self.fail(f"{flag} is not supported: fanfold builds one stage; build the other stage as its"
+                                " own image and start this one FROM it, or COPY the files from the context")
+            if option in ("--chown", "--chmod"):
+                raise self.fail(f"{flag} is not supported: copy, then `RUN chown`/`RUN chmod` the copied paths")
+            if option != "--link":
+                raise self.fail(f"{flag} is not supported: remove it")
+        words = [self.word(word, stage) for word in command.value]
+        if len(words) < 2:
+            raise self.fail("give one or more sources and a destination")
+        *sources, dest = words
+        directory = dest.endswith("/") or dest in (".", "./") or dest.endswith("/.")
+        target = self._absolute(dest, stage, self.instruction + " destination")
+        matched = [path for source in sources for path in self._matches(source, add)]
+        if len(matched) > 1 and not directory and target not in stage.dirs:
+            raise self.fail(f"with several sources the destination must be a directory: write {dest.rstrip('/')}/")
+        for path in matched:
+            into_dir = directory or target in stage.dirs or len(matched) > 1
+            if path.is_dir():
+                stage.dirs.add(target)
+                dst = target
+            else:
+                dst = str(PurePosixPath(target) / path.name) if into_dir else target
+            src = path.relative_to(self.context).as_posix()
+            stage.spec = self._spec(lambda: stage.spec.copy(src, dst))
+
+    def _matches(self, source: str, add: bool) -> list[Path]:
+        if add and re.match(r"^[a-z][a-z0-9+.-]*://|^git@", source, re.I):
+            raise self.fail(f"ADD of a URL ({source}) is not supported: download it in a RUN step (curl, git clone)"
+                            " or fetch it into the context and COPY it")
+        relative = source.lstrip("/") or "."  # absolute sources are relative to the context, as in Docker
+        if ".." in PurePosixPath(relative).parts:
+            raise self.fail(f"source {source!r} leaves the build context {self.context}")
+        if glob.has_magic(relative):
+            found = sorted(Path(p) for p in glob.glob(str(self.context / relative), include_hidden=True))
+        else:
+            found = [self.context / relative] if os.path.lexists(self.context / relative) else []
+        if not found:
+            raise self.fail(f"source {source!r} not found in the build context {self.context}")
+        ignore = self.context / ".dockerignore"
+        if ignore.exists() and (glob.has_magic(relative) or any(path.is_dir() for path in found)):
+            # Ignore files often keep secrets (.env) out of images: copying what they exclude is no small difference.
+            raise self.fail(f"{ignore} exists, and fanfold does not apply it, so copying {source!r} would take the files"
+                            " it excludes: copy the files you need by name, or remove the .dockerignore")
+        for path in found:
+            if not path.resolve().is_relative_to(self.context.resolve()):
+                raise self.fail(f"source {source!r} leaves the build context {self.context} (through a link)")
+            if add and path.is_file() and tarfile.is_tarfile(path):
+                raise self.fail(f"{source} is a tar archive, which ADD would unpack: unpacking is not supported;"
+                                " COPY it and `RUN tar -xf` it, or unpack it into the context and COPY the directory")
+        return found
+
+    def _absolute(self, path: str, stage: _Stage, what: str) -> str:
+        if path.startswith("/"):
+            return str(PurePosixPath(path))
+        if stage.workdir is None:
+            raise self.fail(f"relative {what} {path!r} before any absolute WORKDIR: the base image's working"
+                            " directory is not known when the Dockerfile is read; give an absolute path")
+        return str(PurePosixPath(stage.workdir) / path)
+
+    def _spec(self, make) -> EnvSpec:
+        try:
+            return make()
+        except InvalidSpec as err:
+            raise self.fail(str(err)) from None
+
+
+class _UnknownVariable(Exception):
+    pass
+
+
+class _Lexer:
+    """Docker's word expansion (buildkit's shell/lex.go): quotes, backslash escapes and ``$`` forms."""
+
+    def __init__(self, text: str, variables: Mapping[str, str], known: bool) -> None:
+        self.text, self.pos, self.variables, self.known = text, 0, variables, known
+
+    def next(self) -> str:
+        char = self.text[self.pos] if self.pos < len(self.text) else ""
+        self.pos += 1
+        return char
+
+    def peek(self) -> str:
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def word(self, stop: str) -> tuple[str, bool]:
+        out: list[str] = []
+        while self.pos < len(self.text):
+            char = self.peek()
+            if stop and char == stop:
+                self.pos += 1
+                return "".join(out), True
+            if char == "'":
+                self.pos += 1
+                end = self.text.find("'", self.pos)
+                if end < 0:
+                    raise ValueError(f"unterminated single quote in {self.text!r}")
+                out.append(self.text[self.pos:end])
+                self.pos = end + 1
+            elif char == '"':
+                self.pos += 1
+                out.append(self.double_quoted())
+            elif char == "\\":
+                self.pos += 1
+                out.append(self.next())
+            elif char == "$":
+                self.pos += 1
+                out.append(self.dollar())
+            else:
+                out.append(self.next())
+        if stop:
+            raise ValueError(f"missing '{stop}' in {self.text!r}")
+        return "".join(out), False
+
+    def double_quoted(self) -> str:
+        out: list[str] = []
+        while True:
+            char = self.next()
+            if char == "":
+                raise ValueError(f"unterminated double quote in {self.text!r}")
+            if char == '"':
+                return "".join(out)
+            if char == "$":
+                out.append(self.dollar())
+            elif char == "\\" and self.peek() in ('"', "$", "\\"):
+                out.append(self.next())
+            else:
+                out.append(char)
+
+    def dollar(self) -> str:
+        if self.peek() != "{":
+            name = self.name()
+            return self.lookup(name, required=True) if name else "$"
+        self.pos += 1
+        name = self.name()
+        if not name:
+            raise ValueError(f"bad substitution in {self.text!r}")
+        char = self.next()
+        if char == "}":
+            return self.lookup(name, required=True)
+        colon = char == ":"
+        operator = self.next() if colon else char
+        if operator not in ("-", "+", "?"):
+            raise ValueError(f"unsupported substitution ${{{name}{char}{operator}...}} in {self.text!r}:"
+                             " fanfold expands $VAR, ${VAR}, ${VAR:-default}, ${VAR:+alt} and ${VAR:?message}")
+        alternative, _ = self.word(stop="}")
+        value = self.lookup(name, required=False)
+        is_set = value is not None and (value != "" or not colon)
+        if operator == "-":
+            return value if is_set else alternative  # type: ignore[return-value]
+        if operator == "+":
+            return alternative if is_set else ""
+        if not is_set:
+            raise ValueError(f"{name}: {alternative or 'is not allowed to be unset'}")
+        return value  # type: ignore[return-value]
+
+    def name(self) -> str:
+        start = self.pos
+        while _NAME.match(self.peek() or "-"):
+            self.pos += 1
+        return self.text[start:self.pos]
+
+    def lookup(self, name: str, *, required: bool) -> str | None:
+        if name in self.variables:
+            return self.variables[name]
+        if required and not self.known:
+            raise _UnknownVariable(name)
+        return "" if required else None

@@ -1,0 +1,175 @@
+"""Images from a real registry and from files, through the SDK (embedded and over HTTP) and the CLI.
+
+A real registry (Debian's reference one) runs on loopback; images are runnable trees of the
+host's shell and coreutils, pushed with skopeo. tests/test_images_pull.py covers the pull
+machinery itself (auth, TLS, corrupt and broken transfers, whiteouts).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from fanfold import AsyncFleet, EngineConfig, EnvSpec, ImageInUse, ImageNotFound, RegistryUnavailable
+from fanfold.images import LayerStore
+
+from conftest import run_cli, start_server, stop_server
+from registry import push_tree, run_registry, runnable_tree, write_docker_archive, write_oci_layout
+
+CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=hello"], "WorkingDir": "/srv/app", "User": "app",
+          "Entrypoint": ["/bin/sh", "-c"], "Cmd": ["echo from-cmd; id -u"], "ExposedPorts": {"8000/tcp": {}}}
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory):
+    """A plain-HTTP registry on loopback, named in FANFOLD_INSECURE_REGISTRIES for this module."""
+    with run_registry(tmp_path_factory.mktemp("registry")) as running:
+        before = os.environ.get("FANFOLD_INSECURE_REGISTRIES")
+        os.environ["FANFOLD_INSECURE_REGISTRIES"] = running.host
+        try:
+            yield running
+        finally:
+            if before is None:
+                os.environ.pop("FANFOLD_INSECURE_REGISTRIES", None)
+            else:
+                os.environ["FANFOLD_INSECURE_REGISTRIES"] = before
+    assert running.process.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """A runnable base and an app layer on top."""
+    where = tmp_path_factory.mktemp("trees")
+    base = runnable_tree(where / "base")
+    app = where / "app"
+    (app / "srv/app").mkdir(parents=True)
+    (app / "srv/app/hello.txt").write_text("hi\n")
+    return [base, app]
+
+
+@pytest.fixture(scope="module")
+def app(registry, trees: list[Path]) -> str:
+    """``app:v1`` pushed; its ``host/app@sha256:...``."""
+    return push_tree(registry, "app:v1", trees, config=CONFIG)
+
+
+@pytest.fixture(scope="module")
+def image_server(config: EngineConfig, registry, tmp_path_factory: pytest.TempPathFactory):
+    """A server of its own: it needs the registry named insecure in its environment."""
+    running = start_server(config.state_dir, tmp_path_factory.mktemp("server"),
+                           env={"FANFOLD_INSECURE_REGISTRIES": registry.host})
+    yield running
+    assert stop_server(running) == 0
+
+
+@pytest.fixture(params=["embedded", "unix"])
+async def ifleet(request: pytest.FixtureRequest, config: EngineConfig, registry):
+    args = {"config": config} if request.param == "embedded" else {"url": request.getfixturevalue("image_server").unix_url}
+    async with AsyncFleet(**args) as fleet:
+        yield fleet
+
+
+async def test_a_pulled_image_runs_with_its_config(ifleet: AsyncFleet, registry, app: str) -> None:
+    tag = f"{registry.host}/app:v1"
+    events = []
+    image = await ifleet.pull(tag, on_progress=events.append)
+    assert image.source == f"registry {tag}" and tag in image.names and image.digest == app.partition("@")[2]
+    assert (image.user, image.workdir, image.ports) == ("app", "/srv/app", ("8000/tcp",))
+    assert (image.entrypoint, image.cmd) == (("/bin/sh", "-c"), ("echo from-cmd; id -u",))
+    assert {e.layer for e in events} == set(image.layers) and {e.status for e in events} <= {"waiting", "pulling", "done", "exists"}
+    async with await ifleet.create(tag) as sandbox:
+        assert sandbox.info.image_id == image.id
+        result = await sandbox.exec("pwd; echo $GREETING; id -u; cat hello.txt; echo $HOME")
+        assert result.ok and result.text.split() == ["/srv/app", "hello", "1000", "hi", "/home/app"]
+        assert (await sandbox.exec("id -u", user="root")).text == "0\n"
+    listed = {i.id: i for i in await ifleet.images()}
+    assert tag in listed[image.id].names and listed[image.id].source == image.source
+
+
+async def test_specs_build_on_a_pulled_image_and_share_its_layers(ifleet: AsyncFleet, app: str) -> None:
+    spec = EnvSpec(app).user("root").run("echo built > /srv/app/built").env(MORE="1")
+    built = await ifleet.build(spec)
+    base = await ifleet.pull(app)
+    assert built.layers[:len(base.layers)] == base.layers and len(built.layers) == len(base.layers) + 1
+    assert built.base == app and built.workdir == "/srv/app" and built.cmd == base.cmd
+    steps = []
+    assert (await ifleet.build(spec, on_step=steps.append)).id == built.id
+    assert {s.status for s in steps if s.index > 0} == {"cached"}
+    async with await ifleet.create(built) as sandbox:
+        result = await sandbox.exec("cat built; echo $GREETING$MORE; id -u")
+        assert result.text.split() == ["built", "hello1", "0"]
+
+
+async def test_a_create_from_a_reference_never_pulled_pulls_it(config: EngineConfig, registry, trees) -> None:
+    ref = push_tree(registry, "fresh:v1", trees, config=CONFIG)
+    async with AsyncFleet(config=config) as fleet:
+        assert ref not in {name for i in await fleet.images() for name in i.names}
+        async with await fleet.create(ref) as sandbox:
+            assert (await sandbox.exec("cat hello.txt")).text == "hi\n"
+        assert ref in {name for i in await fleet.images() for name in i.names}
+
+
+async def test_imports_of_files_over_both_transports(ifleet: AsyncFleet, tmp_path: Path) -> None:
+    layers = [{"etc/passwd": "root:x:0:0::/root:/bin/sh\n", "data/one": "1\n"}, {"data/two": "2\n"}]
+    saved = write_docker_archive(tmp_path / "saved.tar", layers, config={"Env": ["K=v"], "WorkingDir": "/data"},
+                                 tag="example.com/saved:v1")
+    first = await ifleet.import_image(tmp_path / "saved.tar")
+    assert first.source.startswith("file ") and first.env == (("K", "v"),) and first.workdir == "/data"
+    assert len(first.layers) == 2 and saved
+    write_oci_layout(tmp_path / "layout", layers, config={"Env": ["K=v"], "WorkingDir": "/data"})
+    second = await ifleet.import_image(tmp_path / "layout", ref="example.com/layout:v1")
+    assert "example.com/layout:v1" in second.names and second.layers == first.layers  # layers stored once
+    with pytest.raises(ImageNotFound):
+        await ifleet.remove_image("example.com/never:v1")
+    for image in {first.id, second.id}:
+        assert await ifleet.remove_image(image) == image
+
+
+async def test_an_unreachable_registry_is_retryable_over_both_transports(ifleet: AsyncFleet) -> None:
+    with pytest.raises(RegistryUnavailable, match="127.0.0.1:1"):
+        await ifleet.pull("127.0.0.1:1/none:v1")
+
+
+async def test_remove_is_refused_while_used_and_gc_then_frees_the_layers(config: EngineConfig, registry,
+                                                                         tmp_path: Path) -> None:
+    own = tmp_path / "own"
+    (own / "marker").mkdir(parents=True)
+    (own / "marker/unique").write_text(f"{time.time_ns()}\n")  # a layer no other image has
+    ref = push_tree(registry, "gc:v1", [runnable_tree(tmp_path / "base"), own], config=CONFIG)
+    store = LayerStore(config.state_dir)
+    async with AsyncFleet(config=config) as fleet:
+        image = await fleet.pull(ref)
+        unique = store.layer_path(image.layers[-1])
+        async with await fleet.create(ref):
+            with pytest.raises(ImageInUse, match="used by sb-"):
+                await fleet.remove_image(ref)
+        assert await fleet.remove_image(ref) == image.id
+        assert image.id not in {i.id for i in await fleet.images()}
+        old = time.time() - 3600  # gc keeps layers younger than ten minutes (a build in flight may own them)
+        os.utime(unique, (old, old), follow_symlinks=False)
+        target = unique.resolve()
+        removed = await fleet.gc()
+        assert f"layer:{unique.name}" in removed
+        assert not os.path.lexists(unique) and not target.exists()
+
+
+def test_the_cli_pulls_lists_runs_the_default_command_and_removes(registry, app: str) -> None:
+    tag = f"{registry.host}/app:v1"
+    pulled = run_cli("pull", "-q", tag)
+    assert pulled.returncode == 0, pulled.stderr
+    image_id = pulled.stdout.strip()
+    assert image_id.startswith("img-")
+    listing = run_cli("images")
+    assert listing.returncode == 0 and image_id in listing.stderr + listing.stdout and tag in listing.stderr + listing.stdout
+    ran = run_cli("run", "--image", tag)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["from-cmd", "1000"]
+    as_root = run_cli("run", "--image", tag, "--user", "root", "--", "id", "-u")
+    assert as_root.stdout == "0\n", as_root.stderr
+    no_default = run_cli("run", "--image", "host")
+    assert no_default.returncode == 2 and "no default command" in no_default.stderr
+    removed = run_cli("rmi", tag)
+    assert removed.returncode == 0 and removed.stdout.strip() == image_id, removed.stderr
