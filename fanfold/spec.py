@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
@@ -50,9 +51,20 @@ def sandbox_path(path: str, *, what: str) -> str:
     return str(PurePosixPath(path))
 
 
+def _step_path(path: str, *, what: str) -> str:
+    """An absolute sandbox path, or a relative one that the builder resolves against the workdir in
+    force at that step (the base image's until a workdir step)."""
+    if not isinstance(path, str) or not path or path.startswith("/"):
+        return sandbox_path(path, what=what)
+    if "\0" in path or ".." in PurePosixPath(path).parts:
+        raise InvalidSpec(f"{what} {path!r} may not contain '..' or NUL bytes")
+    return posixpath.normpath(path)
+
+
 @dataclass(frozen=True)
 class Step:
-    """One build step; ``kind`` is workdir, copy, repo, run, env, service, user, entrypoint, cmd or expose.
+    """One build step; ``kind`` is workdir, copy, copy_from, repo, run, env, service, user, entrypoint, cmd
+    or expose.
 
     env, service, user, entrypoint, cmd and expose change the image's config, not its files."""
 
@@ -63,9 +75,14 @@ class Step:
         return dict(self.args)[name]
 
     def describe(self) -> str:
+        if self.kind == "copy_from":
+            source = self.arg("source")
+            name = source if isinstance(source, str) else f"stage({source.base}+{len(source.steps)} steps)"
+            return f"COPY --from={name} {self.arg('src')} {self.arg('dst')}"
         values = " ".join(
             " ".join(v) if isinstance(v, tuple) and all(isinstance(x, str) for x in v) else str(v)
-            for _, v in self.args if not isinstance(v, tuple) or all(isinstance(x, str) for x in v)
+            for _, v in self.args
+            if not isinstance(v, (tuple, bool)) or isinstance(v, tuple) and all(isinstance(x, str) for x in v)
         )
         return f"{self.kind.upper()} {values}".strip()
 
@@ -97,14 +114,28 @@ class EnvSpec:
         return replace(self, steps=self.steps + (Step(kind, tuple(args.items())),))
 
     def workdir(self, path: str) -> EnvSpec:
-        """Create ``path`` and make it the default directory of later steps and execs."""
-        return self._add("workdir", path=sandbox_path(path, what="workdir"))
+        """Create ``path`` and make it the default directory of later steps and execs; a relative
+        ``path`` is relative to the workdir in force (the base image's until a workdir step)."""
+        return self._add("workdir", path=_step_path(path, what="workdir"))
 
     def copy(self, src: str | Path, dst: str) -> EnvSpec:
-        """Copy a host file or directory into the image at ``dst``."""
+        """Copy a host file or directory into the image at ``dst`` (relative: to the workdir in force)."""
         if not isinstance(src, (str, Path)) or not str(src) or "\0" in str(src):
             raise InvalidSpec(f"copy source must be a path, got {src!r}")
-        return self._add("copy", src=str(src), dst=sandbox_path(dst, what="copy destination"))
+        return self._add("copy", src=str(src), dst=_step_path(dst, what="copy destination"))
+
+    def copy_from(self, source: EnvSpec | str, src: str, dst: str) -> EnvSpec:
+        """Copy ``src`` out of another image: a spec (built first, as a Dockerfile stage is), an image
+        reference, a local image id or a base. A directory's contents go into ``dst``; a file becomes
+        ``dst``, or goes into it when ``dst`` ends with '/'. Relative ``dst``: to the workdir in force."""
+        if isinstance(source, str):
+            EnvSpec(source)  # the same names a base takes, checked the same way
+        elif not isinstance(source, EnvSpec):
+            raise InvalidSpec(f"copy_from source must be an EnvSpec, an image reference or id, got {source!r}")
+        into = isinstance(dst, str) and dst.endswith("/") and dst.strip("/") != ""
+        dst = _step_path(dst, what="copy_from destination")
+        return self._add("copy_from", source=source, src=sandbox_path(src, what="copy_from source"),
+                         dst=dst + "/" if into else dst)
 
     def repo(self, src: str, dst: str, ref: str = "HEAD") -> EnvSpec:
         """Clone a git repository (a URL or a local path) at ``ref`` into ``dst``."""
@@ -126,6 +157,21 @@ class EnvSpec:
             if not _ENV_NAME.match(name) or not isinstance(value, str) or "\0" in value:
                 raise InvalidSpec(f"bad environment variable {name}={value!r}: names are identifiers, values strings")
         return self._add("env", vars=tuple(sorted(variables.items())))
+
+    def expand_env(self, **variables: str) -> EnvSpec:
+        """Set variables whose values are expanded when built, against the environment so far (the
+        base image's and earlier env steps'), as Docker's ENV does: ``PATH="/opt/x/bin:$PATH"``.
+        ``$VAR``, ``${VAR}``, ``${VAR:-default}``, ``${VAR:+alt}`` expand; ``\\$`` is a literal '$'."""
+        from .images import words
+
+        for name, value in variables.items():
+            if not _ENV_NAME.match(name) or not isinstance(value, str) or "\0" in value:
+                raise InvalidSpec(f"bad environment variable {name}={value!r}: names are identifiers, values strings")
+            try:
+                words.check(value)
+            except ValueError as err:
+                raise InvalidSpec(f"environment variable {name}: {err}") from None
+        return self._add("env", vars=tuple(sorted(variables.items())), expand=True)
 
     def service(self, name: str, cmd: str, mode: str = "simple") -> EnvSpec:
         """A process started in every sandbox at create: ``oneshot`` runs to completion first."""

@@ -124,24 +124,31 @@ def event_from_json(data: dict[str, Any]) -> StepEvent:
 
 
 def spec_to_json(spec: EnvSpec) -> dict[str, Any]:
+    """A spec as JSON; a ``copy_from`` spec (a stage) nests as its own object."""
     steps = []
     for step in spec.steps:
         args = dict(step.args)
         if step.kind == "env":
-            args = {"vars": dict(args["vars"])}
+            args = {**args, "vars": dict(args["vars"])}
+        elif step.kind == "copy_from" and isinstance(args["source"], EnvSpec):
+            args["source"] = spec_to_json(args["source"])
         steps.append({"kind": step.kind, **args})
     return {"base": spec.base, "steps": steps}
 
 
 _STEP_ARGS = {
-    "workdir": ("path",), "copy": ("src", "dst"), "repo": ("src", "dst", "ref"), "run": ("cmd",),
-    "env": ("vars",), "service": ("name", "cmd", "mode"), "user": ("user",), "entrypoint": ("argv",),
-    "cmd": ("argv",), "expose": ("ports",),
+    "workdir": ("path",), "copy": ("src", "dst"), "copy_from": ("source", "src", "dst"), "repo": ("src", "dst", "ref"),
+    "run": ("cmd",), "env": ("vars", "expand"), "service": ("name", "cmd", "mode"), "user": ("user",),
+    "entrypoint": ("argv",), "cmd": ("argv",), "expose": ("ports",),
 }
+MAX_STAGES = 32
+"""Deepest nesting of copy_from specs a spec may have."""
 
 
-def spec_from_json(data: Any) -> EnvSpec:
+def spec_from_json(data: Any, _depth: int = 0) -> EnvSpec:
     """Rebuild a spec through EnvSpec's own methods, so every rule they check applies."""
+    if _depth > MAX_STAGES:
+        raise InvalidSpec(f"copy_from specs nest over {MAX_STAGES} deep")
     if not isinstance(data, dict) or not isinstance(data.get("base", "host"), str):
         raise InvalidSpec("a spec is an object with a base name and a list of steps")
     spec = EnvSpec(data.get("base", "host"))
@@ -161,7 +168,14 @@ def spec_from_json(data: Any) -> EnvSpec:
                 variables = args.get("vars")
                 if not isinstance(variables, dict):
                     raise InvalidSpec(f"step {number} (env): vars must be an object of strings")
-                spec = spec.env(**variables)
+                if not isinstance(args.get("expand", False), bool):
+                    raise InvalidSpec(f"step {number} (env): expand must be true or false")
+                spec = spec.expand_env(**variables) if args.get("expand") else spec.env(**variables)
+            elif kind == "copy_from":
+                source = args.get("source")
+                if isinstance(source, dict):
+                    source = spec_from_json(source, _depth + 1)
+                spec = spec.copy_from(source, args.get("src"), args.get("dst"))
             elif kind in ("entrypoint", "cmd", "expose"):
                 values = args.get("argv" if kind != "expose" else "ports")
                 if not isinstance(values, (list, tuple)):

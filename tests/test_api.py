@@ -63,7 +63,7 @@ def test_spec_is_immutable_and_chainable():
     lambda: EnvSpec("host").user("bad user"),
     lambda: EnvSpec("host").expose(70000),
     lambda: EnvSpec("host").cmd("ok", None),  # type: ignore[arg-type]
-    lambda: EnvSpec("host").workdir("relative"),
+    lambda: EnvSpec("host").workdir("../relative"),
     lambda: EnvSpec("host").copy("x", "/a/../b"),
     lambda: EnvSpec("host").run(""),
     lambda: EnvSpec("host").env(**{"1BAD": "x"}),

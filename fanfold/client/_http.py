@@ -439,19 +439,27 @@ def _tar_dir(directory: Path) -> Path:
     return Path(name)
 
 
-def _build_request(spec: EnvSpec) -> tuple[bytes, str]:
-    """The spec as JSON, or, when it copies local sources, a tar of spec.json and those sources."""
-    context = spec.context or Path.cwd()
-    data = wire.spec_to_json(spec)
-    sources: dict[str, Path] = {}
-    for number, (step, item) in enumerate(zip(spec.steps, data["steps"])):
+def _upload_sources(spec: EnvSpec, data: dict, context: Path, sources: dict[str, Path]) -> None:
+    """Name each local copy source of ``spec`` and of the stages it copies from ``srcN`` in ``data``
+    (numbered across them all, as they share one upload) and note the path to send."""
+    for step, item in zip(spec.steps, data["steps"]):
         if step.kind == "repo" and not is_repo_url(item["src"]):
             raise InvalidSpec(REMOTE_LOCAL_REPO.format(src=item["src"]))
         if step.kind == "copy":
-            name = f"src{number}"
+            name = f"src{len(sources)}"
             # A top-level link is followed, as an in-process copy does.
             sources[name] = source_path(item["src"], context).resolve()
             item["src"] = name
+        elif step.kind == "copy_from" and isinstance(step.arg("source"), EnvSpec):
+            stage = step.arg("source")
+            _upload_sources(stage, item["source"], stage.context or context, sources)
+
+
+def _build_request(spec: EnvSpec) -> tuple[bytes, str]:
+    """The spec as JSON, or, when it copies local sources, a tar of spec.json and those sources."""
+    data = wire.spec_to_json(spec)
+    sources: dict[str, Path] = {}
+    _upload_sources(spec, data, spec.context or Path.cwd(), sources)
     if not sources:
         return json.dumps(data).encode(), "application/json"
     buffer = io.BytesIO()

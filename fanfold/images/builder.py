@@ -6,19 +6,21 @@ import asyncio
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Awaitable, Callable
 
-from ..errors import BuildFailed, InvalidRequest, InvalidSpec
+from ..errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
+from ..host import safefs
 from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime.container import ProcessUser
 from ..refs import DEFAULT_PATH
 from ..spec import BASES, EnvSpec, Step, is_repo_url
-from . import users
+from . import users, words
 from .bases import base_digest, ensure_base, host_dirs
 from .rootfs import fold_host_uppers, mount_rootfs, unmount_rootfs
 from .store import Image, LayerStore
@@ -72,11 +74,16 @@ class Builder:
         context = spec.context or Path.cwd()
         for index, step in enumerate(spec.steps, start=1):
             description = step.describe()
-            inputs = await _off_loop(_step_inputs, step, context)  # hashes trees, asks remotes
+            source = None
+            if step.kind == "copy_from":
+                source, key = await self._copy_source(step.arg("source"), context, description, report)
+                inputs: dict[str, object] = {**dict(step.args), "source": key}
+            else:
+                inputs = await _off_loop(_step_inputs, step, context)  # hashes trees, asks remotes
             digest = _step_digest(digest, step, inputs)
             if step.kind in CONFIG_STEPS:
                 if step.kind == "env":
-                    env.update(dict(step.arg("vars")))
+                    env.update(_env_values(step, env))
                 elif step.kind == "service":
                     services.append((step.arg("name"), step.arg("cmd"), step.arg("mode")))
                 elif step.kind == "user":
@@ -88,6 +95,7 @@ class Builder:
                 else:
                     ports.extend(p for p in step.arg("ports") if p not in ports)
                 continue
+            step = _placed(step, str(config["workdir"]))  # relative paths: to the workdir in force
             if step.kind == "workdir":
                 config["workdir"] = step.arg("path")
             if self.store.has_layer(digest):
@@ -97,7 +105,7 @@ class Builder:
             report(StepEvent(index, total, description, "running"))
             try:
                 await self._make_layer(step, digest, tuple(layers), dirs, env, str(config["workdir"]), context,
-                                       inputs, str(config["user"]))
+                                       inputs, str(config["user"]), source)
             except BuildFailed:
                 report(StepEvent(index, total, description, "failed"))
                 raise
@@ -133,7 +141,20 @@ class Builder:
             cached = known is not None and known == start.id
         return start, hashlib.sha256(f"image:{start.id}".encode()).hexdigest(), cached
 
-    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs, user="") -> None:
+    async def _copy_source(self, source: EnvSpec | str, context: Path, description: str,
+                           report: OnStep) -> tuple[Image, str]:
+        """The image a copy_from step reads and what its layer's key counts of it: a spec is built
+        first (its progress reported under the step's name), anything else resolved as a base is."""
+        if isinstance(source, str):
+            image, digest, _ = await self._base(source)
+            return image, image.id or f"base:{digest}"
+        nested = source if source.context is not None else source.with_context(context)
+        image = await self.build(nested, lambda event: report(StepEvent(
+            event.index, event.total, f"{description} <- {event.description}", event.status)))
+        return image, image.id
+
+    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs, user="",
+                          source: Image | None = None) -> None:
         async with self.store.alock(digest):
             if self.store.has_layer(digest):
                 return
@@ -141,6 +162,9 @@ class Builder:
             try:
                 if step.kind == "run":
                     tree = await self._run_step(step, layers, dirs, env, workdir, scratch, user)
+                elif step.kind == "copy_from":
+                    assert source is not None
+                    tree = await _off_loop(_copy_from, self.store, source, step, scratch)
                 else:
                     tree = scratch / "upper"
                     tree.mkdir()
@@ -191,6 +215,73 @@ def _step_user(step: Step, rootfs: Path, user: str) -> users.User | None:
     except InvalidRequest as err:
         raise BuildFailed(f"build step {step.describe()!r} runs as user {user!r}: {err}",
                           step=step.describe(), exit_code=None, output_tail="") from None
+
+
+def _env_values(step: Step, env: dict[str, str]) -> dict[str, str]:
+    """An env step's values; an ``expand_env`` one's expanded against the environment before it."""
+    values = dict(step.arg("vars"))
+    if not dict(step.args).get("expand"):
+        return values
+    seen = {"PATH": DEFAULT_PATH, **env}  # what a step or exec sees where the image sets no PATH
+    try:
+        return {name: words.expand(value, seen) for name, value in values.items()}
+    except ValueError as err:
+        raise BuildFailed(f"build step {step.describe()!r}: {err}", step=step.describe(), exit_code=None,
+                          output_tail="") from None
+
+
+def _placed(step: Step, workdir: str) -> Step:
+    """``step`` with a relative workdir path or destination made absolute against ``workdir``."""
+    name = {"workdir": "path", "copy": "dst", "copy_from": "dst"}.get(step.kind)
+    if name is None or step.arg(name).startswith("/"):
+        return step
+    path = posixpath.normpath(posixpath.join(workdir, step.arg(name)))
+    if step.kind == "copy_from" and step.arg(name).endswith("/"):
+        path = path.rstrip("/") + "/"
+    return Step(step.kind, tuple((k, path if k == name else v) for k, v in step.args))
+
+
+def _copy_from(store: LayerStore, source: Image, step: Step, scratch: Path) -> Path:
+    """A layer tree holding ``src`` copied out of ``source``'s layers, mounted at a scratch dir and
+    unmounted again; ``src`` is resolved inside that root, so no link in it leads out."""
+    root, rw, tree = scratch / "source", scratch / "source-rw", scratch / "upper"
+    rw.mkdir()
+    tree.mkdir()
+    src, dst = step.arg("src"), step.arg("dst")
+    mount_rootfs(store, source.layers, source.host_dirs, root, rw)
+    try:
+        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with safefs.opened(fd, src, os.O_PATH) as found:
+                real = Path(os.readlink(f"/proc/self/fd/{found}"))
+        except FanfoldError as err:
+            raise BuildFailed(f"build step {step.describe()!r}: in the source image, {err}", step=step.describe(),
+                              exit_code=None, output_tail="") from None
+        finally:
+            os.close(fd)
+        if not real.is_relative_to(root):
+            raise BuildFailed(f"build step {step.describe()!r}: {src} resolves outside the source image",
+                              step=step.describe(), exit_code=None, output_tail="")
+        target = tree / dst.strip("/")
+        if real.is_dir() and not real.is_symlink():
+            target.mkdir(parents=True, exist_ok=True)
+            _cp(f"{real}/.", target)  # the directory's contents, as Docker copies a directory
+        else:
+            if dst.endswith("/"):
+                target = target / PurePosixPath(src).name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _cp(str(real), target)
+    finally:
+        unmount_rootfs(root)
+    return tree
+
+
+def _cp(source: str, target: Path) -> None:
+    # -a copies links as links: nothing in the copied tree is followed.
+    done = subprocess.run(["cp", "-a", "--reflink=auto", "--", source, str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BuildFailed(f"copying {source} failed: {done.stderr.strip()[-500:]}", step="COPY --from",
+                          exit_code=done.returncode, output_tail=done.stderr[-2000:])
 
 
 def _step_inputs(step: Step, context: Path) -> dict[str, object]:

@@ -2,14 +2,20 @@
 instruction maps onto EnvSpec steps, so a Dockerfile builds into the same cached layers as a spec.
 
 Mapped: FROM (fanfold's bases, an image reference, a local image id, or an earlier ``AS`` stage),
-RUN, COPY and ADD of local files, WORKDIR, ENV, ARG, USER, ENTRYPOINT, CMD, EXPOSE; LABEL is
-accepted and ignored. Anything else is an InvalidSpec naming the file, the line and what to do.
+RUN, COPY and ADD of local files, ``COPY --from`` a stage or an image, WORKDIR, ENV, ARG, USER,
+ENTRYPOINT, CMD, EXPOSE; LABEL is accepted and ignored. Anything else is an InvalidSpec naming the
+file, the line and what to do.
+
+On an image base the image's config is not known when the file is read: an ENV value naming a
+variable the image may set becomes an ``expand_env`` step, and a relative WORKDIR or COPY destination
+stays relative, both resolved by the builder against the image, as Docker does at build time.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import posixpath
 import re
 import shlex
 import tarfile
@@ -21,6 +27,7 @@ import dockerfile
 
 from ..errors import InvalidSpec
 from ..refs import BASES, DEFAULT_PATH, is_image_id, is_image_ref  # DEFAULT_PATH: what `ENV PATH=/x:$PATH` extends
+from . import words
 
 EnvSpec = Any
 """An ``fanfold.spec.EnvSpec``, whose class the caller hands in: the spec module imports this one."""
@@ -34,7 +41,6 @@ _UNSUPPORTED = {
     "STOPSIGNAL": "sandboxes are stopped by fanfold; drop it",
     "MAINTAINER": "it is deprecated; use LABEL or drop it",
 }
-_NAME = re.compile(r"[A-Za-z0-9_]")
 _ARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -60,11 +66,12 @@ def from_dockerfile(path: str | Path, spec_type: type, *, context: str | Path | 
 @dataclass
 class _Stage:
     spec: EnvSpec
-    env: dict[str, str]
-    """ENV values known at parse time; a base image's own are not, which ``known`` says."""
+    env: dict[str, str | None]
+    """ENV values known at parse time (None: known only at build time); a base image's own are not,
+    which ``known`` says."""
     known: bool
     workdir: str | None
-    """None while it is the base image's, unknown until an absolute WORKDIR."""
+    """None while it is the base image's; relative to that until an absolute WORKDIR."""
     args: dict[str, str | None] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
     """Paths this Dockerfile made directories (WORKDIR, COPY of a directory)."""
@@ -72,7 +79,8 @@ class _Stage:
     """The stage's own CMD, which a later ENTRYPOINT keeps (an inherited one it drops)."""
 
     def variables(self) -> dict[str, str]:
-        return {**{k: v for k, v in self.args.items() if v is not None}, **self.env}
+        merged = {**{k: v for k, v in self.args.items() if v is not None}, **self.env}
+        return {k: v for k, v in merged.items() if v is not None}
 
 
 class _Translator:
@@ -80,6 +88,7 @@ class _Translator:
         self.name, self.context, self.build_args, self.spec_type = name, context, build_args, spec_type
         self.globals: dict[str, str | None] = {}
         self.stages: dict[str, _Stage] = {}
+        self.order: list[_Stage] = []
         self.line = 0
         self.instruction = ""
 
@@ -97,6 +106,7 @@ class _Translator:
                 stage, stage_name = self._from(command)
                 names.append(stage_name)
                 self.stages[stage_name] = stage
+                self.order.append(stage)
             elif self.instruction == "ARG" and stage is None:
                 self._arg(command, self.globals, {}, {k: v for k, v in self.globals.items() if v is not None})
             elif stage is None:
@@ -125,7 +135,7 @@ class _Translator:
         if base in BASES:
             return _Stage(self.spec_type(base), {"PATH": DEFAULT_PATH}, True, "/", dirs={"/"}), name
         if is_image_id(base) or is_image_ref(base):
-            return _Stage(self.spec_type(base), {}, False, None), name
+            return _Stage(self.spec_type(base), {}, False, None, dirs={"."}), name
         raise self.fail(f"{base!r} is neither a stage of this file, one of {', '.join(BASES)}, an image reference"
                         " nor a local image id (img-...)")
 
@@ -171,14 +181,19 @@ class _Translator:
         """A word as Docker's shell lexer reads it: quotes removed, ``$VAR``, ``${VAR}``, ``${VAR:-x}``,
         ``${VAR:+x}`` (and the forms without ``:``) replaced."""
         try:
-            value, _ = _Lexer(text, variables, known).word(stop="")
-        except _UnknownVariable as err:
-            raise self.fail(f"${{{err.args[0]}}} is not set by this Dockerfile, and the base image's value is not"
-                            " known when the Dockerfile is read: set it with ENV or ARG, or give a default"
-                            f" (${{{err.args[0]}:-...}})") from None
+            return words.expand(text, variables) if known else words.expand_known(text, variables)
+        except words.UnknownVariable as err:
+            raise self.fail(f"${{{err.args[0]}}} may be set by the base image, whose environment is known only at"
+                            " build time: fanfold expands such variables in ENV values only; here use one this"
+                            " Dockerfile sets with ENV or ARG") from None
         except ValueError as err:
             raise self.fail(str(err)) from None
-        return value
+
+    def template(self, text: str, stage: _Stage) -> tuple[str, bool]:
+        try:
+            return words.template(text, stage.variables())
+        except ValueError as err:
+            raise self.fail(str(err)) from None
 
     # -- instructions ------------------------------------------------------------------------------
 
@@ -192,17 +207,28 @@ class _Translator:
 
     def _env_step(self, command, stage: _Stage) -> None:
         values = command.value  # every value of one line sees the variables from before that line
-        variables = {name: self.word(raw, stage) for name, raw in zip(values[0::2], values[1::2])}
-        stage.env.update(variables)
-        stage.spec = self._spec(lambda: stage.spec.env(**variables))
+        if stage.known:
+            variables = {name: self.word(raw, stage) for name, raw in zip(values[0::2], values[1::2])}
+            stage.env.update(variables)
+            stage.spec = self._spec(lambda: stage.spec.env(**variables))
+            return
+        # One step for the line, expanded at build time, when any value names a variable the image may set.
+        templates = {name: self.template(raw, stage) for name, raw in zip(values[0::2], values[1::2])}
+        if not any(kept for _, kept in templates.values()):
+            plain = {name: words.expand(text, {}) for name, (text, _) in templates.items()}
+            stage.env.update(plain)
+            stage.spec = self._spec(lambda: stage.spec.env(**plain))
+            return
+        stage.env.update({name: None if kept else words.expand(text, {}) for name, (text, kept) in templates.items()})
+        stage.spec = self._spec(lambda: stage.spec.expand_env(**{name: text for name, (text, _) in templates.items()}))
 
     def _label_step(self, command, stage: _Stage) -> None:
         """Labels are metadata fanfold's images do not keep."""
 
     def _workdir_step(self, command, stage: _Stage) -> None:
-        stage.workdir = self._absolute(self.word(command.value[0], stage), stage, "WORKDIR")
+        stage.workdir, path = self._place(self.word(command.value[0], stage), stage, "WORKDIR")
         stage.dirs.add(stage.workdir)
-        stage.spec = self._spec(lambda: stage.spec.workdir(stage.workdir))
+        stage.spec = self._spec(lambda: stage.spec.workdir(path))
 
     def _user_step(self, command, stage: _Stage) -> None:
         user = self.word(command.value[0], stage)
@@ -233,11 +259,12 @@ class _Translator:
         self._sources(command, stage, add=True)
 
     def _sources(self, command, stage: _Stage, *, add: bool) -> None:
+        source = None
         for flag in command.flags:
-            option = flag.partition("=")[0]
-            if option == "--from":
-                raise self.fail(f"{flag} is not supported: fanfold builds one stage; build the other stage as its"
-                                " own image and start this one FROM it, or COPY the files from the context")
+            option, _, value = flag.partition("=")
+            if option == "--from" and not add:
+                source = self._copy_source(self.word(value, stage), stage)
+                continue
             if option in ("--chown", "--chmod"):
                 raise self.fail(f"{flag} is not supported: copy, then `RUN chown`/`RUN chmod` the copied paths")
             if option != "--link":
@@ -247,19 +274,54 @@ class _Translator:
             raise self.fail("give one or more sources and a destination")
         *sources, dest = words
         directory = dest.endswith("/") or dest in (".", "./") or dest.endswith("/.")
-        target = self._absolute(dest, stage, self.instruction + " destination")
+        key, target = self._place(dest, stage, self.instruction + " destination")
+        if source is not None:
+            return self._copy_from(source, sources, dest, target, directory or key in stage.dirs, stage)
         matched = [path for source in sources for path in self._matches(source, add)]
-        if len(matched) > 1 and not directory and target not in stage.dirs:
+        if len(matched) > 1 and not directory and key not in stage.dirs:
             raise self.fail(f"with several sources the destination must be a directory: write {dest.rstrip('/')}/")
         for path in matched:
-            into_dir = directory or target in stage.dirs or len(matched) > 1
+            into_dir = directory or key in stage.dirs or len(matched) > 1
             if path.is_dir():
-                stage.dirs.add(target)
+                stage.dirs.add(key)
                 dst = target
             else:
-                dst = str(PurePosixPath(target) / path.name) if into_dir else target
+                dst = posixpath.join(target, path.name) if into_dir else target
             src = path.relative_to(self.context).as_posix()
             stage.spec = self._spec(lambda: stage.spec.copy(src, dst))
+
+    def _copy_source(self, name: str, stage: _Stage) -> EnvSpec | str:
+        """What ``--from=name`` names: an earlier stage (by name or index), else an image."""
+        found = self.stages.get(name.lower())
+        if found is None and name.isdigit():
+            if int(name) >= len(self.order):
+                raise self.fail(f"--from={name}: this file has no stage {name} before this line")
+            found = self.order[int(name)]
+        if found is stage:
+            raise self.fail(f"--from={name} names the stage it is in: copy from an earlier stage")
+        if found is not None:
+            return found.spec
+        if name in BASES or is_image_id(name) or is_image_ref(name):
+            return name
+        raise self.fail(f"--from={name} is neither an earlier stage of this file, one of {', '.join(BASES)}, an image"
+                        " reference nor a local image id (img-...)")
+
+    def _copy_from(self, source: EnvSpec | str, sources: list[str], dest: str, target: str, into_dir: bool,
+                   stage: _Stage) -> None:
+        """Paths in another stage or image: whether each is a file or a directory is known only when
+        built, so the builder places it (a directory's contents into ``dst``, a file at it or, when
+        ``dst`` ends with '/', into it)."""
+        if len(sources) > 1 and not into_dir:
+            raise self.fail(f"with several sources the destination must be a directory: write {dest.rstrip('/')}/")
+        dst = target if not (into_dir or len(sources) > 1) or target.endswith("/") else target + "/"
+        for src in sources:
+            if glob.has_magic(src):
+                raise self.fail(f"wildcards in COPY --from sources ({src}) are not supported: name each file or"
+                                " directory")
+            path = posixpath.normpath("/" + src.lstrip("/"))  # relative sources: to the other image's root
+            if ".." in PurePosixPath(path).parts:
+                raise self.fail(f"source {src!r} may not contain '..'")
+            stage.spec = self._spec(lambda: stage.spec.copy_from(source, path, dst))
 
     def _matches(self, source: str, add: bool) -> list[Path]:
         if add and re.match(r"^[a-z][a-z0-9+.-]*://|^git@", source, re.I):
@@ -287,119 +349,20 @@ class _Translator:
                                 " COPY it and `RUN tar -xf` it, or unpack it into the context and COPY the directory")
         return found
 
-    def _absolute(self, path: str, stage: _Stage, what: str) -> str:
+    def _place(self, path: str, stage: _Stage, what: str) -> tuple[str, str]:
+        """Where ``path`` is: its key in ``stage.dirs`` (relative: to the base image's workdir) and the
+        path a step takes (relative: to the workdir in force when it is built)."""
+        if ".." in PurePosixPath(path).parts:
+            raise self.fail(f"{what} {path!r} contains '..': give a path without it")
         if path.startswith("/"):
-            return str(PurePosixPath(path))
-        if stage.workdir is None:
-            raise self.fail(f"relative {what} {path!r} before any absolute WORKDIR: the base image's working"
-                            " directory is not known when the Dockerfile is read; give an absolute path")
-        return str(PurePosixPath(stage.workdir) / path)
+            return str(PurePosixPath(path)), str(PurePosixPath(path))
+        if stage.workdir is not None and stage.workdir.startswith("/"):
+            joined = str(PurePosixPath(stage.workdir) / path)
+            return joined, joined
+        return posixpath.normpath(posixpath.join(stage.workdir or ".", path)), posixpath.normpath(path)
 
     def _spec(self, make) -> EnvSpec:
         try:
             return make()
         except InvalidSpec as err:
             raise self.fail(str(err)) from None
-
-
-class _UnknownVariable(Exception):
-    pass
-
-
-class _Lexer:
-    """Docker's word expansion (buildkit's shell/lex.go): quotes, backslash escapes and ``$`` forms."""
-
-    def __init__(self, text: str, variables: Mapping[str, str], known: bool) -> None:
-        self.text, self.pos, self.variables, self.known = text, 0, variables, known
-
-    def next(self) -> str:
-        char = self.text[self.pos] if self.pos < len(self.text) else ""
-        self.pos += 1
-        return char
-
-    def peek(self) -> str:
-        return self.text[self.pos] if self.pos < len(self.text) else ""
-
-    def word(self, stop: str) -> tuple[str, bool]:
-        out: list[str] = []
-        while self.pos < len(self.text):
-            char = self.peek()
-            if stop and char == stop:
-                self.pos += 1
-                return "".join(out), True
-            if char == "'":
-                self.pos += 1
-                end = self.text.find("'", self.pos)
-                if end < 0:
-                    raise ValueError(f"unterminated single quote in {self.text!r}")
-                out.append(self.text[self.pos:end])
-                self.pos = end + 1
-            elif char == '"':
-                self.pos += 1
-                out.append(self.double_quoted())
-            elif char == "\\":
-                self.pos += 1
-                out.append(self.next())
-            elif char == "$":
-                self.pos += 1
-                out.append(self.dollar())
-            else:
-                out.append(self.next())
-        if stop:
-            raise ValueError(f"missing '{stop}' in {self.text!r}")
-        return "".join(out), False
-
-    def double_quoted(self) -> str:
-        out: list[str] = []
-        while True:
-            char = self.next()
-            if char == "":
-                raise ValueError(f"unterminated double quote in {self.text!r}")
-            if char == '"':
-                return "".join(out)
-            if char == "$":
-                out.append(self.dollar())
-            elif char == "\\" and self.peek() in ('"', "$", "\\"):
-                out.append(self.next())
-            else:
-                out.append(char)
-
-    def dollar(self) -> str:
-        if self.peek() != "{":
-            name = self.name()
-            return self.lookup(name, required=True) if name else "$"
-        self.pos += 1
-        name = self.name()
-        if not name:
-            raise ValueError(f"bad substitution in {self.text!r}")
-        char = self.next()
-        if char == "}":
-            return self.lookup(name, required=True)
-        colon = char == ":"
-        operator = self.next() if colon else char
-        if operator not in ("-", "+", "?"):
-            raise ValueError(f"unsupported substitution ${{{name}{char}{operator}...}} in {self.text!r}:"
-                             " fanfold expands $VAR, ${VAR}, ${VAR:-default}, ${VAR:+alt} and ${VAR:?message}")
-        alternative, _ = self.word(stop="}")
-        value = self.lookup(name, required=False)
-        is_set = value is not None and (value != "" or not colon)
-        if operator == "-":
-            return value if is_set else alternative  # type: ignore[return-value]
-        if operator == "+":
-            return alternative if is_set else ""
-        if not is_set:
-            raise ValueError(f"{name}: {alternative or 'is not allowed to be unset'}")
-        return value  # type: ignore[return-value]
-
-    def name(self) -> str:
-        start = self.pos
-        while _NAME.match(self.peek() or "-"):
-            self.pos += 1
-        return self.text[start:self.pos]
-
-    def lookup(self, name: str, *, required: bool) -> str | None:
-        if name in self.variables:
-            return self.variables[name]
-        if required and not self.known:
-            raise _UnknownVariable(name)
-        return "" if required else None

@@ -251,6 +251,8 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: int,
 def _check_sources(spec: EnvSpec, context: Path) -> None:
     """A remote spec reads only what its client uploaded, never the server's own files."""
     for step in spec.steps:
+        if step.kind == "copy_from" and isinstance(step.arg("source"), EnvSpec):
+            _check_sources(step.arg("source"), context)  # a stage: its sources came in the same upload
         src = step.arg("src") if step.kind in ("copy", "repo") else None
         if step.kind == "repo" and not is_repo_url(src):
             raise InvalidSpec(REMOTE_LOCAL_REPO.format(src=src))
