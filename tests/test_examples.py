@@ -16,7 +16,7 @@ from conftest import STATE_DIR, Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-EXAMPLES = ["quickstart.py", "async_fleet.py", "snapshots.py", "pool.py", "rl_fanout.py", "remote.py"]
+EXAMPLES = ["quickstart.py", "async_fleet.py", "snapshots.py", "own_image.py", "pool.py", "rl_fanout.py", "remote.py"]
 
 
 def run_example(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -46,6 +46,12 @@ def test_async_fleet_streams_output_then_the_result(tmp_path):
     assert out.startswith("stderr ")  # each chunk as it came, wherever the pipe happened to cut it
     text = out.replace("stderr ", "")
     assert "FAIL: test_add" in text and text.endswith("FAILED (failures=1)\nOutcome.EXITED 1\n")
+
+
+def test_own_image_imports_a_task_image_and_runs_as_its_user(tmp_path):
+    lines = run_example("own_image.py", cwd=tmp_path).stdout.splitlines()
+    assert lines == ["agent /env 2", "agent", "FAILED (failures=1)", "",
+                     "root", ""]
 
 
 def test_snapshots_runs_twice(tmp_path):

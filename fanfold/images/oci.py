@@ -82,12 +82,13 @@ class ImageStore:
         return await self._fetch(source, platform, on_progress)
 
     async def import_file(self, path: Path, *, ref: str | None = None, on_progress: OnPull | None = None) -> Image:
-        """Import a ``docker save`` tarball, an OCI layout dir or an OCI archive; tag it ``ref`` if given."""
+        """Import a ``docker save`` tarball, an OCI layout dir or an OCI archive; it is named ``ref`` if given,
+        else by the file's path."""
         path = Path(path).absolute()
         if ref is not None:
             parse_ref(ref)  # an InvalidRequest that explains the grammar
         transport = await asyncio.to_thread(file_transport, path, ref)
-        refs = (str(path),) + ((ref,) if ref else ())
+        refs = (ref,) if ref else (str(path),)
         plain = self.tmp_dir / f"import-{os.getpid()}-{uuid.uuid4().hex[:8]}.tar"
         try:
             if transport.startswith("docker-archive:") and await asyncio.to_thread(decompress, path, plain):

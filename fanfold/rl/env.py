@@ -17,6 +17,7 @@ from .core import AsyncSandboxEnv, ToolCall
 ENVS = {
     "codefix": "fanfold.rl.envs.codefix:CodeFixEnv",
     "corpus": "fanfold.rl.envs.corpus:CorpusSearchEnv",
+    "swefix": "fanfold.rl.envs.swefix:SWEFixEnv",
 }
 """Short names of the envs that ship; ``env_class`` also takes ``package.module:Class``."""
 

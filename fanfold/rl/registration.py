@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from typing import Any
 
-GYM_IDS = {"fanfold/CodeFix-v0": "codefix", "fanfold/CorpusSearch-v0": "corpus"}
+GYM_IDS = {"fanfold/CodeFix-v0": "codefix", "fanfold/CorpusSearch-v0": "corpus", "fanfold/SWEFix-v0": "swefix"}
 """Gymnasium id -> the env's short name (``fanfold.rl.ENVS``)."""
 
 

@@ -1,18 +1,19 @@
-"""The envs that ship: ``codefix`` (fix a project's failing tests) and ``corpus`` (find documents)."""
+"""The envs that ship: ``codefix`` (fix a project's failing tests), ``corpus`` (find documents) and
+``swefix`` (fix a real project's bug, on a task image)."""
 
 from __future__ import annotations
 
 from ...config import env_policy_url
 from ...errors import InvalidRequest
 from ..policy import OpenAIPolicy, ScriptedPolicy
-from .scripts import codefix, corpus
+from .scripts import codefix, corpus, swefix
 
-SCRIPTS = {"codefix": codefix, "corpus": corpus}
+SCRIPTS = {"codefix": codefix, "corpus": corpus, "swefix": swefix}
 """The scripted policy of each env, by the env's short name."""
 
 
 def scripted(env: str) -> ScriptedPolicy:
-    """The scripted policy that ships for env ``env`` (``codefix``, ``corpus``)."""
+    """The scripted policy that ships for env ``env`` (``codefix``, ``corpus``, ``swefix``)."""
     if env not in SCRIPTS:
         raise InvalidRequest(f"no scripted policy for env {env!r}; there are: {', '.join(SCRIPTS)}")
     return ScriptedPolicy(SCRIPTS[env])

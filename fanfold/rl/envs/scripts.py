@@ -61,6 +61,31 @@ def codefix(messages: list[dict[str, Any]], rng: random.Random) -> PolicyReply:
     return reply("submit", {}, "Submitting.")
 
 
+# The task of examples/swe_image: (file, the buggy line, its fix, a plausible fix that changes nothing)
+SWEFIX_FIX = ("more_itertools/more.py", "remaining = n - item_count % n if next_multiple",
+              "remaining = (n - item_count) % n if next_multiple", "remaining = n - (item_count % n) if next_multiple")
+
+
+def swefix(messages: list[dict[str, Any]], rng: random.Random) -> PolicyReply:
+    """For examples/swe_image's task: run the tests, find padded's count, fix it (30% of the time a no-op
+    first, fixed again after the tests still fail), test, submit."""
+    done = history(messages)
+    path, old, right, wrong = SWEFIX_FIX
+    edits = [args for name, args, result in done if name == "edit_file" and result.startswith("edited")]
+    if not done:
+        return reply("run_tests", {}, "Let me see the failure first.")
+    if len(done) == 1:
+        return reply("shell", {"command": f"grep -n 'remaining = ' {path}"}, "padded fails; where it counts its fill.")
+    if not edits:
+        new = wrong if rng.random() < 0.3 else right
+        return reply("edit_file", {"path": path, "old": old, "new": new}, "The fill count is off for exact multiples.")
+    if done[-1][0] == "edit_file":
+        return reply("run_tests", {}, "Checking the fix.")
+    if edits[-1]["new"] == wrong and "FAILED" in done[-1][2]:
+        return reply("edit_file", {"path": path, "old": wrong, "new": right}, "The modulo must cover the difference.")
+    return reply("submit", {}, "The suite passes; submitting.")
+
+
 _QUESTION = re.compile(r"(runbook of the (?P<service>\w+) service|incident (?P<code>INC-\d+)|feature flag (?P<flag>[\w-]+))")
 
 
