@@ -58,6 +58,16 @@ class EngineConfig:
     """Default lease lifetime between heartbeats; a lease not renewed in time is reaped with its sandboxes."""
     pools: tuple[tuple[str, int], ...] = field(default_factory=lambda: _env_pools(os.environ.get("FANFOLD_POOLS", "")))
     """Warm pools kept from the start: (image or snapshot, size); ``FANFOLD_POOLS=host=8,img-x=4``."""
+    disk: str = field(default_factory=lambda: os.environ.get("FANFOLD_DISK", "btrfs"))
+    """Sandbox disks of the oci backend: ``btrfs`` (default: a subvolume each with a ``disk_mb`` quota, on a
+    btrfs at ``STATE/disk``, made from a sparse file when the state dir's filesystem is not one) or
+    ``tmpfs`` (a tmpfs each, charged to the sandbox's memory limit)."""
+    disk_size_gb: float | None = field(default_factory=lambda: _env_float("FANFOLD_DISK_SIZE_GB"))
+    """Size of the sparse file the disks' btrfs is made in (default: the state filesystem's size)."""
+    pull: str = field(default_factory=lambda: os.environ.get("FANFOLD_PULL", "missing"))
+    """When an image reference is pulled: ``missing`` (default: a create or build pulls one never pulled
+    here) or ``never`` (only ``fanfold pull`` does; an air-gapped host, or a server whose tenants must not
+    make it fetch)."""
     pool_auto_max: int = 64
     """The most sandboxes a demand-sized pool (``size=None``) keeps warm."""
     pool_window_s: float = 60.0
@@ -65,6 +75,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
+        if self.disk not in DISKS:
+            raise ValueError(f"FANFOLD_DISK (disk=) must be one of {', '.join(DISKS)}, got {self.disk!r}")
+        if self.pull not in PULL_POLICIES:
+            raise ValueError(f"FANFOLD_PULL (pull=) must be one of {', '.join(PULL_POLICIES)}, got {self.pull!r}")
 
     @property
     def tag(self) -> str:
@@ -104,6 +118,37 @@ def _env_pools(text: str) -> tuple[tuple[str, int], ...]:
         return tuple(parse_pool(item) for item in filter(None, (part.strip() for part in text.split(","))))
     except ValueError as err:
         raise ValueError(f"FANFOLD_POOLS entries are IMAGE=SIZE separated by commas: {err}") from None
+
+
+PULL_POLICIES = ("missing", "never")
+DISKS = ("btrfs", "tmpfs")
+
+
+def _env_float(name: str) -> float | None:
+    text = os.environ.get(name, "")
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+
+
+def env_registry_auth() -> Path | None:
+    """Registry credentials (a Docker ``config.json``) from ``FANFOLD_REGISTRY_AUTH``, if set."""
+    text = os.environ.get("FANFOLD_REGISTRY_AUTH", "")
+    return Path(text) if text else None
+
+
+def env_insecure_registries() -> frozenset[str]:
+    """``host:port`` of registries reached without TLS verification, from ``FANFOLD_INSECURE_REGISTRIES`` (commas)."""
+    return frozenset(h.strip() for h in os.environ.get("FANFOLD_INSECURE_REGISTRIES", "").split(",") if h.strip())
+
+
+def env_registry_certs() -> Path | None:
+    """A dir like ``/etc/containers/certs.d`` (``<host:port>/ca.crt``) from ``FANFOLD_REGISTRY_CERTS``, if set."""
+    text = os.environ.get("FANFOLD_REGISTRY_CERTS", "")
+    return Path(text) if text else None
 
 
 def env_url() -> str | None:

@@ -30,4 +30,8 @@ def is_image_ref(text: str) -> bool:
     ``localhost:5000/env:v1``) that is neither a fanfold base nor a local image id."""
     if not isinstance(text, str) or text in BASES or is_image_id(text) or len(text) > 512:
         return False
-    return bool(_REFERENCE.match(text))
+    match = _REFERENCE.match(text)
+    if match is None:
+        return False
+    name = f"{match['domain']}/{match['path']}" if match["domain"] else match["path"]
+    return len(name) <= 255  # the distribution spec's limit on a repository's whole name

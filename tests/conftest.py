@@ -81,8 +81,9 @@ def stop_server(server: Server) -> int:
 
 @pytest.fixture(scope="session")
 def server(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
-    """One real server for the session, on the same state directory as the embedded fleets."""
-    running = start_server(config.state_dir, tmp_path_factory.mktemp("server"))
+    """One real server for the session, on the same state directory as the embedded fleets. It pulls
+    images only when asked (FANFOLD_PULL=never): no request may make it fetch from a registry."""
+    running = start_server(config.state_dir, tmp_path_factory.mktemp("server"), env={"FANFOLD_PULL": "never"})
     yield running
     assert stop_server(running) == 0
 

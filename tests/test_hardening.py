@@ -100,9 +100,13 @@ async def test_a_sandbox_is_released_whatever_is_stacked_on_its_mounts(afleet, c
     (where.rootfs / "deep").mkdir()
     mounts.mount(str(outside), where.rootfs / "deep", "", 4096)  # MS_BIND
     assert mounts.is_mount_point(where.rootfs)
-    mounts.mount_tmpfs(where.disk, 1)  # on the root: hides the rest
+    disk = where.disk  # the root itself on a tmpfs disk; a subvolume of the disks' btrfs otherwise
+    if disk != where.root:
+        mounts.mount_tmpfs(disk, 1)
+    mounts.mount_tmpfs(where.root, 1)  # on the root: hides the rest
     assert mounts.is_mount_point(where.root) and not where.rootfs.exists()
     await sandbox.kill()
     assert mounts.mounts_under(where.root) == [] and not where.root.exists()
+    assert mounts.mounts_under(disk) == [] and not disk.exists()
     assert (outside / "keep").read_text() == "kept"
     assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}

@@ -133,6 +133,12 @@ async def test_an_unreachable_registry_is_retryable_over_both_transports(ifleet:
         await ifleet.pull("127.0.0.1:1/none:v1")
 
 
+async def test_a_host_that_never_pulls_refuses_a_reference_it_lacks(server, registry, app: str) -> None:
+    async with AsyncFleet(server.unix_url) as fleet:  # the session's server runs with FANFOLD_PULL=never
+        with pytest.raises(ImageNotFound, match="never pulled here.*fanfold pull"):
+            await fleet.create(f"{registry.host}/never-pulled:v1")
+
+
 async def test_remove_is_refused_while_used_and_gc_then_frees_the_layers(config: EngineConfig, registry,
                                                                          tmp_path: Path) -> None:
     own = tmp_path / "own"

@@ -39,7 +39,8 @@ def requirement_names(requirements: list[str]) -> set[str]:
 
 def test_core_dependencies_are_the_sdk_and_cli_only_and_extras_match_the_code():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert requirement_names(project["dependencies"]) == {"click", "rich", "h11", "prometheus-client"}
+    # dockerfile: buildkit's parser, for `fanfold build Dockerfile` and EnvSpec.from_dockerfile
+    assert requirement_names(project["dependencies"]) == {"click", "rich", "h11", "prometheus-client", "dockerfile"}
     extras = project["optional-dependencies"]
     for extra, modules in EXTRAS.items():
         assert set(modules) <= requirement_names(extras[extra]), extra

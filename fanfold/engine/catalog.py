@@ -27,8 +27,10 @@ FRESH_S = 600.0
 class Catalog:
     """Every image this host holds, by id and by the references that named it."""
 
-    def __init__(self, db: dbmod.Database, store: LayerStore, state_dir: Path) -> None:
+    def __init__(self, db: dbmod.Database, store: LayerStore, state_dir: Path, *, pull: str = "missing") -> None:
         self.db, self.store, self.state_dir = db, store, state_dir
+        self.pull_policy = pull
+        """``missing``: a reference never pulled here is pulled when used; ``never``: only by ``pull``."""
         self._oci: ImageStore | None = None
 
     @property
@@ -72,6 +74,9 @@ class Catalog:
                 f"unknown image {ref!r}: use a base ({', '.join(BASES)}), an image id (img-...), a snapshot,"
                 " or an image reference such as 'python:3.12-slim'"
             )
+        if self.pull_policy == "never":
+            raise ImageNotFound(f"image {ref!r} was never pulled here, and this host pulls only when asked"
+                                f" (FANFOLD_PULL=never): run `fanfold pull {ref}` first")
         return await self.pull(ref)
 
     def _named(self, img: Image) -> Image:

@@ -75,7 +75,7 @@ class Engine:
         self.backend = get_backend(cfg, self.store)
         await self.backend.prepare()
         self._db = db = dbmod.Database(cfg.state_dir / "fanfold.db")
-        self.catalog = Catalog(db, self.store, cfg.state_dir)
+        self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
                           scratch_run=cfg.state_dir / "bundles", resolve_base=self.catalog.resolve)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)

@@ -38,12 +38,15 @@ def mount_tmpfs(target: Path, size_mb: int) -> None:
     mount("fanfold", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0755")
 
 
-def mount_overlay(target: Path, lowers: list[Path], upper: Path, work: Path) -> None:
-    """Overlay ``lowers`` (topmost first) under a writable ``upper``."""
+def mount_overlay(target: Path, lowers: list[Path], upper: Path, work: Path, *, volatile: bool = False) -> None:
+    """Overlay ``lowers`` (topmost first) under a writable ``upper``; with ``volatile`` no
+    sync reaches the upper's filesystem (for uppers thrown away with the mount)."""
     lower = ":".join(str(p) for p in lowers)
     # nosuid/nodev: a setuid binary or device node made inside must be inert when reached from the host.
     flags = MS_NOSUID | MS_NODEV
-    mount("overlay", target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}")
+    extra = ",volatile" if volatile else ""
+    mount("overlay", target, "overlay", flags,
+          f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}{extra}")
 
 
 def is_mount_point(path: Path) -> bool:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..config import env_insecure_registries, env_registry_auth, env_registry_certs
 from ..errors import ImageCorrupt, ImageNotFound, InfrastructureError, InvalidRequest, RegistryDenied, RegistryUnavailable
 from ..host import spawn
 
@@ -92,7 +93,7 @@ def parse_platform(text: str | None) -> tuple[str, str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """How skopeo talks to registries: credentials, TLS and the certificate dirs. Read from the environment here only."""
+    """How skopeo talks to registries: credentials, TLS and the certificate dirs (``fanfold.config``'s ``env_*``)."""
 
     auth_file: Path
     insecure: frozenset[str] = frozenset()
@@ -102,13 +103,8 @@ class Options:
 
     @classmethod
     def from_env(cls, state_dir: Path, auth_file: Path | None) -> Options:
-        env_auth = os.environ.get("FANFOLD_REGISTRY_AUTH")
-        certs = os.environ.get("FANFOLD_REGISTRY_CERTS")
-        insecure = {h.strip() for h in os.environ.get("FANFOLD_INSECURE_REGISTRIES", "").split(",") if h.strip()}
-        return cls(
-            auth_file=auth_file or (Path(env_auth) if env_auth else state_dir / "auth.json"),
-            insecure=frozenset(insecure), certs_dir=Path(certs) if certs else None,
-        )
+        return cls(auth_file=auth_file or env_registry_auth() or state_dir / "auth.json",
+                   insecure=env_insecure_registries(), certs_dir=env_registry_certs())
 
     def flags(self, registry: str, tls_verify: bool | None) -> list[str]:
         """``--tls-verify``, ``--authfile`` and ``--cert-dir`` for one registry (``copy`` takes them as ``--src-...``)."""

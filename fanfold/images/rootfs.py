@@ -15,8 +15,12 @@ def _upper_name(host_dir: str) -> str:
     return "host" + host_dir.replace("/", "-")
 
 
-def mount_rootfs(store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[str, ...], target: Path, scratch: Path) -> None:
-    """Mount ``layers`` (bottom first) at ``target``, writes going to dirs under ``scratch``.
+def mount_rootfs(
+    store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[str, ...], target: Path, scratch: Path, *,
+    volatile: bool = False,
+) -> None:
+    """Mount ``layers`` (bottom first) at ``target``, writes going to dirs under ``scratch``
+    (``volatile``: never synced, see ``mounts.mount_overlay``).
 
     Each of ``host_dirs`` (the ``host`` base's /usr) gets an overlay of its own whose
     lowest layer is the host's directory itself, so writes there stay in the sandbox.
@@ -27,7 +31,7 @@ def mount_rootfs(store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[st
         (scratch / "upper").mkdir(exist_ok=True)
         (scratch / "work").mkdir(exist_ok=True)
         target.mkdir(exist_ok=True)
-        mounts.mount_overlay(target, lowers, scratch / "upper", scratch / "work")
+        mounts.mount_overlay(target, lowers, scratch / "upper", scratch / "work", volatile=volatile)
         for host_dir in host_dirs:
             name = _upper_name(host_dir)
             (scratch / f"{name}-upper").mkdir(exist_ok=True)
@@ -35,7 +39,8 @@ def mount_rootfs(store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[st
             rel = host_dir.lstrip("/")
             dir_lowers = [p / rel for p in lowers if (p / rel).is_dir() and not (p / rel).is_symlink()]
             dir_lowers = [p for p in dir_lowers if any(p.iterdir())] + [Path(host_dir)]
-            mounts.mount_overlay(target / rel, dir_lowers, scratch / f"{name}-upper", scratch / f"{name}-work")
+            mounts.mount_overlay(target / rel, dir_lowers, scratch / f"{name}-upper", scratch / f"{name}-work",
+                                 volatile=volatile)
     except BaseException:
         unmount_rootfs(target)
         raise
@@ -73,7 +78,8 @@ def copy_upper(scratch: Path, host_dirs: tuple[str, ...], target: Path) -> None:
 
 
 def _cp(source: Path, target: Path) -> None:
-    done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True)
+    # --reflink=auto: where source and target share a filesystem that can (btrfs), a copy shares blocks.
+    done = subprocess.run(["cp", "-a", "--reflink=auto", "--", str(source), str(target)], capture_output=True, text=True)
     if done.returncode != 0:
         raise OSError(f"copying {source} failed: {done.stderr.strip()[-500:]}")
 

@@ -1,5 +1,6 @@
-"""The OCI backend: each sandbox a container of crun (or runc) on an overlayfs root over a tmpfs
-disk, in its own cgroups and network namespace, checkpointed with CRIU. Needs root.
+"""The OCI backend: each sandbox a container of crun (or runc) on an overlayfs root over a disk
+of its own (a btrfs subvolume with a quota, or a tmpfs), in its own cgroups and network
+namespace, checkpointed with CRIU. Needs root.
 
 ``oci_sandbox`` makes and releases one sandbox's pieces; this file adds what the engine asks of
 a live one: freeze and thaw (the cgroup freezer), checkpoints (the disk's upper layer, CRIU for
@@ -9,14 +10,16 @@ memory) and counters (the cgroups' files).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from pathlib import Path
 
 from .._agent.build import agent_binary
 from .._agent.client import AgentClient
+from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, procs, setup
+from ..host import cgroups, disk, procs, setup
 from ..host.offload import host_errors
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox
@@ -24,6 +27,7 @@ from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
 from .criu import Criu
 
 FREEZE_TIMEOUT_S = 10.0
+log = logging.getLogger("fanfold.engine")
 
 
 class OciBackend(Backend):
@@ -31,6 +35,13 @@ class OciBackend(Backend):
 
     name = "oci"
     capabilities = Capabilities(memory="live", exact_counters=True, isolated=True)
+    disk_hold: disk.Hold | None = None
+    """The btrfs holding sandboxes' disks, while ``prepare`` made sure of it."""
+
+    @property
+    def quota(self) -> bool:
+        """Whether new sandboxes get a subvolume with a quota as their disk (else a tmpfs)."""
+        return self.disk_hold is not None
 
     async def prepare(self) -> None:
         if not setup.is_root():
@@ -44,18 +55,22 @@ class OciBackend(Backend):
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu)
+        self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
 
     async def close(self) -> None:
         # Only empty groups go (rmdir), and the runtime recreates the parent on the next create,
         # so another engine on the same state dir is unaffected. The run dir stays: removing it
         # would race another engine binding a socket there.
         cgroups.remove_parent(self.config.cgroup_parent)
+        if self.disk_hold is not None:  # likewise: unmounted only when no one uses it
+            await asyncio.to_thread(self.disk_hold.close)
 
     async def list_ids(self) -> set[str]:
         cfg = self.config
         ids = {i for i in await self.runtime.list_ids() if i.startswith("sb-")}
         ids |= {p.name for p in (cfg.state_dir / "sandboxes").iterdir()}
         ids |= cgroups.leftover_ids(cfg.cgroup_parent)
+        ids |= disk.ids(cfg.state_dir)  # a crashed engine's subvolumes
         ids |= {p.name.removesuffix(".sock") for p in cfg.run_dir.glob("sb-*")}  # .sock: before 0.4
         return ids
 
@@ -71,9 +86,10 @@ class OciBackend(Backend):
 
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         if spec.restore is not None:
-            pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec)
+            pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec, quota=self.quota)
         else:
-            pid = await oci_sandbox.provision(self.config, self.store, self.runtime, self.agent_path, spec)
+            pid = await oci_sandbox.provision(
+                self.config, self.store, self.runtime, self.agent_path, spec, quota=self.quota)
         return Handle(spec.id, pid)
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
@@ -175,3 +191,15 @@ async def _agent_settled(pid: int | None, timeout: float = 5.0) -> None:
                                    " connected to it?); try again")
         await asyncio.sleep(0.001)
 
+
+def _quota_disk(cfg: EngineConfig) -> disk.Hold | None:
+    """A hold on the btrfs for sandboxes' disks (``disk="btrfs"``, the default), or None for a tmpfs
+    each (``tmpfs``); a host that cannot make the btrfs falls back to tmpfs with a warning."""
+    if cfg.disk == "tmpfs":
+        return None
+    size = int(cfg.disk_size_gb * (1 << 30)) if cfg.disk_size_gb else None
+    try:
+        return disk.ensure(cfg.state_dir, size)
+    except HostNotReady as err:
+        log.warning("sandbox disks fall back to tmpfs, charged to each sandbox's memory limit: %s", err)
+        return None
