@@ -184,7 +184,8 @@ class EnvSpec:
         return self._add("service", name=name, cmd=cmd, mode=mode)
 
     def user(self, user: str) -> EnvSpec:
-        """Run later ``run`` steps, services and execs as ``user`` (name or uid, optionally ``:group``)."""
+        """Run later ``run`` steps and every exec as ``user`` (name or uid, optionally ``:group``); services
+        still start as root (a service can drop to a user itself, e.g. with ``runuser``)."""
         return self._add("user", user=check_user(user))
 
     def entrypoint(self, *argv: str) -> EnvSpec:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fanfold import AsyncFleet, EngineConfig, EnvSpec, ImageInUse, ImageNotFound, RegistryUnavailable
+from fanfold import AsyncFleet, EngineConfig, EnvSpec, ImageInUse, ImageNotFound, RegistryUnavailable, Unauthorized
 from fanfold.images import LayerStore
 
 from conftest import run_cli, start_server, stop_server
@@ -139,6 +139,17 @@ async def test_a_host_that_never_pulls_refuses_a_reference_it_lacks(server, regi
             await fleet.create(f"{registry.host}/never-pulled:v1")
 
 
+async def test_tenants_may_not_name_images_nor_make_a_never_pulling_host_fetch(server, registry, tmp_path: Path) -> None:
+    write_oci_layout(tmp_path / "layout", [{"data/one": "1\n"}])
+    async with AsyncFleet(server.tcp_url, token=server.tokens["alice"]) as tenant:
+        with pytest.raises(Unauthorized, match="name imported images"):  # else it could stand in for python:3.12
+            await tenant.import_image(tmp_path / "layout", ref="python:3.12-slim")
+        unnamed = await tenant.import_image(tmp_path / "layout")
+        assert unnamed.names == () and unnamed.source.startswith("file ")
+        with pytest.raises(Unauthorized, match="FANFOLD_PULL=never"):
+            await tenant.pull(f"{registry.host}/app:v1")
+
+
 async def test_remove_is_refused_while_used_and_gc_then_frees_the_layers(config: EngineConfig, registry,
                                                                          tmp_path: Path) -> None:
     own = tmp_path / "own"
@@ -154,8 +165,6 @@ async def test_remove_is_refused_while_used_and_gc_then_frees_the_layers(config:
                 await fleet.remove_image(ref)
         assert await fleet.remove_image(ref) == image.id
         assert image.id not in {i.id for i in await fleet.images()}
-        old = time.time() - 3600  # gc keeps layers younger than ten minutes (a build in flight may own them)
-        os.utime(unique, (old, old), follow_symlinks=False)
         target = unique.resolve()
         removed = await fleet.gc()
         assert f"layer:{unique.name}" in removed

@@ -7,6 +7,7 @@ and pulled through fanfold's ImageStore into a state dir of the test's own.
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
 import os
@@ -141,6 +142,7 @@ async def test_multiarch_index_resolves_to_this_platform(images: ImageStore, reg
     assert amd.digest == ref.split("@")[1]  # the index's digest: what the user pinned
     arm = await images.pull(ref, tls_verify=False, platform="linux/arm64")
     assert arm.id != amd.id and (images.store.layer_path(arm.layers[0]) / "arch").read_text() == "arm64"
+    assert images.store.resolve_ref(ref) == amd.id  # another platform's image does not take the name
     with pytest.raises(InvalidRequest, match="platform"):
         await images.pull(ref, tls_verify=False, platform="arm64")
 
@@ -150,6 +152,14 @@ async def test_auth_refused_then_login_lets_the_pull_through(
     ref = push_image(secure, "private:v1", [{"secret": "data"}])
     monkeypatch.setenv("FANFOLD_REGISTRY_CERTS", str(secure.certs_dir))
     monkeypatch.delenv("FANFOLD_REGISTRY_AUTH", raising=False)
+    # The credentials of the user running fanfold, where containers/image would look: never used.
+    home = tmp_path / "home"
+    own = {"auths": {secure.host: {"auth": base64.b64encode(b"alice:s3cret-pass").decode()}}}
+    for where in (home / ".docker/config.json", home / ".config/containers/auth.json"):
+        where.parent.mkdir(parents=True)
+        where.write_text(json.dumps(own))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(home / ".docker/config.json"))
     images = ImageStore(LayerStore(tmp_path / "state"), tmp_path / "state")
     with pytest.raises(RegistryDenied, match=f"fanfold login {secure.host}"):
         await images.pull(ref)

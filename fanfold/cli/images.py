@@ -72,7 +72,7 @@ def pull(ctx: click.Context, ref: str, platform: str | None, quiet: bool, as_jso
 
 @click.command(name="import")
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--ref", default=None, help="A name for the image (default: the name the archive gives it).")
+@click.option("--ref", default=None, help="A name for the image, as a reference (default: none; it is known by its id).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress, only the image id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the image as JSON.")
 @click.pass_context

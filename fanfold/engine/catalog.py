@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,8 +19,6 @@ from . import db as dbmod
 if TYPE_CHECKING:
     from ..images.oci import ImageStore, OnPull
 
-FRESH_S = 600.0
-"""Layers younger than this are kept: a build in flight may have made them before its image is saved."""
 
 
 class Catalog:
@@ -114,16 +111,18 @@ class Catalog:
         found |= {row["id"] for row in self.db.snapshot_rows() if row["image_id"] == image_id}
         return found
 
-    async def collect_layers(self) -> list[str]:
-        """Delete layers no image, snapshot or sandbox uses; return their ids."""
-        return await asyncio.to_thread(self._collect_layers)
+    async def collect(self) -> list[str]:
+        """Delete layers no image, snapshot or sandbox uses, and unpacked registry layers no image
+        uses; return their names. No build or pull runs meanwhile, in any process."""
+        async with self.store.collecting():
+            removed = await asyncio.to_thread(self._collect_layers)
+            return removed + await self.oci.gc(self._layers_in_use())
 
     def _collect_layers(self) -> list[str]:
         keep = {self.store.layer_path(layer).name for layer in self._layers_in_use()}
-        young = time.time() - FRESH_S
         removed = []
         for path in self.store.layers_dir.iterdir():
-            if path.name.startswith(".") or path.name in keep or path.lstat().st_mtime > young:
+            if path.name.startswith(".") or path.name in keep:
                 continue
             if path.is_symlink():
                 path.unlink()
@@ -141,11 +140,6 @@ class Catalog:
             used.update(json.loads(row["layers"] or "[]"))
             used.add(row["id"])  # a snapshot's own layer is named by its id
         return used
-
-    async def gc_storage(self) -> list[str]:
-        """Delete unpacked registry layers that no image uses any more."""
-        keep = self._layers_in_use()
-        return await self.oci.gc(keep)
 
 
 

@@ -243,7 +243,7 @@ class Engine:
                 made, pooled = await self.life.bring_up(info, deadline, owner, env, tenant), False
         if made.user:  # a user the sandbox does not know fails its create, not its first exec
             try:
-                users.resolve(self.backend.root(made.id), made.user)
+                await asyncio.to_thread(users.resolve, self.backend.root(made.id), made.user)
             except BaseException:
                 await asyncio.shield(self.life.destroy(made.id))
                 raise
@@ -372,8 +372,7 @@ class Engine:
         host's own callers (no tenant) also every layer no image, snapshot or sandbox uses."""
         removed = await self.checkpoints.gc(tenant=tenant)
         if tenant is None or tenant == "":
-            removed += [f"layer:{name}" for name in await self.catalog.collect_layers()]
-            removed += [f"layer:{name}" for name in await self.catalog.gc_storage()]
+            removed += [f"layer:{name}" for name in await self.catalog.collect()]
         return removed
 
     # -- leases -------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ class Execs:
         img = life.sources.store.load_image(row["image_id"])
         workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
         as_user = user or row["exec_user"]
-        who = users.resolve(life.backend.root(sandbox_id), as_user) if as_user else None
+        # passwd and group are read off the loop: the sandbox makes them as large as it likes (up to 1 MiB)
+        who = await asyncio.to_thread(users.resolve, life.backend.root(sandbox_id), as_user) if as_user else None
         # the user's HOME, USER and LOGNAME, unless the image or the caller set them
         ident = {} if who is None else {k: v for k, v in who.env().items() if k not in dict(img.env)}
         merged = {**ident, **json.loads(row["env"]), **check_strings(env, "env")}

@@ -20,12 +20,14 @@ class Finished:
 
 
 async def run(
-    argv: list[str], *, fds: dict[int, int] | None = None, timeout: float | None = None, log: str | None = None
+    argv: list[str], *, fds: dict[int, int] | None = None, timeout: float | None = None, log: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Finished:
     """Run ``argv`` with ``fds`` (child fd -> parent fd) installed; capture stdout and stderr.
 
     With ``log``, stdout and stderr are appended to that file instead: a detached
     sandbox inherits them, and a pipe it holds open would never reach end of file.
+    ``env`` replaces this process's environment.
 
     ``posix_spawn`` lets a given descriptor land at an exact number (the runtime's
     ``--preserve-fds`` passes 3, 4, ... to the sandbox), which ``subprocess`` cannot do.
@@ -41,7 +43,7 @@ async def run(
     actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
     actions += [(os.POSIX_SPAWN_DUP2, parent, child) for child, parent in (fds or {}).items()]
     try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions)
+        pid = os.posix_spawnp(argv[0], argv, os.environ if env is None else env, file_actions=actions)
         WAITING.add(pid)
     finally:
         for fd in (out_w, err_w, devnull):

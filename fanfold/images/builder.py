@@ -58,6 +58,11 @@ class Builder:
         self.resolve_base = resolve_base
 
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
+        """Build ``spec``; its layers are safe from gc until its image record names them."""
+        async with self.store.making():
+            return await self._build(spec, on_step)
+
+    async def _build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
         report = on_step or (lambda event: None)
         total = len(spec.steps) + 1
         report(StepEvent(0, total, f"BASE {spec.base}", "running"))

@@ -46,7 +46,8 @@ class _Source:
     refs: tuple[str, ...]
     """What the image gets tagged as in the store's ref index."""
     repository: str = ""
-    """For a registry: also tag ``repository@digest``."""
+    """For a registry: the repository, whose ``repository@digest`` names the image too (with ``tag_digest``)."""
+    tag_digest: bool = True
 
     @property
     def is_file(self) -> bool:
@@ -78,17 +79,20 @@ class ImageStore:
             repo = repo[: repo.rindex(":")]
         name = f"{repo}@{parsed.digest}" if parsed.digest else ref  # skopeo takes a tag or a digest, not both
         flags = tuple(self.options.flags(parsed.registry, tls_verify))
-        source = _Source(f"docker://{name}", parsed.registry, flags, ref, f"registry {ref}", (ref,), repo)
+        # Another platform's image is known by its id only: the name keeps meaning what runs here.
+        native = parse_platform(platform)[:2] == parse_platform(None)[:2]
+        source = _Source(f"docker://{name}", parsed.registry, flags, ref, f"registry {ref}",
+                         (ref,) if native else (), repo, tag_digest=native)
         return await self._fetch(source, platform, on_progress)
 
     async def import_file(self, path: Path, *, ref: str | None = None, on_progress: OnPull | None = None) -> Image:
-        """Import a ``docker save`` tarball, an OCI layout dir or an OCI archive; it is named ``ref`` if given,
-        else by the file's path."""
+        """Import a ``docker save`` tarball, an OCI layout dir or an OCI archive; it is named ``ref`` if given
+        (else known by its id only)."""
         path = Path(path).absolute()
         if ref is not None:
             parse_ref(ref)  # an InvalidRequest that explains the grammar
         transport = await asyncio.to_thread(file_transport, path, ref)
-        refs = (ref,) if ref else (str(path),)
+        refs = (ref,) if ref else ()
         plain = self.tmp_dir / f"import-{os.getpid()}-{uuid.uuid4().hex[:8]}.tar"
         try:
             if transport.startswith("docker-archive:") and await asyncio.to_thread(decompress, path, plain):
@@ -99,6 +103,10 @@ class ImageStore:
             plain.unlink(missing_ok=True)
 
     async def _fetch(self, source: _Source, platform: str | None, on_progress: OnPull | None) -> Image:
+        async with self.store.making():  # its layers are linked before its record names them
+            return await self._fetch_made(source, platform, on_progress)
+
+    async def _fetch_made(self, source: _Source, platform: str | None, on_progress: OnPull | None) -> Image:
         os_, arch, variant = parse_platform(platform)
         overrides = ["--override-os", os_, "--override-arch", arch] + (["--override-variant", variant] if variant else [])
         async with self._pulls:
@@ -131,7 +139,8 @@ class ImageStore:
                 for layer in chain:
                     self._link(layer)
                 image = self._record(config, config_digest, chain, source, "sha256:" + hashlib.sha256(raw).hexdigest())
-                for ref in source.refs + ((f"{source.repository}@{image.digest}",) if source.repository else ()):
+                digest_ref = (f"{source.repository}@{image.digest}",) if source.repository and source.tag_digest else ()
+                for ref in source.refs + digest_ref:
                     self.store.tag(ref, image.id)
                 return image
         finally:
@@ -270,9 +279,11 @@ class ImageStore:
     async def gc(self, keep: set[str]) -> list[str]:
         """Delete storage images without a record, and storage layers (with their symlinks) not in ``keep``.
 
-        Waits for this process's pulls in flight (their layers have no record yet); pulls by other
-        processes on the same state dir are not seen, so run it from the one engine that owns it.
+        Waits for this process's pulls in flight (their layers have no record yet); the caller holds
+        ``LayerStore.collecting``, which keeps other processes' pulls and builds out meanwhile.
         """
+        if not (self.storage.graphroot / "overlay-layers").is_dir():
+            return []  # nothing was ever pulled or imported here
         async with self._pulls:
             await self._pulls.wait_for(lambda: self._active == 0)
             return await self._collect(keep)

@@ -19,7 +19,6 @@ import os
 import platform as host_platform
 import pty
 import re
-import shutil
 import struct
 import tarfile
 import termios
@@ -28,7 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import env_insecure_registries, env_registry_auth, env_registry_certs
-from ..errors import ImageCorrupt, ImageNotFound, InfrastructureError, InvalidRequest, RegistryDenied, RegistryUnavailable
+from ..errors import (
+    HostNotReady, ImageCorrupt, ImageNotFound, InfrastructureError, InvalidRequest, RegistryDenied, RegistryUnavailable,
+)
 from ..host import spawn
 
 # The distribution reference grammar (docker/distribution's reference package), anchored.
@@ -133,8 +134,12 @@ class Storage:
 
     async def cli(self, *args: str) -> bytes:
         """Run the ``containers-storage`` tool on this root; its stdout."""
-        done = await spawn.run(["containers-storage", "-g", str(self.graphroot), "-R", str(self.runroot),
-                                "-s", "overlay", "--storage-opt", "overlay.skip_mount_home=true", *args], timeout=300)
+        try:
+            done = await spawn.run(["containers-storage", "-g", str(self.graphroot), "-R", str(self.runroot),
+                                    "-s", "overlay", "--storage-opt", "overlay.skip_mount_home=true", *args],
+                                   timeout=300, env=tool_env())
+        except FileNotFoundError:
+            raise HostNotReady("the containers-storage tool is missing: apt-get install containers-storage") from None
         if done.returncode != 0:
             said = done.stderr.decode(errors="replace").strip()[-500:]
             raise InfrastructureError(f"containers-storage {' '.join(args[:2])} on {self.graphroot} failed: {said}")
@@ -147,11 +152,27 @@ class Storage:
         return json.loads(await self.cli("layers", "--json") or b"[]") or []
 
 
+def tool_env() -> dict[str, str]:
+    """The environment of skopeo and containers-storage: this process's, less every place
+    containers/image looks for credentials or config of the user running fanfold (``~/.docker``,
+    ``~/.config/containers``, ``/run/containers/UID``): only ``--authfile`` counts."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DOCKER_CONFIG", "REGISTRY_AUTH_FILE", "CONTAINERS_CONF",
+                                                            "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_STORAGE_CONF")}
+    env.update(HOME=NO_HOME, XDG_CONFIG_HOME=NO_HOME, XDG_RUNTIME_DIR=NO_HOME)
+    return env
+
+
+NO_HOME = "/nonexistent/fanfold"
+"""A home with nothing in it, for the tools (it never exists)."""
+
+
 async def skopeo(args: list[str], *, registry: str, file: bool = False, fds: dict[int, int] | None = None,
                  timeout: float = TIMEOUT_S) -> bytes:
     """Run skopeo; its stdout, or its failure as a FanfoldError about ``registry`` (a path, with ``file``)."""
     try:
-        done = await spawn.run(["skopeo", *args], fds=fds, timeout=timeout)
+        done = await spawn.run(["skopeo", *args], fds=fds, timeout=timeout, env=tool_env())
+    except FileNotFoundError:
+        raise HostNotReady("skopeo is missing, needed for images from registries and files: apt-get install skopeo") from None
     except asyncio.TimeoutError:
         raise RegistryUnavailable(f"{registry} did not finish within {timeout:.0f}s; nothing was kept, try again") from None
     if done.returncode != 0:
@@ -303,13 +324,23 @@ def _pick(path: Path, index: bytes, ref: str | None) -> str:
                          " pass the one to import as ref=")
 
 
-def decompress(path: Path, out: Path) -> bool:
-    """Write ``path`` decompressed to ``out`` if it is gzip, bzip2 or xz; whether it was."""
+MAX_UNPACKED = 64 << 30
+"""The most a compressed ``docker save`` file may expand to (a bomb must not fill the state disk)."""
+
+
+def decompress(path: Path, out: Path, limit: int = MAX_UNPACKED) -> bool:
+    """Write ``path`` decompressed to ``out`` if it is gzip, bzip2 or xz; whether it was.
+    More than ``limit`` bytes out is an ``InvalidRequest`` (``out`` is then the caller's to remove)."""
     with open(path, "rb") as handle:
         magic = handle.read(6)
     for prefix, opener in ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ", lzma.open)):
         if magic.startswith(prefix):
+            written = 0
             with opener(path, "rb") as source, open(out, "wb") as target:
-                shutil.copyfileobj(source, target, 1 << 20)
+                while chunk := source.read(1 << 20):
+                    written += len(chunk)
+                    if written > limit:
+                        raise InvalidRequest(f"{path.name} expands past {limit >> 30} GiB: not importing it")
+                    target.write(chunk)
             return True
     return False

@@ -120,6 +120,33 @@ class LayerStore:
             finally:
                 handle.close()
 
+    @asynccontextmanager
+    async def making(self) -> AsyncIterator[None]:
+        """Held (shared, across processes) while a build or a pull makes layers that no image record
+        names yet; layer gc takes it exclusively (``collecting``), so it never deletes one of them."""
+        async with self._flock(fcntl.LOCK_SH):
+            yield
+
+    @asynccontextmanager
+    async def collecting(self) -> AsyncIterator[None]:
+        """Held (exclusively) while layers are collected: no build or pull runs meanwhile."""
+        async with self._flock(fcntl.LOCK_EX):
+            yield
+
+    @asynccontextmanager
+    async def _flock(self, mode: int) -> AsyncIterator[None]:
+        handle = open(self.locks_dir / "gc", "a")
+        try:
+            while True:  # polled, not blocked on in a thread: a cancelled waiter must not take it later
+                try:
+                    fcntl.flock(handle, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(0.02)
+            yield
+        finally:
+            handle.close()
+
     def scratch(self) -> Path:
         path = self.layers_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         path.mkdir()

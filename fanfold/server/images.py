@@ -101,20 +101,27 @@ def _stream_image(work) -> StreamingResponse:  # type: ignore[no-untyped-def]
     return StreamingResponse(ndjson_events(queue, asyncio.create_task(run()), "image"), media_type=NDJSON)
 
 
-@router.post("/pull", dependencies=[Depends(tenant)], responses=PULL_STREAM)
-async def pull(body: PullRequest, request: Request) -> StreamingResponse:
-    """Pull an image from its registry with the host's credentials; layers already here are kept."""
+@router.post("/pull", responses=PULL_STREAM)
+async def pull(body: PullRequest, request: Request, caller: str = Depends(tenant)) -> StreamingResponse:
+    """Pull an image from its registry with the host's credentials; layers already here are kept.
+    On a host that pulls only when asked (FANFOLD_PULL=never), only its own tenant may ask."""
     fleet: Engine = engine(request)
+    if fleet.config.pull == "never":
+        _host_only(caller, "pull images on this host (FANFOLD_PULL=never)")
     return _stream_image(lambda report: fleet.pull(body.ref, platform=body.platform, on_progress=report))
 
 
-@router.post("/import", dependencies=[Depends(tenant)], responses=PULL_STREAM, openapi_extra={"requestBody": {
+@router.post("/import", responses=PULL_STREAM, openapi_extra={"requestBody": {
     "required": True, "content": {TAR: {"schema": {"type": "string", "format": "binary"},
                                         "description": "A docker save tarball or an OCI archive"}}}})
-async def import_image(request: Request, ref: str | None = Query(None, description="A name to give the image.")
+async def import_image(request: Request, caller: str = Depends(tenant), ref: str | None = Query(
+        None, description="A name to give the image (the host's own tenant only: names are shared).")
                        ) -> StreamingResponse:
-    """Import an image from a ``docker save`` tarball or an OCI archive sent as the body."""
+    """Import an image from a ``docker save`` tarball or an OCI archive sent as the body; it is known
+    by its id, and by ``ref`` when the host's own tenant gives one."""
     fleet: Engine = engine(request)
+    if ref is not None:  # a tenant naming an image could stand it in for what others pull by that name
+        _host_only(caller, "name imported images")
     scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
     archive = scratch / "image.tar"
     try:
