@@ -20,6 +20,7 @@ bench:
 	.venv/bin/python bench/soak.py --json
 	.venv/bin/python bench/pipeline.py --json
 	.venv/bin/python bench/cli.py --json
+	.venv/bin/python bench/images.py --json
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -128,6 +128,7 @@ def main() -> None:
             roots.append(work / f"data{seed}")
             random_layer(roots[-1], per_layer, seed)
         with run_registry(work / "registry") as registry:
+            os.environ["FANFOLD_INSECURE_REGISTRIES"] = registry.host  # plain HTTP on loopback
             ref = push_tree(registry, "bench/image:v1", roots, config={"Cmd": ["/bin/sh"], "Env": ["PATH=/usr/bin:/bin"]})
             for root in roots:
                 shutil.rmtree(root)

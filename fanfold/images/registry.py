@@ -245,7 +245,7 @@ def map_error(stderr: str, registry: str, *, file: bool = False) -> Exception:
         )
     if "server gave http response to https client" in low:
         return InvalidRequest(f"{registry} speaks plain HTTP: list it in FANFOLD_INSECURE_REGISTRIES"
-                              f" (or pass tls_verify=False): {said}")
+                              f": {said}")
     if _DENIED.search(low):
         return RegistryDenied(
             f"{registry} refused access: log in with `fanfold login {registry}`, or point FANFOLD_REGISTRY_AUTH at a"
