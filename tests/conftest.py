@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fanfold import AsyncFleet, EngineConfig, Fleet
-from fanfold.host import cgroups, mounts, procs
+from fanfold.host import cgroups, disk, mounts, procs
 
 STATE_DIR = Path(os.environ.get("FANFOLD_TEST_STATE_DIR", "/var/lib/fanfold-test"))
 
@@ -229,3 +229,4 @@ def no_leaks_at_end(config: EngineConfig, tmp_path_factory: pytest.TempPathFacto
     assert strays == [], "processes this test run started were still running"
     assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
     assert not any(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)), "parent cgroups left"
+    assert not disk.ready(config.state_dir), "the sandboxes' disk is still mounted: an engine or backend was not closed"

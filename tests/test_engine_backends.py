@@ -379,7 +379,10 @@ async def test_a_dead_owners_sandbox_is_reaped_by_the_next_engine(cfg: EngineCon
     assert procs.running(made["pid"])  # its owner died, not the sandbox
     other = get_backend(cfg, LayerStore(cfg.state_dir))
     await other.prepare()
-    assert made["id"] in await other.list_ids()
+    try:
+        assert made["id"] in await other.list_ids()
+    finally:
+        await other.close()  # a prepared backend holds the state dir's disk until closed
 
     engine = Engine(cfg)
     await engine.start()  # reconciles

@@ -110,3 +110,15 @@ async def test_a_sandbox_is_released_whatever_is_stacked_on_its_mounts(afleet, c
     assert mounts.mounts_under(disk) == [] and not disk.exists()
     assert (outside / "keep").read_text() == "kept"
     assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+async def test_a_runtime_state_left_half_made_does_not_stop_engines(config):
+    # crun killed mid-create leaves a state dir holding only `status`: `crun delete` cannot
+    # load it, and once made every engine's start failed on it.
+    state = config.run_dir / config.runtime / "sb-0123456789ab"
+    state.mkdir(parents=True)
+    (state / "status").write_text('{"pid": 999999999, "bundle": "/nonexistent"}')
+    async with AsyncFleet(config=config) as fleet:
+        assert not state.exists()
+        async with await fleet.create() as sandbox:
+            assert (await sandbox.exec("true")).ok

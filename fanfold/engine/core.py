@@ -94,7 +94,13 @@ class Engine:
         self.reaper = Reaper(life, self.leases, self.policies, self.pools)
         self.figures = Figures(life, self.pools)
         self._started = True
-        await self.reaper.reconcile()
+        try:
+            await self.reaper.reconcile()
+        except BaseException:  # an engine that never started lets go of the host and the database again
+            self._started = False
+            await self.backend.close(idle=False)
+            db.close()
+            raise
         self._reaper_task = asyncio.create_task(self.reaper.run())
         for ref, size in cfg.pools:
             await self.set_pool(ref, size)
@@ -117,8 +123,8 @@ class Engine:
         await asyncio.gather(*list(self.life.destroying.values()), return_exceptions=True)
         await self.life.calls_done(timeout=10)
         await self.backend.sweep()
-        if not self.db.rows():  # a suspended sandbox's restore needs the parent cgroups as they are
-            await self.backend.close()
+        # Host-wide state goes only with the last sandbox: a suspended one's restore needs the parent cgroups.
+        await self.backend.close(idle=not self.db.rows())
         self.db.close()
         self._started = False
 

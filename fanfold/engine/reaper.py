@@ -63,9 +63,14 @@ class Reaper:
         # Rows are written before resources exist: reading them after the scan keeps
         # another engine's create in flight from looking like a leftover.
         known = {row["id"] for row in self.life.db.rows()}
+        released = 0
         for sandbox_id in leftovers - known:
-            await self.life.backend.release(sandbox_id)
-        return len(leftovers - known)
+            try:
+                await self.life.backend.release(sandbox_id)
+                released += 1
+            except FanfoldError as err:  # one that will not go must not stop the rest, nor an engine's start
+                log.warning("fanfold reaper: releasing leftover %s failed, retried on a later pass: %s", sandbox_id, err)
+        return released
 
     async def run(self) -> None:
         """A pass a second, for as long as the engine runs."""

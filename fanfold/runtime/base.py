@@ -100,9 +100,10 @@ class Backend(ABC):
         """Check and ready the host once per engine start; HostNotReady says what is missing."""
 
     @abstractmethod
-    async def close(self) -> None:
-        """Release host-wide state (parent cgroups); the engine calls it as it stops when no
-        sandbox of its state dir is left. Leave what another engine there may still use."""
+    async def close(self, *, idle: bool = True) -> None:
+        """Let go of what ``prepare`` took; the engine calls it as it stops. With ``idle`` (no sandbox
+        of its state dir is left, suspended ones included) also release host-wide state (parent
+        cgroups). Leave what another engine there may still use."""
 
     @abstractmethod
     async def list_ids(self) -> set[str]:

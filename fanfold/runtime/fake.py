@@ -77,7 +77,9 @@ class FakeBackend(Backend):
         except OSError as err:
             raise HostNotReady(f"the fake backend cannot set up its directories: {err}") from None
 
-    async def close(self) -> None:
+    async def close(self, *, idle: bool = True) -> None:
+        if not idle:
+            return
         await self.sweep()
         try:
             self._sockets.rmdir()

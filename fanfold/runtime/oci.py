@@ -146,7 +146,12 @@ class OciRuntime:
         if not state.exists():
             return
         done = await run(self._argv("delete", "--force", sandbox_id), timeout=60)
-        if done.returncode != 0 and (self.root / sandbox_id).exists():
+        if done.returncode != 0 and state.exists():
+            if not (state / "config.json").exists():
+                # A runtime killed mid-create leaves a state it cannot load itself, nor ever delete:
+                # it started nothing the engine's cgroup release does not end, so its state just goes.
+                shutil.rmtree(state, ignore_errors=True)
+                return
             raise InfrastructureError(f"{self.name} could not delete {sandbox_id}: {done.stderr.decode()[-500:]}")
 
     async def list_ids(self) -> set[str]:

@@ -57,13 +57,15 @@ class OciBackend(Backend):
         self.criu = Criu(cfg.criu)
         self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
 
-    async def close(self) -> None:
+    async def close(self, *, idle: bool = True) -> None:
         # Only empty groups go (rmdir), and the runtime recreates the parent on the next create,
         # so another engine on the same state dir is unaffected. The run dir stays: removing it
         # would race another engine binding a socket there.
-        cgroups.remove_parent(self.config.cgroup_parent)
-        if self.disk_hold is not None:  # likewise: unmounted only when no one uses it
+        if idle:
+            cgroups.remove_parent(self.config.cgroup_parent)
+        if self.disk_hold is not None:  # unmounted only when no engine holds it and no sandbox has a disk
             await asyncio.to_thread(self.disk_hold.close)
+            self.disk_hold = None
 
     async def list_ids(self) -> set[str]:
         cfg = self.config
