@@ -148,6 +148,21 @@ def run_registry(where: Path, *, tls: bool = False, users: dict[str, str] | None
             process.wait()
 
 
+@contextmanager
+def run_insecure_registry(where: Path) -> Iterator[Registry]:
+    """A plain-HTTP registry (``run_registry``) named in FANFOLD_INSECURE_REGISTRIES while it runs."""
+    with run_registry(where) as running:
+        before = os.environ.get("FANFOLD_INSECURE_REGISTRIES")
+        os.environ["FANFOLD_INSECURE_REGISTRIES"] = running.host
+        try:
+            yield running
+        finally:
+            if before is None:
+                os.environ.pop("FANFOLD_INSECURE_REGISTRIES", None)
+            else:
+                os.environ["FANFOLD_INSECURE_REGISTRIES"] = before
+
+
 def _wait_ready(registry: Registry, log: Path, timeout: float = 20) -> None:
     scheme = "https" if registry.tls else "http"
     context = ssl.create_default_context(cafile=str(registry.ca)) if registry.ca else None

@@ -17,7 +17,7 @@ from fanfold.images.builder import DEFAULT_PATH
 from fanfold.wire import spec_from_json, spec_to_json
 
 from conftest import fleet_args, run_cli, start_server, stop_server
-from registry import push_tree, run_registry, runnable_tree
+from registry import push_tree, run_insecure_registry, runnable_tree
 
 
 def dockerfile(where: Path, text: str, name: str = "Dockerfile") -> Path:
@@ -341,16 +341,8 @@ IMAGE_CONFIG = {"Env": ["PATH=/usr/bin:/bin", "HOME=/root"], "WorkingDir": "/srv
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory):
     """A plain-HTTP registry on loopback, named in FANFOLD_INSECURE_REGISTRIES for this module."""
-    with run_registry(tmp_path_factory.mktemp("registry")) as running:
-        before = os.environ.get("FANFOLD_INSECURE_REGISTRIES")
-        os.environ["FANFOLD_INSECURE_REGISTRIES"] = running.host
-        try:
-            yield running
-        finally:
-            if before is None:
-                os.environ.pop("FANFOLD_INSECURE_REGISTRIES", None)
-            else:
-                os.environ["FANFOLD_INSECURE_REGISTRIES"] = before
+    with run_insecure_registry(tmp_path_factory.mktemp("registry")) as running:
+        yield running
     assert running.process.poll() is not None
 
 

@@ -17,7 +17,7 @@ from fanfold import AsyncFleet, EngineConfig, EnvSpec, ImageInUse, ImageNotFound
 from fanfold.images import LayerStore
 
 from conftest import run_cli, start_server, stop_server
-from registry import push_tree, run_registry, runnable_tree, write_docker_archive, write_oci_layout
+from registry import push_tree, run_insecure_registry, runnable_tree, write_docker_archive, write_oci_layout
 
 CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=hello"], "WorkingDir": "/srv/app", "User": "app",
           "Entrypoint": ["/bin/sh", "-c"], "Cmd": ["echo from-cmd; id -u"], "ExposedPorts": {"8000/tcp": {}}}
@@ -26,16 +26,8 @@ CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=hello"], "WorkingDir": "/srv/a
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory):
     """A plain-HTTP registry on loopback, named in FANFOLD_INSECURE_REGISTRIES for this module."""
-    with run_registry(tmp_path_factory.mktemp("registry")) as running:
-        before = os.environ.get("FANFOLD_INSECURE_REGISTRIES")
-        os.environ["FANFOLD_INSECURE_REGISTRIES"] = running.host
-        try:
-            yield running
-        finally:
-            if before is None:
-                os.environ.pop("FANFOLD_INSECURE_REGISTRIES", None)
-            else:
-                os.environ["FANFOLD_INSECURE_REGISTRIES"] = before
+    with run_insecure_registry(tmp_path_factory.mktemp("registry")) as running:
+        yield running
     assert running.process.poll() is not None
 
 

@@ -5,7 +5,6 @@ run it through ``make_async("swefix", ...)`` with the scripted policy and with o
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from fanfold.errors import InvalidRequest
 from fanfold.rl import ScriptedPolicy, TrajectoryStore, make_async, run_episode, scripted
 from fanfold.rl.envs.scripts import reply
 
-from registry import run_registry
+from registry import run_insecure_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("swe_image_build", ROOT / "examples/swe_image/build.py")
@@ -30,20 +29,12 @@ def image(tmp_path_factory: pytest.TempPathFactory):
     """The task image built (into an OCI layout) and pushed to a plain-HTTP registry named in
     FANFOLD_INSECURE_REGISTRIES; its ``host/repo@digest`` and the layout."""
     where = tmp_path_factory.mktemp("swe")
-    with run_registry(where / "registry") as running:
-        before = os.environ.get("FANFOLD_INSECURE_REGISTRIES")
-        os.environ["FANFOLD_INSECURE_REGISTRIES"] = running.host
-        try:
-            started = time.monotonic()
-            build.build(where / "layout")
-            ref = build.push(where / "layout", f"{running.host}/swe/more-itertools:padded", tls_verify=False)
-            print(f"built and pushed {ref} in {time.monotonic() - started:.1f}s")
-            yield ref, where / "layout"
-        finally:
-            if before is None:
-                os.environ.pop("FANFOLD_INSECURE_REGISTRIES", None)
-            else:
-                os.environ["FANFOLD_INSECURE_REGISTRIES"] = before
+    with run_insecure_registry(where / "registry") as running:
+        started = time.monotonic()
+        build.build(where / "layout")
+        ref = build.push(where / "layout", f"{running.host}/swe/more-itertools:padded", tls_verify=False)
+        print(f"built and pushed {ref} in {time.monotonic() - started:.1f}s")
+        yield ref, where / "layout"
 
 
 @pytest.fixture

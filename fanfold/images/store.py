@@ -107,35 +107,26 @@ class LayerStore:
         the cross-process flock is tried without blocking, again every 20 ms while another
         process holds it (a build takes seconds), so no thread is held waiting for it."""
         local = self._local_locks.setdefault(digest, asyncio.Lock())
-        async with local:
-            handle = open(self.locks_dir / digest[:32], "w")
-            try:
-                while True:
-                    try:
-                        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        await asyncio.sleep(0.02)
-                yield
-            finally:
-                handle.close()
+        async with local, self._flock(self.locks_dir / digest[:32], fcntl.LOCK_EX):
+            yield
 
     @asynccontextmanager
     async def making(self) -> AsyncIterator[None]:
         """Held (shared, across processes) while a build or a pull makes layers that no image record
         names yet; layer gc takes it exclusively (``collecting``), so it never deletes one of them."""
-        async with self._flock(fcntl.LOCK_SH):
+        async with self._flock(self.locks_dir / "gc", fcntl.LOCK_SH):
             yield
 
     @asynccontextmanager
     async def collecting(self) -> AsyncIterator[None]:
         """Held (exclusively) while layers are collected: no build or pull runs meanwhile."""
-        async with self._flock(fcntl.LOCK_EX):
+        async with self._flock(self.locks_dir / "gc", fcntl.LOCK_EX):
             yield
 
     @asynccontextmanager
-    async def _flock(self, mode: int) -> AsyncIterator[None]:
-        handle = open(self.locks_dir / "gc", "a")
+    async def _flock(self, path: Path, mode: int) -> AsyncIterator[None]:
+        """``flock`` on ``path``, tried without blocking and again every 20 ms: no thread waits on it."""
+        handle = open(path, "a")
         try:
             while True:  # polled, not blocked on in a thread: a cancelled waiter must not take it later
                 try:

@@ -125,13 +125,7 @@ async def import_image(request: Request, caller: str = Depends(tenant), ref: str
     scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
     archive = scratch / "image.tar"
     try:
-        size = 0
-        with open(archive, "wb") as handle:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_CONTEXT:
-                    raise InvalidRequest(f"the image archive is over {MAX_CONTEXT >> 30} GiB")
-                await asyncio.to_thread(handle.write, chunk)
+        await _receive(request, archive, "the image archive")
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -174,19 +168,24 @@ def _host_only(caller: str, what: str) -> None:
         raise Unauthorized(f"only the host's own tenant (the unix socket) may {what}")
 
 
+async def _receive(request: Request, path: Path, what: str) -> None:
+    """The request's body streamed into ``path``, refused past MAX_CONTEXT bytes."""
+    size = 0
+    with open(path, "wb") as handle:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_CONTEXT:
+                raise InvalidRequest(f"{what} is over {MAX_CONTEXT >> 30} GiB")
+            await asyncio.to_thread(handle.write, chunk)
+
+
 async def _read_spec(request: Request, scratch: Path) -> EnvSpec:
     kind = request.headers.get("content-type", "").split(";")[0].strip()
     context = scratch / "context"
     context.mkdir()
     if kind == TAR:
         archive = scratch / "upload.tar"
-        size = 0
-        with open(archive, "wb") as handle:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_CONTEXT:
-                    raise InvalidRequest(f"the build context is over {MAX_CONTEXT >> 30} GiB")
-                await asyncio.to_thread(handle.write, chunk)
+        await _receive(request, archive, "the build context")
         await asyncio.to_thread(_extract, archive, scratch)
         try:
             data = json.loads((scratch / "spec.json").read_text())
