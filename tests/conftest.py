@@ -88,6 +88,25 @@ def server(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
     assert stop_server(running) == 0
 
 
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory):
+    """A plain-HTTP reference registry on loopback, named in FANFOLD_INSECURE_REGISTRIES for the module."""
+    from registry import run_insecure_registry
+
+    with run_insecure_registry(tmp_path_factory.mktemp("registry")) as running:
+        yield running
+    assert running.process.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def image_server(config: EngineConfig, registry, tmp_path_factory: pytest.TempPathFactory):
+    """A server of the module's own, which may pull from ``registry`` (the session's pulls nothing)."""
+    running = start_server(config.state_dir, tmp_path_factory.mktemp("server"),
+                           env={"FANFOLD_INSECURE_REGISTRIES": registry.host})
+    yield running
+    assert stop_server(running) == 0
+
+
 def fleet_args(transport: str, request: pytest.FixtureRequest, config: EngineConfig) -> dict[str, object]:
     if transport == "embedded":
         return {"config": config}

@@ -16,8 +16,8 @@ from fanfold.images.builder import StepEvent
 from fanfold.images.builder import DEFAULT_PATH
 from fanfold.wire import spec_from_json, spec_to_json
 
-from conftest import fleet_args, run_cli, start_server, stop_server
-from registry import push_tree, run_insecure_registry, runnable_tree
+from conftest import fleet_args, run_cli
+from registry import push_tree, runnable_tree
 
 
 def dockerfile(where: Path, text: str, name: str = "Dockerfile") -> Path:
@@ -339,14 +339,6 @@ IMAGE_CONFIG = {"Env": ["PATH=/usr/bin:/bin", "HOME=/root"], "WorkingDir": "/srv
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory):
-    """A plain-HTTP registry on loopback, named in FANFOLD_INSECURE_REGISTRIES for this module."""
-    with run_insecure_registry(tmp_path_factory.mktemp("registry")) as running:
-        yield running
-    assert running.process.poll() is not None
-
-
-@pytest.fixture(scope="module")
 def pushed(registry, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A runnable image with a WorkingDir and an Env, a file in /srv and an absolute link to its own
     /etc/passwd; its ``host/repo@digest``."""
@@ -355,14 +347,6 @@ def pushed(registry, tmp_path_factory: pytest.TempPathFactory) -> str:
     (base / "srv/hello.txt").write_text("hello from the image\n")
     os.symlink("/etc/passwd", base / "srv/passwd-link")
     return push_tree(registry, "dockerfile-base:v1", [base], config=IMAGE_CONFIG)
-
-
-@pytest.fixture(scope="module")
-def image_server(config: EngineConfig, registry, tmp_path_factory: pytest.TempPathFactory):
-    running = start_server(config.state_dir, tmp_path_factory.mktemp("server"),
-                           env={"FANFOLD_INSECURE_REGISTRIES": registry.host})
-    yield running
-    assert stop_server(running) == 0
 
 
 @pytest.fixture(params=["embedded", "unix"])

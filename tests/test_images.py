@@ -16,19 +16,11 @@ import pytest
 from fanfold import AsyncFleet, EngineConfig, EnvSpec, ImageInUse, ImageNotFound, RegistryUnavailable, Unauthorized
 from fanfold.images import LayerStore
 
-from conftest import run_cli, start_server, stop_server
-from registry import push_tree, run_insecure_registry, runnable_tree, write_docker_archive, write_oci_layout
+from conftest import run_cli
+from registry import push_tree, runnable_tree, write_docker_archive, write_oci_layout
 
 CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=hello"], "WorkingDir": "/srv/app", "User": "app",
           "Entrypoint": ["/bin/sh", "-c"], "Cmd": ["echo from-cmd; id -u"], "ExposedPorts": {"8000/tcp": {}}}
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory):
-    """A plain-HTTP registry on loopback, named in FANFOLD_INSECURE_REGISTRIES for this module."""
-    with run_insecure_registry(tmp_path_factory.mktemp("registry")) as running:
-        yield running
-    assert running.process.poll() is not None
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +38,6 @@ def trees(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def app(registry, trees: list[Path]) -> str:
     """``app:v1`` pushed; its ``host/app@sha256:...``."""
     return push_tree(registry, "app:v1", trees, config=CONFIG)
-
-
-@pytest.fixture(scope="module")
-def image_server(config: EngineConfig, registry, tmp_path_factory: pytest.TempPathFactory):
-    """A server of its own: it needs the registry named insecure in its environment."""
-    running = start_server(config.state_dir, tmp_path_factory.mktemp("server"),
-                           env={"FANFOLD_INSECURE_REGISTRIES": registry.host})
-    yield running
-    assert stop_server(running) == 0
 
 
 @pytest.fixture(params=["embedded", "unix"])
