@@ -11,10 +11,10 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """The PATH of build steps and commands on fanfold's own bases."""
 
 # An image reference as the distribution project's grammar has it: [domain[:port]/]path[:tag][@digest].
-_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
 _REFERENCE = re.compile(
-    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*)"
+    rf"^(?:(?P<domain>{DOMAIN})/)?(?P<path>{PATH_COMPONENT}(?:/{PATH_COMPONENT})*)"
     r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
 )
 _IMAGE_ID = re.compile(r"^img-[0-9a-f]{16}$")
@@ -25,13 +25,24 @@ def is_image_id(text: str) -> bool:
     return isinstance(text, str) and bool(_IMAGE_ID.match(text))
 
 
+def split_ref(text: str) -> tuple[str | None, str, str | None, str | None] | None:
+    """A reference's (registry host or None, repository path, tag, digest), or None when ``text`` is
+    not one. As Docker reads it, a first component is a host only with a dot, a port or as
+    ``localhost``; else it is part of the (lower-case) path, and the whole name is 255 characters at most."""
+    match = _REFERENCE.match(text) if isinstance(text, str) and len(text) <= 512 else None
+    if match is None:
+        return None
+    domain, path = match["domain"], match["path"]
+    if domain is not None and "." not in domain and ":" not in domain and domain != "localhost":
+        if not re.fullmatch(PATH_COMPONENT, domain):
+            return None
+        domain, path = None, f"{domain}/{path}"
+    if len(f"{domain}/{path}" if domain else path) > 255:
+        return None
+    return domain, path, match["tag"], match["digest"]
+
+
 def is_image_ref(text: str) -> bool:
     """True for a registry reference (``python:3.12-slim``, ``ghcr.io/org/env@sha256:...``,
     ``localhost:5000/env:v1``) that is neither a fanfold base nor a local image id."""
-    if not isinstance(text, str) or text in BASES or is_image_id(text) or len(text) > 512:
-        return False
-    match = _REFERENCE.match(text)
-    if match is None:
-        return False
-    name = f"{match['domain']}/{match['path']}" if match["domain"] else match["path"]
-    return len(name) <= 255  # the distribution spec's limit on a repository's whole name
+    return isinstance(text, str) and text not in BASES and not is_image_id(text) and split_ref(text) is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ def test_doctor_passes_here():
     done = run_cli("doctor")
     assert done.returncode == 0, done.stderr
     assert "sandbox" in done.stderr and "FAIL" not in done.stderr
+    assert re.search(r"ok\s+disks\s+btrfs with quotas", done.stderr) and re.search(r"ok\s+image tools", done.stderr)
 
 
 def test_run_prints_output_and_passes_the_exit_code():

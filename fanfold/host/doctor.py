@@ -109,8 +109,31 @@ def check_debootstrap() -> Check:
                  "apt-get install debootstrap", required=False)
 
 
+def check_disks() -> Check:
+    """What sandbox disks with quotas need: btrfs in the kernel, its tools, and loop devices."""
+    missing = []
+    if "btrfs" not in Path("/proc/filesystems").read_text():
+        missing.append("btrfs in the kernel")
+    if shutil.which("mkfs.btrfs") is None:
+        missing.append("mkfs.btrfs")
+    if not Path("/dev/loop-control").exists():
+        missing.append("/dev/loop-control")
+    return Check("disks", not missing, "btrfs with quotas (a disk_mb quota per sandbox)" if not missing else
+                 f"missing {', '.join(missing)}: sandbox disks fall back to tmpfs, charged to memory",
+                 "apt-get install btrfs-progs (and load the btrfs and loop modules)", required=False)
+
+
+def check_image_tools() -> Check:
+    """What pulling and importing images needs: skopeo and the containers-storage tool."""
+    missing = [tool for tool in ("skopeo", "containers-storage") if shutil.which(tool) is None]
+    return Check("image tools", not missing, "skopeo and containers-storage (pull, import)" if not missing else
+                 f"missing {', '.join(missing)}: images come only from specs", "apt-get install skopeo containers-storage",
+                 required=False)
+
+
 def run_checks(runtime: str) -> list[Check]:
     return [
         check_root(), check_kernel(), check_namespaces(), check_overlayfs(), check_cgroups(),
-        check_runtime(runtime), check_compiler(), check_criu(), check_debootstrap(),
+        check_runtime(runtime), check_compiler(), check_criu(), check_debootstrap(), check_disks(),
+        check_image_tools(),
     ]

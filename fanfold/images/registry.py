@@ -31,14 +31,8 @@ from ..errors import (
     HostNotReady, ImageCorrupt, ImageNotFound, InfrastructureError, InvalidRequest, RegistryDenied, RegistryUnavailable,
 )
 from ..host import spawn
+from ..refs import DOMAIN, split_ref
 
-# The distribution reference grammar (docker/distribution's reference package), anchored.
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*"
-_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
-REFERENCE = re.compile(
-    rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
-    rf"(?::(?P<tag>[\w][\w.-]{{0,127}}))?(?:@(?P<digest>sha256:[0-9a-f]{{64}}))?$"
-)
 ARCHES = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le", "s390x": "s390x"}
 TIMEOUT_S = 3600.0
 """The longest one skopeo call may take (a copy of many GB over a slow link); a stalled one is killed then."""
@@ -57,29 +51,22 @@ class Ref:
 
 def parse_ref(text: str) -> Ref:
     """Parse ``python:3.12-slim``, ``host:5000/env@sha256:...``; InvalidRequest if it is not a reference."""
-    match = REFERENCE.match(text) if len(text) <= 512 else None
-    if match is None:
+    parts = split_ref(text)
+    if parts is None:
         raise InvalidRequest(
             f"{text!r} is not an image reference: write NAME[:TAG][@sha256:DIGEST], e.g. python:3.12-slim"
-            " or registry.example.com:5000/team/env@sha256:<64 hex>"
+            " or registry.example.com:5000/team/env@sha256:<64 hex> (repository names are lower case;"
+            " a registry host has a dot or a port)"
         )
-    domain = match["domain"]
-    if domain is None or ("." not in domain and ":" not in domain and domain != "localhost"):
-        path = f"{domain}/{match['path']}" if domain else match["path"]
-        if not re.fullmatch(_COMPONENT, path.split("/")[0]):  # then it is a path component: lower case only
-            raise InvalidRequest(f"{text!r} is not an image reference: repository names are lower case"
-                                 " (a registry host has a dot or a port, e.g. ghcr.io/org/env)")
-        domain = "docker.io"
-        if "/" not in path:
-            path = "library/" + path
-    else:
-        path = match["path"]
-    return Ref(text, domain, path, match["tag"], match["digest"])
+    domain, path, tag, digest = parts
+    if domain is None:
+        domain, path = "docker.io", path if "/" in path else f"library/{path}"
+    return Ref(text, domain, path, tag, digest)
 
 
 def is_registry_host(text: str) -> bool:
     """``ghcr.io``, ``localhost:5000``, ``127.0.0.1:5000``: what ``fanfold login`` takes."""
-    return re.fullmatch(_DOMAIN, text) is not None
+    return re.fullmatch(DOMAIN, text) is not None
 
 
 def parse_platform(text: str | None) -> tuple[str, str, str]:
