@@ -22,7 +22,7 @@ from ..refs import DEFAULT_PATH
 from ..spec import BASES, EnvSpec, Step, is_repo_url
 from . import users, words
 from .bases import base_digest, ensure_base, host_dirs
-from .rootfs import fold_host_uppers, mount_rootfs, unmount_rootfs
+from .rootfs import copy_tree, fold_host_uppers, mount_rootfs, unmount_rootfs
 from .store import Image, LayerStore
 
 STEP_TIMEOUT_S = 3600
@@ -270,23 +270,22 @@ def _copy_from(store: LayerStore, source: Image, step: Step, scratch: Path) -> P
         target = tree / dst.strip("/")
         if real.is_dir() and not real.is_symlink():
             target.mkdir(parents=True, exist_ok=True)
-            _cp(f"{real}/.", target)  # the directory's contents, as Docker copies a directory
+            _copy(f"{real}/.", target)  # the directory's contents, as Docker copies a directory
         else:
             if dst.endswith("/"):
                 target = target / PurePosixPath(src).name
             target.parent.mkdir(parents=True, exist_ok=True)
-            _cp(str(real), target)
+            _copy(str(real), target)
     finally:
         unmount_rootfs(root)
     return tree
 
 
-def _cp(source: str, target: Path) -> None:
-    # -a copies links as links: nothing in the copied tree is followed.
-    done = subprocess.run(["cp", "-a", "--reflink=auto", "--", source, str(target)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BuildFailed(f"copying {source} failed: {done.stderr.strip()[-500:]}", step="COPY --from",
-                          exit_code=done.returncode, output_tail=done.stderr[-2000:])
+def _copy(source: str, target: Path) -> None:
+    try:
+        copy_tree(source, target)
+    except OSError as err:
+        raise BuildFailed(str(err), step="COPY --from", exit_code=None, output_tail=str(err)[-2000:]) from None
 
 
 def _step_inputs(step: Step, context: Path) -> dict[str, object]:

@@ -67,18 +67,19 @@ def copy_upper(scratch: Path, host_dirs: tuple[str, ...], target: Path) -> None:
     Blocking: run it off the event loop, with the sandbox frozen so the copy is consistent.
     ``cp -a`` keeps what makes a tree a layer: whiteout devices and opaque-dir xattrs.
     """
-    _cp(scratch / "upper", target)
+    copy_tree(scratch / "upper", target)
     for host_dir in host_dirs:
         source = scratch / f"{_upper_name(host_dir)}-upper"
         if source.is_dir() and any(source.iterdir()):
             staged = target.with_name(target.name + f".{_upper_name(host_dir)}")
-            _cp(source, staged)
+            copy_tree(source, staged)
             _merge(staged, target / host_dir.lstrip("/"))
             shutil.rmtree(staged, ignore_errors=True)
 
 
-def _cp(source: Path, target: Path) -> None:
-    # --reflink=auto: where source and target share a filesystem that can (btrfs), a copy shares blocks.
+def copy_tree(source: str | Path, target: Path) -> None:
+    """``cp -a``: links copied as links (nothing in the tree is followed), whiteouts and xattrs kept;
+    --reflink=auto: where source and target share a filesystem that can (btrfs), blocks are shared."""
     done = subprocess.run(["cp", "-a", "--reflink=auto", "--", str(source), str(target)], capture_output=True, text=True)
     if done.returncode != 0:
         raise OSError(f"copying {source} failed: {done.stderr.strip()[-500:]}")
