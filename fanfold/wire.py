@@ -7,7 +7,7 @@ can feed client input straight in and get fanfold's own errors back.
 from __future__ import annotations
 
 import base64
-import json
+import dataclasses
 from typing import Any
 
 from . import errors
@@ -95,7 +95,7 @@ def entry_from_json(data: dict[str, Any]) -> FileEntry:
 
 
 def image_to_json(image: Image) -> dict[str, Any]:
-    return json.loads(image.to_json())
+    return dataclasses.asdict(image)
 
 
 def image_from_json(data: dict[str, Any]) -> Image:

@@ -235,7 +235,6 @@ async def test_counters_see_cpu_time_and_memory(backend: FakeBackend):
     finally:
         counters.close()
     assert after["cpu_us"] > before["cpu_us"] and after["memory_peak"] > 0
-    assert after["oom_kill"] == after["pids_max"] == 0
     cpu_s, rss = backend.usage(handle)
     assert cpu_s > 0 and rss > 0
 

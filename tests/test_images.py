@@ -7,6 +7,8 @@ machinery itself (auth, TLS, corrupt and broken transfers, whiteouts).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -93,7 +95,9 @@ async def test_imports_of_files_over_both_transports(ifleet: AsyncFleet, tmp_pat
                                  tag="example.com/saved:v1")
     first = await ifleet.import_image(tmp_path / "saved.tar")
     assert first.source.startswith("file ") and first.env == (("K", "v"),) and first.workdir == "/data"
-    assert len(first.layers) == 2 and saved
+    # the record is the archive's own image: its id from the config's digest, its first layer the first diff id
+    assert first.id == "img-" + hashlib.sha256(saved).hexdigest()[:16]
+    assert len(first.layers) == 2 and "sha256:" + first.layers[0] == json.loads(saved)["rootfs"]["diff_ids"][0]
     write_oci_layout(tmp_path / "layout", layers, config={"Env": ["K=v"], "WorkingDir": "/data"})
     second = await ifleet.import_image(tmp_path / "layout", ref="example.com/layout:v1")
     assert "example.com/layout:v1" in second.names and second.layers == first.layers  # layers stored once

@@ -101,8 +101,12 @@ async def test_pull_by_tag_then_by_digest_stores_layers_once(images: ImageStore,
 
 async def test_concurrent_pulls_of_one_ref_share_one_copy(images: ImageStore, registry: Registry, pushed: str) -> None:
     ref = f"{registry.host}/app:v1"
-    one, two = await asyncio.gather(images.pull(ref, tls_verify=False), images.pull(ref, tls_verify=False))
+    seen: tuple[list[PullEvent], list[PullEvent]] = ([], [])
+    one, two = await asyncio.gather(*(images.pull(ref, tls_verify=False, on_progress=events.append) for events in seen))
     assert one == two and len(storage_layers(images)) == 2
+    # One pull fetched the layers; the other waited for it and found both stored.
+    statuses = sorted(({e.status for e in events} for events in seen), key=len)
+    assert statuses[0] == {"exists"} and "done" in statuses[1]
 
 
 async def test_config_is_honoured(images: ImageStore, pushed: str) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
@@ -92,7 +90,7 @@ def images(ctx: click.Context, as_json: bool) -> None:
         found = fleet.images()
     if as_json:
         for image in found:
-            click.echo(json.dumps({**json.loads(image.to_json()), "names": list(image.names)}))
+            click.echo(image.to_json())
         return
     counts: dict[str, int] = {}
     for image in found:
@@ -118,7 +116,7 @@ def images(ctx: click.Context, as_json: bool) -> None:
 
 def _sizes(ctx: click.Context, found: list[Image]) -> dict[str, int]:
     """Sizes on disk, known to an embedded engine's state dir (a server's images show none)."""
-    if ctx.obj.get("url") or os.environ.get("FANFOLD_URL"):
+    if ctx.obj["url"]:
         return {}
     from ..engine.catalog import layer_size
     from ..images import LayerStore

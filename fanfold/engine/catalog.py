@@ -99,11 +99,12 @@ class Catalog:
                 f"image {image_id} is used by {', '.join(sorted(users)[:5])}{' ...' if len(users) > 5 else ''}:"
                 " remove those first, or pass force to drop only its name"
             )
-        for name, named in self.store.refs().items():
-            if named == image_id and (not users or name == ref or is_image_id(ref)):
-                self.store.untag(name)
         if not users:
-            await self.oci.remove(image_id)
+            await self.oci.remove(image_id)  # the record, every name and the unpacked image
+            return image_id
+        for name, named in self.store.refs().items():  # forced: only the name(s) go, the image stays for its users
+            if named == image_id and (name == ref or is_image_id(ref)):
+                self.store.untag(name)
         return image_id
 
     def _users(self, image_id: str) -> set[str]:
@@ -115,11 +116,12 @@ class Catalog:
         """Delete layers no image, snapshot or sandbox uses, and unpacked registry layers no image
         uses; return their names. No build or pull runs meanwhile, in any process."""
         async with self.store.collecting():
-            removed = await asyncio.to_thread(self._collect_layers)
-            return removed + await self.oci.gc(self._layers_in_use())
+            used = await asyncio.to_thread(self._layers_in_use)
+            removed = await asyncio.to_thread(self._collect_layers, used)
+            return removed + await self.oci.gc(used)
 
-    def _collect_layers(self) -> list[str]:
-        keep = {self.store.layer_path(layer).name for layer in self._layers_in_use()}
+    def _collect_layers(self, used: set[str]) -> list[str]:
+        keep = {self.store.layer_path(layer).name for layer in used}
         removed = []
         for path in self.store.layers_dir.iterdir():
             if path.name.startswith(".") or path.name in keep:
@@ -133,7 +135,7 @@ class Catalog:
         return removed
 
     def _layers_in_use(self) -> set[str]:
-        used: set[str] = set(self.oci.layers_in_use())
+        used: set[str] = set()
         for img in self.store.images():
             used.update(img.layers)
         for row in [*self.db.rows(), *self.db.snapshot_rows()]:

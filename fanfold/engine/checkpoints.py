@@ -62,7 +62,7 @@ class Checkpoints:
                 dbmod.row_handle(row), staged, img.host_dirs, memory=memory, leave_running=leave_running,
                 frozen=row["state"] == "paused",
             )
-            layers = tuple(json.loads(row["layers"]))
+            layers = dbmod.row_layers(row)
             info = SnapshotInfo(
                 id=snapshot_id, parent=row["source"], image_id=row["image_id"], sandbox_id=sandbox_id, memory=memory,
                 kind=kind, created_at=dbmod.now(), name=name, limits=dbmod.row_info(row).limits,

@@ -58,7 +58,8 @@ class Execs:
         # passwd and group are read off the loop: the sandbox makes them as large as it likes (up to 1 MiB)
         who = await asyncio.to_thread(users.resolve, life.backend.root(sandbox_id), as_user) if as_user else None
         # the user's HOME, USER and LOGNAME, unless the image or the caller set them
-        ident = {} if who is None else {k: v for k, v in who.env().items() if k not in dict(img.env)}
+        image_env = dict(img.env)
+        ident = {} if who is None else {k: v for k, v in who.env().items() if k not in image_env}
         merged = {**ident, **json.loads(row["env"]), **check_strings(env, "env")}
         alone = not self._in_exec.get(sandbox_id)
         self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1

@@ -282,7 +282,7 @@ class Lifecycle:
             self.db.update(sandbox_id, state="running")
         elif row["state"] == "suspended":
             snapshot_id = row["suspended_to"]
-            img = dataclasses.replace(self.sources.store.load_image(row["image_id"]), layers=dbmod.row_layers(row))
+            img = self.sources.image_of(row)
             with host_errors(f"resuming sandbox {sandbox_id} failed"):
                 try:
                     pid = await self.bring_up_from(

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from ..errors import ImageNotFound, InvalidRequest
 from ..images import Image, LayerStore
@@ -78,8 +77,11 @@ class Sources:
         if not source.startswith(SNAPSHOT_PREFIX):
             return self.store.load_image(source), None
         row = self.snaps.row(source)
-        img = dataclasses.replace(self.store.load_image(row["image_id"]), layers=tuple(json.loads(row["layers"])))
-        return img, self.snaps.memory_dir(source) if row["memory"] else None
+        return self.image_of(row), self.snaps.memory_dir(source) if row["memory"] else None
+
+    def image_of(self, row: Any) -> Image:
+        """The image a sandbox or snapshot row was made from, with the row's own layers."""
+        return dataclasses.replace(self.store.load_image(row["image_id"]), layers=dbmod.row_layers(row))
 
 
 def base_env(img: Image, sandbox_id: str, extra: dict[str, str]) -> list[str]:

@@ -154,7 +154,7 @@ class Builder:
             image, digest, _ = await self._base(source)
             return image, image.id or f"base:{digest}"
         nested = source if source.context is not None else source.with_context(context)
-        image = await self.build(nested, lambda event: report(StepEvent(
+        image = await self._build(nested, lambda event: report(StepEvent(
             event.index, event.total, f"{description} <- {event.description}", event.status)))
         return image, image.id
 

@@ -57,10 +57,10 @@ class _Source:
 class ImageStore:
     """Pulls and imports images into ``store``, with containers/storage under ``state_dir``."""
 
-    def __init__(self, store: LayerStore, state_dir: Path, *, auth_file: Path | None = None) -> None:
+    def __init__(self, store: LayerStore, state_dir: Path) -> None:
         self.store = store
         self.storage = Storage(state_dir)
-        self.options = Options.from_env(state_dir, auth_file)
+        self.options = Options.from_env(state_dir)
         self.tmp_dir = state_dir / "storage-tmp"
         self.tmp_dir.mkdir(exist_ok=True)
         self._active = 0
@@ -231,13 +231,13 @@ class ImageStore:
 
     # -- credentials ----------------------------------------------------------------------------
 
-    async def login(self, registry: str, username: str, password: str, *, tls_verify: bool | None = None) -> None:
+    async def login(self, registry: str, username: str, password: str) -> None:
         """Check the credentials against ``registry`` and save them to the auth file (mode 0600)."""
         if not is_registry_host(registry):
             raise InvalidRequest(f"{registry!r} is not a registry host: write HOST[:PORT], e.g. ghcr.io or localhost:5000")
         auth = self.options.auth_file
         auth.parent.mkdir(parents=True, exist_ok=True)
-        flags = self.options.flags(registry, tls_verify)
+        flags = self.options.flags(registry, None)
         read, write = os.pipe()
         try:
             os.write(write, password.encode())
@@ -277,7 +277,8 @@ class ImageStore:
         return {layer for image in self.store.images() for layer in image.layers}
 
     async def gc(self, keep: set[str]) -> list[str]:
-        """Delete storage images without a record, and storage layers (with their symlinks) not in ``keep``.
+        """Delete storage images without a record, and storage layers (with their symlinks) not in ``keep``
+        (which names at least ``layers_in_use()``: every image record's layers).
 
         Waits for this process's pulls in flight (their layers have no record yet); the caller holds
         ``LayerStore.collecting``, which keeps other processes' pulls and builds out meanwhile.
@@ -289,7 +290,7 @@ class ImageStore:
             return await self._collect(keep)
 
     async def _collect(self, keep: set[str]) -> list[str]:
-        keep32 = {k[:32] for k in keep | self.layers_in_use()}
+        keep32 = {k[:32] for k in keep}
         records = {image.id for image in self.store.images()}
         orphans = [i["id"] for i in await self.storage.images() if "img-" + i["id"][:16] not in records]
         if orphans:

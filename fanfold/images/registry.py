@@ -90,8 +90,8 @@ class Options:
     """A dir laid out like ``/etc/containers/certs.d``: ``<host:port>/ca.crt`` (``FANFOLD_REGISTRY_CERTS``)."""
 
     @classmethod
-    def from_env(cls, state_dir: Path, auth_file: Path | None) -> Options:
-        return cls(auth_file=auth_file or env_registry_auth() or state_dir / "auth.json",
+    def from_env(cls, state_dir: Path) -> Options:
+        return cls(auth_file=env_registry_auth() or state_dir / "auth.json",
                    insecure=env_insecure_registries(), certs_dir=env_registry_certs())
 
     def flags(self, registry: str, tls_verify: bool | None) -> list[str]:

@@ -61,16 +61,14 @@ async def build(request: Request) -> StreamingResponse:
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-    async def run() -> dict[str, Any]:
+    async def work(report):  # type: ignore[no-untyped-def]
         try:
-            image = await fleet.build(spec, lambda event: queue.put_nowait({"event": event_to_json(event)}))
-            return image_to_json(image)
+            return await fleet.build(spec, report)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
 
-    return StreamingResponse(ndjson_events(queue, asyncio.create_task(run()), "image"), media_type=NDJSON)
+    return _stream_image(work, event_to_json)
 
 
 class PullRequest(BaseModel):
@@ -92,11 +90,12 @@ PULL_STREAM = {**ERRORS, 200: {"content": {NDJSON: {}}, "description":
     "NDJSON: `{\"event\": PullEvent}` lines per layer as it goes, then `{\"image\": Image}` or `{\"error\": Error}`."}}
 
 
-def _stream_image(work) -> StreamingResponse:  # type: ignore[no-untyped-def]
+def _stream_image(work, event_json=pull_event_to_json) -> StreamingResponse:  # type: ignore[no-untyped-def]
+    """NDJSON of ``work(report)``: an ``event`` line per report as it goes, then its image (or its error)."""
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     async def run() -> dict[str, Any]:
-        return image_to_json(await work(lambda event: queue.put_nowait({"event": pull_event_to_json(event)})))
+        return image_to_json(await work(lambda event: queue.put_nowait({"event": event_json(event)})))
 
     return StreamingResponse(ndjson_events(queue, asyncio.create_task(run()), "image"), media_type=NDJSON)
 
