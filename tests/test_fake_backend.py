@@ -136,7 +136,8 @@ async def test_freeze_stops_the_whole_tree_and_thaw_resumes_it(backend: FakeBack
     tree = process_tree(handle.pid)
     assert len(tree) >= 2, tree  # the agent and the orphaned loop it adopted
     states = [Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()[0] for p in tree]
-    assert set(states) <= {"T", "t"}, states
+    # a child that exited just before the stop is a zombie until the thaw lets its parent reap it
+    assert set(states) <= {"T", "t", "Z"} and "T" in states, states
     frozen_at = count(counter)
     await asyncio.sleep(0.2)  # a window to watch for progress, not a synchronisation
     assert count(counter) == frozen_at
