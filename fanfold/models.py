@@ -144,6 +144,8 @@ class SandboxInfo:
     """Seconds without a call before it is suspended (ephemeral: destroyed)."""
     user: str = ""
     """Whom its commands run as unless an exec says otherwise (``name[:group]``, ``uid[:gid]``; "" is root)."""
+    seccomp: str = "default"
+    """Its seccomp profile: ``default``, ``unconfined`` or the path of a profile file on the host."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -743,6 +743,9 @@ int main(int argc, char **argv)
 	size_t pcap = 0;
 	sigset_t mask;
 
+	/* not dumpable: root in the sandbox (no CAP_SYS_PTRACE) can neither trace us, read our
+	 * memory nor take our descriptors; children get it back when they exec */
+	prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 	svcs = calloc(argc, sizeof *svcs);
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
@@ -789,6 +792,11 @@ int main(int argc, char **argv)
 			close(nul);
 		if (write(ready_fd, "r", 1) != 1)
 			return 1;
+		/* on a socket, wait until the host has locked our socket's directory (it closes
+		 * its end): no service may run before that (a pipe answers EBADF at once) */
+		char go;
+		while (read(ready_fd, &go, 1) < 0 && errno == EINTR)
+			;
 		close(ready_fd);
 	}
 	/* whatever we inherited (fd 3 included) must not leak into commands */

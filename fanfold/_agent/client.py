@@ -1,8 +1,17 @@
-"""The host side of the agent protocol (see PROTOCOL.md): one connection per request."""
+"""The host side of the agent protocol (see PROTOCOL.md): one connection per request.
+
+The host never trusts what a sandbox says: the socket must be a socket (never a link the
+sandbox planted to a host service), every frame is checked against the protocol, and output
+is capped here whatever the agent claims to have capped.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import socket
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -18,6 +27,10 @@ PROTOCOL_VERSION = 2
 
 class AgentUnreachable(Exception):
     """The agent's socket refused us or the connection broke mid-request."""
+
+
+class AgentProtocolError(AgentUnreachable):
+    """The agent sent what the protocol does not allow: a sandbox that subverted its agent."""
 
 
 class AgentTooOld(Exception):
@@ -60,7 +73,7 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[str, bytes]:
         header = await reader.readexactly(_HEADER.size)
         kind, size = _HEADER.unpack(header)
         if size > _MAX_FRAME:
-            raise AgentUnreachable(f"agent sent an oversized frame ({size} bytes)")
+            raise AgentProtocolError(f"agent sent an oversized frame ({size} bytes)")
         return chr(kind), await reader.readexactly(size)
     except (asyncio.IncompleteReadError, ConnectionError) as err:
         raise AgentUnreachable(f"agent connection closed: {err}") from None
@@ -74,26 +87,30 @@ class AgentClient:
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
-            return await asyncio.open_unix_connection(self.socket_path, limit=_MAX_FRAME * 2)
+            sock = await _connect_socket(self.socket_path)
+            return await asyncio.open_unix_connection(sock=sock, limit=_MAX_FRAME * 2)
         except OSError as err:
             raise AgentUnreachable(f"cannot reach the agent at {self.socket_path}: {err}") from None
 
-    async def _request(self, kind: bytes) -> str:
+    async def _request(self, kind: bytes, answer: re.Pattern[str]) -> str:
         reader, writer = await self._connect()
         try:
             writer.write(_frame(kind))
             await writer.drain()
-            _, payload = await _read_frame(reader)
-            return payload.decode()
+            got, payload = await _read_frame(reader)
+            text = payload.decode(errors="replace")
+            if got != kind.decode() or not answer.fullmatch(text):
+                raise AgentProtocolError(f"agent answered {kind.decode()!r} with {got!r} {text[:80]!r}")
+            return text
         finally:
             writer.close()
 
     async def ping(self) -> str:
-        return await self._request(b"h")
+        return await self._request(b"h", _PING)
 
     async def wait_ready(self) -> str:
         """``ok``, or ``fail NAME CODE`` for the first oneshot service that failed."""
-        return await self._request(b"w")
+        return await self._request(b"w", _READY)
 
     async def exec(
         self,
@@ -140,7 +157,7 @@ class AgentClient:
             await writer.drain()
             if stdin is not None:
                 feeder = asyncio.create_task(_feed(writer, stdin))
-            await self._collect(reader, result, on_chunk)
+            await self._collect(reader, result, on_chunk, max_output)
             return result
         except ConnectionError as err:
             raise AgentUnreachable(f"agent connection broke: {err}") from None
@@ -149,13 +166,21 @@ class AgentClient:
                 feeder.cancel()
             writer.close()
 
-    async def _collect(self, reader: asyncio.StreamReader, result: RawExec, on_chunk: OnChunk | None) -> None:
+    async def _collect(self, reader: asyncio.StreamReader, result: RawExec, on_chunk: OnChunk | None,
+                       max_output: int) -> None:
+        cut = {"o": False, "r": False}
         while True:
             kind, payload = await _read_frame(reader)
-            if kind == "p":
+            if kind == "p" and not result.started and _NUMBER.fullmatch(payload.decode(errors="replace")):
                 result.started, result.pid = True, int(payload)
-            elif kind in ("o", "r"):
-                (result.stdout if kind == "o" else result.stderr).extend(payload)
+            elif kind in ("o", "r") and result.started:
+                kept = result.stdout if kind == "o" else result.stderr
+                room = max_output - len(kept)
+                if len(payload) > room:  # past the limit whatever the agent says it did
+                    payload, cut[kind] = payload[:max(room, 0)], True
+                if not payload:
+                    continue
+                kept.extend(payload)
                 if on_chunk is not None:
                     maybe = on_chunk("stdout" if kind == "o" else "stderr", payload)
                     if maybe is not None:
@@ -163,10 +188,50 @@ class AgentClient:
             elif kind == "f":
                 result.error = payload.decode(errors="replace")
                 return
-            elif kind == "z":
-                pairs = (item.split("=", 1) for item in payload.decode().split())
-                result.status = {key: int(value) for key, value in pairs}
+            elif kind == "z" and result.started:
+                result.status = _status(payload)
+                result.status["out_trunc"] |= cut["o"]
+                result.status["err_trunc"] |= cut["r"]
                 return
+            else:
+                raise AgentProtocolError(f"agent sent frame {kind!r} ({len(payload)} bytes) out of turn during an exec")
+
+
+_NUMBER = re.compile(r"[0-9]{1,10}")
+_PING = re.compile(r"fanfold-agent [0-9]{1,4}")
+_READY = re.compile(r"ok|fail [^\s]{1,255} -?[0-9]{1,10}")
+_STATUS_KEYS = ("code", "signal", "timeout", "out_bytes", "err_bytes", "out_trunc", "err_trunc", "duration_us")
+
+
+def _status(payload: bytes) -> dict[str, int]:
+    """The ``z`` frame's fields, every one present and a number, or AgentProtocolError."""
+    try:
+        status = {key: int(value) for key, value in (item.split("=", 1) for item in payload.decode().split())}
+    except ValueError:
+        status = {}
+    if not all(key in status for key in _STATUS_KEYS):
+        raise AgentProtocolError(f"agent sent a malformed exit status {payload[:120]!r}")
+    return status
+
+
+async def _connect_socket(path: str) -> socket.socket:
+    """A connection to the unix socket at ``path``, refused unless that is a socket itself:
+    opened without following links and connected through its descriptor, so nothing in the
+    sandbox can point the host at another socket between the check and the connect."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a socket")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, f"/proc/self/fd/{fd}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    finally:
+        os.close(fd)
 
 
 async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:

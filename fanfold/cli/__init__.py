@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -347,6 +348,8 @@ _CWD = click.option("--cwd", default=None, metavar="DIR", help="Working director
 _TIMEOUT = click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
 _USER = click.option("-u", "--user", default=None, metavar="USER[:GROUP]",
                      help="Run as this user (a name or uid, resolved in the sandbox's /etc/passwd); default: the image's USER, else root.")
+_SECCOMP = click.option("--seccomp", default="default", show_default=True, metavar="default|unconfined|PATH",
+                        help="The sandbox's syscall filter: fanfold's default, none, or an OCI seccomp profile file.")
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -354,9 +357,10 @@ _USER = click.option("-u", "--user", default=None, metavar="USER[:GROUP]",
 @_TIMEOUT
 @_CWD
 @_USER
+@_SECCOMP
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, cmd) -> None:  # type: ignore[no-untyped-def]
+def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, cmd) -> None:  # type: ignore[no-untyped-def]
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
     With no CMD, runs the image's default command (its entrypoint and cmd). Our stdin goes to
@@ -364,9 +368,14 @@ def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, cmd
     """
     with _fleet(ctx) as fleet:
         with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
-                          env=_pairs(env, "--env"), user=user) as sandbox:
+                          env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp)) as sandbox:
             result = _exec(sandbox, cmd or _default_command(fleet, sandbox.info.image_id, image), timeout=timeout, cwd=cwd)
     _exit_with(result)
+
+
+def _profile_path(seccomp: str) -> str:
+    """A profile file given relative to here, made absolute: the engine reads it from its own cwd."""
+    return seccomp if seccomp in ("default", "unconfined") else os.path.abspath(seccomp)
 
 
 def _default_command(fleet: Fleet, image_id: str, asked: str) -> tuple[str, ...]:
@@ -390,9 +399,10 @@ def _default_command(fleet: Fleet, image_id: str, asked: str) -> tuple[str, ...]
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Suspend it (ephemeral: destroy it) after this long without a call.")
 @_USER
+@_SECCOMP
 @click.pass_context
 def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  # type: ignore[no-untyped-def]
-           persistence, priority, idle_timeout, user) -> None:
+           persistence, priority, idle_timeout, user, seccomp) -> None:
     """Create a sandbox that outlives this command; print its id.
 
     --image also takes a snapshot id or name, to start from a snapshot.
@@ -401,7 +411,7 @@ def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  #
         sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
                                env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
                                detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
-                               user=user)
+                               user=user, seccomp=_profile_path(seccomp))
     click.echo(sandbox.id)
 
 

@@ -109,6 +109,7 @@ class AsyncFleet:
         idle_timeout: float | None = None,
         queue_timeout: float | None = None,
         user: str | None = None,
+        seccomp: str = "default",
     ) -> AsyncSandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -118,13 +119,15 @@ class AsyncFleet:
         ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
         (default 300), before a retryable CapacityExceeded. ``user`` (``name[:group]`` or
         ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
+        ``seccomp`` is the syscall filter: ``default``, ``unconfined`` or the path of a profile on
+        the host (over HTTP only the host's own tenant may choose another than ``default``).
         """
         limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
         source = image.id if isinstance(image, SnapshotInfo) else image
         info = await self._transport.create(
             source, limits=limits, env=env, labels=labels, deadline=deadline, detached=detached,
             persistence=_persistence(persistence), priority=priority, idle_timeout=idle_timeout,
-            queue_timeout=queue_timeout, user=user,
+            queue_timeout=queue_timeout, user=user, seccomp=seccomp,
         )
         return AsyncSandbox(self, info)
 

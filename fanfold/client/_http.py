@@ -251,7 +251,7 @@ class HttpTransport:
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
         persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
-        queue_timeout: float | None = None, user: str | None = None,
+        queue_timeout: float | None = None, user: str | None = None, seccomp: str = "default",
     ) -> SandboxInfo:
         limits = limits or Limits()
         body = {
@@ -259,7 +259,7 @@ class HttpTransport:
             "env": env or {}, "labels": labels or {}, "deadline": deadline, "detached": detached,
             "persistence": persistence, "priority": priority, "idle_timeout": idle_timeout,
             "lease": self.lease.id if self.lease is not None and not detached and persistence == "ephemeral" else None,
-            "queue_timeout": queue_timeout, "user": user,
+            "queue_timeout": queue_timeout, "user": user, "seccomp": seccomp,
         }
         info = wire.info_from_json(await self._make("/v1/sandboxes", body))
         self._track(info)

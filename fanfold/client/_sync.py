@@ -126,6 +126,7 @@ class Fleet:
         idle_timeout: float | None = None,
         queue_timeout: float | None = None,
         user: str | None = None,
+        seccomp: str = "default",
     ) -> Sandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -135,11 +136,13 @@ class Fleet:
         ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
         (default 300), before a retryable CapacityExceeded. ``user`` (``name[:group]`` or
         ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
+        ``seccomp`` is the syscall filter: ``default``, ``unconfined`` or the path of a profile on
+        the host (over HTTP only the host's own tenant may choose another than ``default``).
         """
         inner = self._call(self._async.create(
             image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, env=env, labels=labels,
             deadline=deadline, detached=detached, persistence=persistence, priority=priority,
-            idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user,
+            idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp,
         ))
         return Sandbox(self, inner)
 

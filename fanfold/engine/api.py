@@ -49,7 +49,7 @@ class EngineAPI(Protocol):
         self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
         persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
-        queue_timeout: float | None = None, user: str | None = None,
+        queue_timeout: float | None = None, user: str | None = None, seccomp: str = "default",
     ) -> SandboxInfo: ...
 
     async def set_pool(self, image: str | Image, size: int | None, *, limits: Limits | None = None,

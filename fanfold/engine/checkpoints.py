@@ -136,7 +136,7 @@ class Checkpoints:
                 snap.id, limits=parent.limits, env=env, labels=parent.labels, deadline=deadline,
                 detached=parent.detached, tenant=row["tenant"], persistence=parent.persistence,
                 priority=parent.priority, idle_timeout=parent.idle_timeout, lease=_lease_of(row["owner"]),
-                user=parent.user or None,
+                user=parent.user or None, seccomp=parent.seccomp,
             ) for _ in range(count)
         ), return_exceptions=True)
         children = [c for c in made if isinstance(c, SandboxInfo)]
@@ -203,7 +203,8 @@ class Checkpoints:
             self.life.db.update(sandbox_id, state="creating", pid=None, suspended_to=None, claimed_by=self.life.owner)
             try:
                 with host_errors(f"resetting sandbox {sandbox_id} failed"):
-                    pid, layers = await self.life.start(sandbox_id, row["source"], dbmod.row_info(row).limits)
+                    info = dbmod.row_info(row)
+                    pid, layers = await self.life.start(sandbox_id, row["source"], info.limits, info.seccomp)
             except BaseException:
                 await asyncio.shield(self.life.destroy(sandbox_id))
                 raise

@@ -24,6 +24,7 @@ from ..models import (
     ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
 )
 from ..runtime import get_backend
+from ..runtime.seccomp import PROFILES, check as check_seccomp
 from ..spec import EnvSpec, check_user
 from . import db as dbmod
 from .admission import Admission, check_fits_host
@@ -191,6 +192,7 @@ class Engine:
         lease: str | None = None,
         queue_timeout: float | None = None,
         user: str | None = None,
+        seccomp: str = "default",
     ) -> SandboxInfo:
         """Start a sandbox from an image or a snapshot (id or name); it is running when this returns.
 
@@ -201,6 +203,9 @@ class Engine:
         ``queue_timeout`` seconds for a slot and for host headroom before CapacityExceeded.
         ``user`` (``name[:group]`` or ``uid[:gid]``, resolved in the sandbox's /etc/passwd) is whom
         its commands run as unless an exec says otherwise; by default the image's ``USER``, else root.
+        ``seccomp`` is the syscall filter its processes start under: ``default`` (Docker's default,
+        tightened), ``unconfined``, or the path of an OCI seccomp profile on the host; a create from a
+        memory snapshot keeps the filters its processes had.
         """
         if not self._started or self.life.closing:
             raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
@@ -212,6 +217,7 @@ class Engine:
             info, pooled = await self._create(
                 image, limits, env, labels, deadline, detached, tenant, _persistence(persistence, priority, idle_timeout),
                 self.leases.owner_for(lease, tenant), _wait(queue_timeout, self.config.queue_timeout_s), user,
+                seccomp,
             )
         except (InfrastructureError, CapacityExceeded) as err:
             self.telemetry.create_failed_infra("capacity" if isinstance(err, CapacityExceeded) else "infra_error")
@@ -222,9 +228,11 @@ class Engine:
         self.telemetry.created(info.source, time.perf_counter() - started, pooled=pooled)
         return info
 
-    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait, user) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
+    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait, user, seccomp) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
+        if seccomp not in PROFILES:  # a profile file, read off the loop
+            seccomp = await asyncio.to_thread(check_seccomp, seccomp)
         if user is not None and user != "":
             check_user(user)
         env, labels = check_strings(env, "env"), check_labels(labels)
@@ -240,8 +248,9 @@ class Engine:
         info = SandboxInfo(
             id="", state="running", image_id=img.id, limits=limits, labels=labels, created_at=0.0, detached=detached,
             source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout, user=user or img.user,
+            seccomp=seccomp,
         )
-        pooled_id = self.pools.take(source, limits)
+        pooled_id = self.pools.take(source, limits) if seccomp == "default" else None
         if pooled_id is not None:
             made, pooled = self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
         else:

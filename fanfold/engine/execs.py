@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from .._agent.client import AgentTooOld, AgentUnreachable, ExecUser
+from .._agent.client import AgentProtocolError, AgentTooOld, AgentUnreachable, ExecUser
 from ..errors import InfrastructureError, InvalidRequest, SandboxGone
 from ..host import safefs
 from ..images import users
@@ -82,6 +82,12 @@ class Execs:
             raise InvalidRequest(
                 f"sandbox {sandbox_id} runs an agent from an older memory snapshot that cannot run commands as"
                 f" user {as_user!r}: run it as user='root', or create the sandbox afresh from its image") from None
+        except AgentProtocolError as err:
+            # Only a sandbox that subverted its agent gets here: it is no longer ours to run.
+            life.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
+            await asyncio.shield(life.destroy(sandbox_id))
+            raise SandboxGone(f"sandbox {sandbox_id}'s agent broke the protocol ({err}); the sandbox was"
+                              " destroyed") from None
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             if sandbox_id in life.destroying:
                 await asyncio.shield(life.destroying[sandbox_id])

@@ -181,7 +181,7 @@ class Lifecycle:
         self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.owner)
         try:
             with host_errors("creating sandbox failed"):
-                pid, layers = await self.start(sandbox_id, info.source, info.limits)
+                pid, layers = await self.start(sandbox_id, info.source, info.limits, info.seccomp)
         except BaseException as err:
             raced = sandbox_id in self.destroying or self.db.get(sandbox_id) is None
             await asyncio.shield(self.destroy(sandbox_id))
@@ -237,16 +237,18 @@ class Lifecycle:
 
         self._timers[sandbox_id] = asyncio.get_running_loop().call_later(deadline, expire)
 
-    async def start(self, sandbox_id: str, source: str, limits: Limits) -> tuple[int | None, tuple[str, ...]]:
+    async def start(self, sandbox_id: str, source: str, limits: Limits,
+                    seccomp: str = "default") -> tuple[int | None, tuple[str, ...]]:
         """Bring up a sandbox's disk and processes from its source; return PID 1 and its layers."""
         img, restore = self.sources.start_point(source)
-        return await self.bring_up_from(sandbox_id, img, limits, restore), img.layers
+        return await self.bring_up_from(sandbox_id, img, limits, restore, seccomp), img.layers
 
-    async def bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None) -> int | None:
+    async def bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None,
+                            seccomp: str = "default") -> int | None:
         """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given)."""
         spec = SandboxSpec(
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
-            env=tuple(base_env(img, sandbox_id, {})), services=img.services, restore=restore,
+            env=tuple(base_env(img, sandbox_id, {})), services=img.services, restore=restore, seccomp=seccomp,
         )
         handle = await self.backend.bring_up(spec)
         if img.services and (restore is None or self.backend.capabilities.memory != "live"):
@@ -286,7 +288,7 @@ class Lifecycle:
             with host_errors(f"resuming sandbox {sandbox_id} failed"):
                 try:
                     pid = await self.bring_up_from(
-                        sandbox_id, img, dbmod.row_info(row).limits, self.snaps.memory_dir(snapshot_id))
+                        sandbox_id, img, dbmod.row_info(row).limits, self.snaps.memory_dir(snapshot_id), row["seccomp"])
                 except BaseException:
                     await asyncio.shield(self.backend.release(sandbox_id))
                     raise

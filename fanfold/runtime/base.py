@@ -45,6 +45,9 @@ class SandboxSpec:
     restore: Path | None = None
     """A checkpoint's memory dir (``checkpoint(memory=True)`` wrote it): restore its processes
     onto the new disk instead of starting the agent afresh."""
+    seccomp: str = "default"
+    """The seccomp profile its processes start under (``runtime.seccomp``); a restore keeps the
+    checkpoint's own filters."""
 
 
 @dataclass(frozen=True)

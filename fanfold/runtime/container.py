@@ -14,6 +14,13 @@ from typing import Protocol
 from ..host.spawn import Finished
 from ..models import Limits
 
+# The capabilities Docker grants by default: enough for package managers, not for mounts or modules.
+CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]
+
 
 @dataclass(frozen=True)
 class Bind:
@@ -45,13 +52,18 @@ class ContainerSpec:
     hostname: str = "sandbox"
     limits: Limits | None = None
     host_network: bool = False
-    """Build steps share the host's network; sandboxes get a namespace with only loopback."""
+    """Share the host's network (a build of the host's own tenant that asks for it); else
+    ``netns``, else a new namespace with only loopback (sandboxes)."""
+    netns: str | None = None
+    """The path of a network namespace to join (an isolated build step's, ``host.stepnet``)."""
     binds: list[Bind] = field(default_factory=list)
     cgroup_path: str | None = None
     oom_score_adj: int | None = None
     """Set for PID 1 when the host allows; None keeps the runtime's own."""
     user: ProcessUser = ProcessUser()
     """Root unless a build step's USER says otherwise (a sandbox's PID 1, the agent, is always root)."""
+    seccomp_bpf: str | None = None
+    """The seccomp filter as a BPF program in base64 (``seccomp.bpf``); None runs unconfined."""
 
 
 class Runtime(Protocol):

@@ -13,14 +13,9 @@ from typing import Any
 from ..errors import HostNotReady, InfrastructureError
 from ..host import setup
 from ..host.spawn import Finished, log_tail, run
-from .container import ContainerSpec
+from . import seccomp
+from .container import CAPABILITIES, ContainerSpec
 
-# The capabilities Docker grants by default: enough for package managers, not for mounts or modules.
-CAPABILITIES = [
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
-    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
-]
 MASKED = [
     "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
     "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
@@ -60,8 +55,8 @@ def sealed_copy(binary: str) -> str:
 def oci_config(spec: ContainerSpec) -> dict[str, Any]:
     """The OCI ``config.json`` for one sandbox or build step."""
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
-    if not spec.host_network:
-        namespaces.append({"type": "network"})
+    if not spec.host_network:  # joins the namespace given, else has a new one made
+        namespaces.append({"type": "network"} if spec.netns is None else {"type": "network", "path": spec.netns})
     resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
     if spec.limits is not None:
         memory = spec.limits.memory_mb * 1024 * 1024
@@ -85,6 +80,7 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
     }
     if spec.cgroup_path:
         linux["cgroupsPath"] = spec.cgroup_path
+    annotations = {} if spec.seccomp_bpf is None else {seccomp.BPF_ANNOTATION: spec.seccomp_bpf}
     process_extra = {} if spec.oom_score_adj is None else {"oomScoreAdj": spec.oom_score_adj}
     user: dict[str, Any] = {"uid": spec.user.uid, "gid": spec.user.gid}
     if spec.user.additional_gids:
@@ -100,6 +96,7 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
         "hostname": spec.hostname,
         "mounts": mounts,
         "linux": linux,
+        "annotations": annotations,
     }
 
 

@@ -22,7 +22,7 @@ from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
 from ..host import cgroups, disk, procs, setup
 from ..host.offload import host_errors
 from ..images.rootfs import copy_upper
-from . import get_runtime, oci_sandbox
+from . import get_runtime, oci_sandbox, seccomp
 from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
 from .criu import Criu
 
@@ -55,6 +55,7 @@ class OciBackend(Backend):
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu)
+        await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
 
     async def close(self, *, idle: bool = True) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import fcntl
 import os
 import signal
+import socket
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..images.rootfs import mount_rootfs
 from ..models import Limits
 from ..host.netns import new_netns
 from ..host.spawn import log_tail, run
+from . import seccomp
 from .base import SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
 from .criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
@@ -81,6 +83,7 @@ async def provision(
     """
     sandbox_id, limits = spec.id, spec.limits
     where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, spec.host_dirs, limits, quota)
+    profile = seccomp.bpf(spec.seccomp) if spec.seccomp in seccomp.PROFILES else await on_thread(seccomp.bpf, spec.seccomp)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in spec.services:
         args += [f"--{mode}", name, cmd]
@@ -88,23 +91,19 @@ async def provision(
         id=sandbox_id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=sandbox_id,
         limits=limits, binds=channel_binds(agent, where),
         cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
-        oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
+        oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=profile,
     )
-    # The agent binds its own socket (inside the sandbox, so a checkpoint carries it) and
-    # says so on this pipe; end of file first means it died.
-    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-    try:
-        pid = await runtime.start(container, where.bundle, ready_w)
-        os.close(ready_w)
-        ready_w = -1
-        if await asyncio.wait_for(read_once(ready_r), 30) != b"r":
+    # The agent binds its own socket (inside the sandbox, so a checkpoint carries it) and says
+    # so on this socket; end of file first means it died. It starts services only once we
+    # close our end, after the socket's directory is locked.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        pid = await runtime.start(container, where.bundle, theirs.fileno())
+        theirs.close()
+        if await asyncio.wait_for(read_once(ours.fileno()), 30) != b"r":
             raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {log_tail(where.bundle / 'runtime.log')}")
         set_immutable(where.channel, True)
-        return pid
-    finally:
-        os.close(ready_r)
-        if ready_w >= 0:
-            os.close(ready_w)
+    return pid
 
 
 async def restore(
@@ -128,9 +127,11 @@ async def restore(
         )
     finally:
         os.close(netns)  # the restored processes hold the namespace now
-    # The image holds the source's freezer state (frozen while it was dumped) and hostname.
-    cgroups.thaw(config.cgroup_parent, sandbox_id)
+    # The image holds the source's freezer state (frozen while it was dumped) and hostname: the
+    # restored processes run only once thawed, after their channel dir (CRIU bound the agent's
+    # socket in it again) is locked.
     set_immutable(where.channel, True)
+    cgroups.thaw(config.cgroup_parent, sandbox_id)
     done = await run(["nsenter", "-t", str(pid), "-u", "hostname", sandbox_id], timeout=30)
     if done.returncode != 0:
         raise InfrastructureError(f"naming restored sandbox {sandbox_id} failed: {done.stderr.decode()[-300:]}")

@@ -11,8 +11,9 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..engine import Engine
-from ..errors import FanfoldError, SandboxNotFound, SnapshotNotFound
+from ..errors import FanfoldError, SandboxNotFound, SnapshotNotFound, Unauthorized
 from ..wire import error_to_json
+from .auth import LOCAL_TENANT
 from .status import bug_body
 
 log = logging.getLogger("fanfold.server")
@@ -112,3 +113,9 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def host_only(caller: str, what: str) -> None:
+    """Unauthorized unless the caller is the host's own tenant (the unix socket)."""
+    if caller != LOCAL_TENANT:
+        raise Unauthorized(f"only the host's own tenant (the unix socket) may {what}")

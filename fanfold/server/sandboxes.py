@@ -13,7 +13,7 @@ from ..errors import InvalidRequest
 from ..models import Limits
 from ..wire import b64, fork_to_json, info_to_json, result_to_json, unb64
 from .creates import Made
-from .deps import NDJSON, check_source, engine, ndjson_events, owned_sandbox, tenant, until_disconnect
+from .deps import NDJSON, check_source, engine, host_only, ndjson_events, owned_sandbox, tenant, until_disconnect
 from .schemas import CreateRequest, ErrorBody, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -34,12 +34,14 @@ async def create(
     """Start a sandbox from an image or one of the caller's snapshots; it is running when this answers."""
     fleet: Engine = engine(request)
     check_source(request, body.image, caller)
+    if body.seccomp != "default":
+        host_only(caller, "choose a seccomp profile other than default")
     limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb)
     info = await _once(request, caller, request_id, body.model_dump(), lambda: fleet.create(
         body.image, limits=limits, env=body.env, labels=body.labels, deadline=body.deadline,
         detached=body.detached, persistence=body.persistence, priority=body.priority,
         idle_timeout=body.idle_timeout, tenant=caller, lease=body.lease, queue_timeout=body.queue_timeout,
-        user=body.user,
+        user=body.user, seccomp=body.seccomp,
     ))
     return info_to_json(info)
 

@@ -39,6 +39,9 @@ class CreateRequest(_Body):
         "Seconds to wait for a create slot and host headroom before 429 capacity_exceeded (default 300)."))
     user: str | None = Field(None, max_length=65, description=(
         "name[:group] or uid[:gid] its commands run as, resolved in its /etc/passwd (default: the image's USER, else root)."))
+    seccomp: str = Field("default", min_length=1, max_length=4096, description=(
+        "The syscall filter: default, unconfined or the path of an OCI seccomp profile on the host;"
+        " only the host's own tenant may choose another than default."))
 
 
 class LeaseRequest(_Body):
@@ -104,6 +107,7 @@ class SandboxBody(BaseModel):
     priority: int
     idle_timeout: float | None
     user: str = Field("", description="Whom its commands run as unless an exec says otherwise (\"\": root).")
+    seccomp: str = Field("default", description="Its syscall filter: default, unconfined or a profile file's path.")
 
 
 class ExecRequest(_Body):
@@ -187,6 +191,7 @@ class ImageBody(BaseModel):
     source: str = ""
     digest: str = ""
     names: list[str] = []
+    shared: bool = Field(False, description="Published by the host's own tenant to every tenant.")
 
 
 class ErrorBody(BaseModel):
