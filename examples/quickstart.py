@@ -7,7 +7,7 @@ spec = (
     .workdir("/env")
     .copy(Path(__file__).parent / "demo_project", "/env")
     .env(PYTHONDONTWRITEBYTECODE="1")
-    .run("python3 -m compileall -q /env")  # runs with the host's network, like `docker build`
+    .run("python3 -m compileall -q /env")  # reaches the outside through NAT, nothing of the host
     .service("web", "python3 -m http.server 8000 --bind 127.0.0.1")
 )
 

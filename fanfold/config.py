@@ -16,6 +16,34 @@ DEFAULT_CRIU = "/usr/local/lib/fanfold/criu/criu"
 
 
 @dataclass(frozen=True, kw_only=True)
+class Quota:
+    """What one tenant of a server may hold at once; None is no limit."""
+
+    sandboxes: int | None = None
+    """Its live sandboxes (running, paused or suspended)."""
+    memory_mb: int | None = None
+    """The sum of its sandboxes' memory limits."""
+    disk_mb: int | None = None
+    """The sum of its sandboxes' disk limits."""
+    pools: int | None = None
+    """Warm sandboxes its pools keep (a pool that follows demand counts as ``pool_auto_max``)."""
+
+    @classmethod
+    def parse(cls, items: list[str]) -> Quota:
+        """``NAME=N`` items (``sandboxes=8 memory_mb=8192``); ValueError naming what is wrong."""
+        values: dict[str, int] = {}
+        for item in items:
+            name, _, number = item.partition("=")
+            if name not in QUOTAS or not number.isdigit():
+                raise ValueError(f"{item!r} is not a quota: use NAME=N with NAME one of {', '.join(QUOTAS)}")
+            values[name] = int(number)
+        return cls(**values)
+
+
+QUOTAS = ("sandboxes", "memory_mb", "disk_mb", "pools")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Where the engine keeps its state and how it isolates sandboxes."""
 
@@ -68,10 +96,16 @@ class EngineConfig:
     """When an image reference is pulled: ``missing`` (default: a create or build pulls one never pulled
     here) or ``never`` (only ``fanfold pull`` does; an air-gapped host, or a server whose tenants must not
     make it fetch)."""
+    userns: bool = field(default_factory=lambda: os.environ.get("FANFOLD_USERNS", "1") not in ("0", "false", "no"))
+    """Each sandbox in a user namespace of its own (default): its root is an unprivileged host uid, a
+    range no other live sandbox has. ``FANFOLD_USERNS=0``: sandbox root is host root, as in a Docker default."""
     pool_auto_max: int = 64
     """The most sandboxes a demand-sized pool (``size=None``) keeps warm."""
     pool_window_s: float = 60.0
     """How far back a demand-sized pool looks when it counts creates."""
+    quotas: tuple[tuple[str, Quota], ...] = ()
+    """(tenant, quota) of a server's tenants (``fanfold serve --tokens-file``); a tenant not named,
+    the host's own ("") included, has no quota."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())

@@ -23,6 +23,7 @@
     ├── CommandFailed           raised only by ``check=True`` callers on non-zero exit
     ├── HostNotReady            the host lacks what sandboxes need (see ``fanfold doctor``)
     ├── Unauthorized            the server refused the bearer token
+    ├── QuotaExceeded           the tenant holds all its quota allows (HTTP 429; retrying does not help)
     └── Retryable               try again; nothing was left behind
         ├── CapacityExceeded
         ├── RegistryUnavailable the registry did not answer or broke off mid-pull
@@ -186,6 +187,13 @@ class Unauthorized(FanfoldError):
     """The server needs a valid bearer token (``token=`` or ``FANFOLD_TOKEN``)."""
 
     kind = "unauthorized"
+
+
+class QuotaExceeded(FanfoldError):
+    """The caller's tenant holds all its quota allows (sandboxes, memory, disk or pool sizes): free some,
+    or ask the server's operator to raise it. Not retryable: the same call fails the same way."""
+
+    kind = "quota_exceeded"
 
 
 class Retryable(FanfoldError):

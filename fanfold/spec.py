@@ -146,7 +146,8 @@ class EnvSpec:
         return self._add("repo", src=str(src), dst=sandbox_path(dst, what="repo destination"), ref=ref)
 
     def run(self, cmd: str) -> EnvSpec:
-        """Run a shell command (``/bin/sh -c``) with the host's network; its changes become a layer."""
+        """Run a shell command (``/bin/sh -c``); its changes become a layer. It reaches the outside
+        through NAT but nothing of the host, unless the build asks for ``network="host"``."""
         if not isinstance(cmd, str) or not cmd.strip():
             raise InvalidSpec("run() needs a non-empty shell command string")
         return self._add("run", cmd=cmd)

@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 procps python3 python3-venv ca-certificates
-          skopeo containers-storage btrfs-progs docker-registry apache2-utils openssl)
+PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 nftables procps python3 python3-venv ca-certificates
+          skopeo containers-storage golang-github-containers-common libseccomp2 btrfs-progs docker-registry
+          apache2-utils openssl)
 if [[ "${1:-}" == "--bench" ]]; then
     PACKAGES+=(bubblewrap podman uidmap)
 fi

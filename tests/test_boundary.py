@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TOKENS
 
-from fanfold import AsyncFleet, EngineConfig, InvalidRequest, SandboxGone, Unauthorized
+from fanfold import AsyncFleet, BuildFailed, EngineConfig, EnvSpec, InvalidRequest, SandboxGone, Unauthorized
 from fanfold._agent.client import AgentClient, AgentProtocolError, AgentUnreachable
 
 x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe uses x86_64 syscall numbers")
@@ -40,6 +40,11 @@ def read(path):
         return 0
     except OSError as err:
         return err.errno
+def reached(path):
+    import stat
+    if stat.S_ISCHR(os.stat(path).st_mode):
+        return 1  # masked: /dev/null stands there
+    return read(path)
 CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
 class Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
@@ -64,7 +69,9 @@ out = {
     "io_uring_setup": call(425, 1, 0),
     "ptrace_pid1": call(101, 16, 1, 0, 0),
     "process_vm_readv_pid1": call(310, 1, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0),
-    "pid1_environ": read("/proc/1/environ"),
+    "pidfd_open_pid1": call(434, 1, 0),
+    "pid1_mem": reached("/proc/1/mem"),
+    "pid1_task_mem": reached("/proc/1/task/1/mem"),
     "proc_sys": write("/proc/sys/kernel/hostname", "escaped"),
     "sysrq": write("/proc/sysrq-trigger", "h"),
     "sys": write("/sys/kernel/uevent_helper", "/escaped"),
@@ -92,6 +99,15 @@ async def test_root_in_a_sandbox_cannot_reach_the_kernels_surface(afleet):
         forked = await sandbox.exec("python3 -c 'import os; pid = os.fork(); os._exit(0) if pid == 0 else print(os.waitpid(pid, 0)[1])'")
         assert forked.text == "0\n"  # plain fork and clone still work
     assert socket.gethostname() == host_name
+
+
+async def test_build_steps_run_under_the_default_profile_too(config):
+    async with AsyncFleet(config=config) as fleet:
+        with pytest.raises(BuildFailed, match="Operation not permitted"):
+            await fleet.build(EnvSpec("host").run("unshare -Ur true"))
+        image = await fleet.build(EnvSpec("host").run("grep '^Seccomp:' /proc/self/status > /seccomp"))
+        async with await fleet.create(image) as sandbox:
+            assert (await sandbox.exec("cat /seccomp")).text.split() == ["Seccomp:", "2"]
 
 
 async def test_a_profile_is_the_operators_choice(afleet, tmp_path):
@@ -154,7 +170,7 @@ async def test_the_agent_is_not_traceable_after_a_fork_either(afleet):
         child = (await sandbox.fork(1)).children[0]
         try:
             probe = json.loads((await child.exec(["python3", "-c", PROBES], timeout=60)).text)
-            assert probe["ptrace_pid1"] != 0 and probe["process_vm_readv_pid1"] != 0 and probe["pid1_environ"] != 0
+            assert not [k for k in ("ptrace_pid1", "process_vm_readv_pid1", "pidfd_open_pid1", "pid1_mem") if probe[k] == 0]
         finally:
             await child.kill()
 
@@ -294,7 +310,12 @@ def test_the_default_profile_is_an_allowlist_without_namespaces_keys_or_mounts()
     assert profile is not None and profile["defaultAction"] == "SCMP_ACT_ERRNO"
     allowed = {n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW" and not rule.get("args")
                for n in rule["names"]}
-    assert {"read", "write", "execve", "openat", "ptrace", "socket"} <= allowed
+    assert {"read", "write", "execve", "openat", "socket"} <= allowed
+    # ptrace and its kin are allowed only with a pid argument other than 1 (the agent)
+    pid_checked = {rule["names"][0]: rule["args"][0] for rule in profile["syscalls"]
+                   if rule["action"] == "SCMP_ACT_ALLOW" and rule.get("args") and rule["args"][0]["op"] == "SCMP_CMP_NE"}
+    assert pid_checked["ptrace"]["index"] == 1 and pid_checked["ptrace"]["value"] == 1
+    assert {"process_vm_readv", "process_vm_writev", "pidfd_open"} <= set(pid_checked)
     assert not allowed & {"unshare", "setns", "keyctl", "mount", "bpf", "perf_event_open", "init_module", "clone",
                           "clone3", "userfaultfd", "io_uring_setup", "kexec_load", "reboot"}
     assert seccomp.bpf("unconfined") is None and len(seccomp.bpf("default") or "") > 1000

@@ -24,8 +24,13 @@ async def test_sandbox_roots_are_nosuid_and_nodev_on_the_host(afleet, config):
 
 async def test_files_api_refuses_fifos_and_device_nodes(afleet):
     async with await afleet.create() as sandbox:
-        await sandbox.exec("mkfifo /tmp/fifo; mknod /tmp/zero c 1 5")
-        for path in ("/tmp/fifo", "/tmp/zero"):
+        made = await sandbox.exec("mkfifo /tmp/fifo; mknod /tmp/zero c 1 5 2>&1; echo rc=$?")
+        paths = ["/tmp/fifo"]
+        if "rc=0" in made.text:
+            paths.append("/tmp/zero")
+        else:  # in a user namespace of its own, root in a sandbox makes no device nodes at all
+            assert "Operation not permitted" in made.text, made.text
+        for path in paths:
             with pytest.raises(InvalidPath):  # nodev gives EACCES, a FIFO is refused by type
                 await asyncio.wait_for(sandbox.files.read(path), 10)
             with pytest.raises(InvalidPath):  # refused, or ENXIO for a FIFO with no reader; never blocks

@@ -743,9 +743,6 @@ int main(int argc, char **argv)
 	size_t pcap = 0;
 	sigset_t mask;
 
-	/* not dumpable: root in the sandbox (no CAP_SYS_PTRACE) can neither trace us, read our
-	 * memory nor take our descriptors; children get it back when they exec */
-	prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 	svcs = calloc(argc, sizeof *svcs);
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--listen") && i + 1 < argc) {

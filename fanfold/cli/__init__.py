@@ -217,10 +217,13 @@ def _sandbox_check(ctx: click.Context) -> Check:
               help="Build this Dockerfile; SPECFILE, if given, is then its build context directory.")
 @click.option("--build-arg", "build_args", multiple=True, metavar="KEY=VALUE", help="Set a Dockerfile ARG (repeatable).")
 @click.option("--target", help="The Dockerfile stage to build (default: the last).")
+@click.option("--network", type=click.Choice(["isolated", "host"]), default="isolated", show_default=True,
+              help="Where RUN steps are: isolated (egress through NAT, nothing of the host) or the host's network"
+                   " (the host's own tenant only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the image as JSON.")
 @click.pass_context
 def build(ctx: click.Context, specfile: str | None, dockerfile: str | None, build_args: tuple[str, ...],
-          target: str | None, as_json: bool) -> None:
+          target: str | None, network: str, as_json: bool) -> None:
     """Build the EnvSpec named `spec` in SPECFILE (a Python file), or a Dockerfile: SPECFILE named
     `Dockerfile`, `*.Dockerfile` or `Dockerfile.*`, a directory holding a `Dockerfile`, or `-f FILE`."""
     spec = _load_dockerfile(specfile, dockerfile, build_args, target)
@@ -240,7 +243,7 @@ def build(ctx: click.Context, specfile: str | None, dockerfile: str | None, buil
                           highlight=False)
 
     with _fleet(ctx) as fleet:
-        image = fleet.build(spec, on_step=show)
+        image = fleet.build(spec, on_step=show, network=network)  # type: ignore[arg-type]
     click.echo(image.to_json() if as_json else image.id)
 
 

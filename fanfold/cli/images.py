@@ -1,4 +1,5 @@
-"""``fanfold pull``, ``import``, ``images``, ``rmi``, ``login`` and ``logout``: images from registries and files."""
+"""``fanfold pull``, ``import``, ``images`` (``images share``), ``rmi``, ``login`` and ``logout``: images from
+registries and files."""
 
 from __future__ import annotations
 
@@ -81,11 +82,15 @@ def import_(ctx: click.Context, path: str, ref: str | None, quiet: bool, as_json
     _show(image, as_json)
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the images as JSON lines.")
 @click.pass_context
 def images(ctx: click.Context, as_json: bool) -> None:
-    """List images: their names, where they came from, layers and size on disk."""
+    """List images: their names, where they came from, layers and size on disk.
+
+    `fanfold images share REF` publishes an image to every tenant of a server; `unshare` takes it back."""
+    if ctx.invoked_subcommand is not None:
+        return
     with _fleet(ctx) as fleet:
         found = fleet.images()
     if as_json:
@@ -97,13 +102,13 @@ def images(ctx: click.Context, as_json: bool) -> None:
         for layer in image.layers:
             counts[layer] = counts.get(layer, 0) + 1
     sizes = _sizes(ctx, found)
-    header = ("IMAGE", "NAMES", "SOURCE", "LAYERS", "SHARED", "SIZE")
+    header = ("IMAGE", "NAMES", "SOURCE", "LAYERS", "SHARED", "SIZE", "PUBLIC")
     rows = []
     for image in found:
         shared = sum(1 for layer in image.layers if counts[layer] > 1)
         size = sizes.get(image.id)
         rows.append((image.id, ",".join(image.names) or "-", image.source or image.base, str(len(image.layers)),
-                     str(shared), "-" if size is None else _size(size)))
+                     str(shared), "-" if size is None else _size(size), "yes" if image.shared else "-"))
     if not sys.stdout.isatty():  # a pipe or a file: whole names, one image a line, for cut and awk
         for row in (header, *rows):
             click.echo("\t".join(row))
@@ -112,6 +117,26 @@ def images(ctx: click.Context, as_json: bool) -> None:
     for row in rows:
         table.add_row(*row)
     _stdout_console().print(table)
+
+
+@images.command()
+@click.argument("refs", nargs=-1, required=True)
+@click.pass_context
+def share(ctx: click.Context, refs: tuple[str, ...]) -> None:
+    """Publish images (id or name) to every tenant of the server; only the host's own tenant may."""
+    with _fleet(ctx) as fleet:
+        for ref in refs:
+            click.echo(fleet.share_image(ref).id)
+
+
+@images.command()
+@click.argument("refs", nargs=-1, required=True)
+@click.pass_context
+def unshare(ctx: click.Context, refs: tuple[str, ...]) -> None:
+    """Take images back from the other tenants; their sandboxes made from them keep running."""
+    with _fleet(ctx) as fleet:
+        for ref in refs:
+            click.echo(fleet.share_image(ref, shared=False).id)
 
 
 def _sizes(ctx: click.Context, found: list[Image]) -> dict[str, int]:

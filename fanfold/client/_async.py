@@ -17,7 +17,7 @@ from ._fanout import AsyncRollouts, RolloutFn
 if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remote client never loads the engine
     from ..engine.api import OnOutput
     from ..images import Image
-    from ..images.builder import OnStep
+    from ..images.builder import Network, OnStep
     from ..images.oci import OnPull
     from ..engine.api import EngineAPI as Transport
 
@@ -60,12 +60,15 @@ class AsyncFleet:
         """Destroy this fleet's sandboxes (not detached ones) and stop its engine or connection."""
         await self._transport.close()
 
-    async def build(self, spec: EnvSpec, *, on_step: OnStep | None = None) -> Image:
-        """Build ``spec`` into an image; cached layers make a rebuild almost free."""
-        return await self._transport.build(spec, on_step)
+    async def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated") -> Image:
+        """Build ``spec`` into an image; cached layers make a rebuild almost free. Its ``run`` steps
+        reach the outside through NAT but nothing of the host; ``network="host"`` (the host's own
+        tenant only, on a server) gives them the host's network."""
+        return await self._transport.build(spec, on_step, network=network)
 
     async def images(self) -> list[Image]:
-        """Every image on the host: ``source`` says where each came from, ``names`` what names it."""
+        """Every image on the host (on a server: the tenant's own and shared ones): ``source`` says where
+        each came from, ``names`` what names it."""
         return await self._transport.images()
 
     async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image:
@@ -84,6 +87,11 @@ class AsyncFleet:
         """Remove an image by id or reference; returns its id. Refused (``ImageInUse``) while sandboxes
         or snapshots use it, unless ``force``, which drops only the name. ``gc()`` frees its layers."""
         return await self._transport.remove_image(ref, force=force)
+
+    async def share_image(self, ref: str, shared: bool = True) -> Image:
+        """Publish an image to every tenant of the server (the host's own tenant only), or with
+        ``shared=False`` take it back; other tenants never see an image that is not theirs or shared."""
+        return await self._transport.share_image(ref, shared)
 
     async def login(self, registry: str, username: str, password: str) -> None:
         """Check credentials against ``registry`` (``host[:port]``) and keep them for pulls."""
@@ -142,7 +150,7 @@ class AsyncFleet:
         return await self._transport.set_pool(source, size, limits=limits, wait=wait)
 
     async def pools(self) -> list[PoolInfo]:
-        """Every warm pool on the host."""
+        """Every warm pool on the host (on a server: the tenant's own)."""
         return await self._transport.pools_info()
 
     async def metrics(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from ..errors import (
     LeaseNotFound, SandboxNotFound, SnapshotNotFound,
 )
 from ..images import Image
-from ..images.builder import OnStep, source_path
+from ..images.builder import Network, OnStep, check_network, source_path
 from ..models import ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 from ._h1 import Client, ConnectionLost, Response
@@ -174,11 +174,13 @@ class HttpTransport:
         except FanfoldError:
             pass
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
         if not isinstance(spec, EnvSpec):
             raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
+        params = {"network": check_network(network)}
         body, kind = await asyncio.to_thread(_build_request, spec)
-        async with aclosing(self._lines("POST", "/v1/images", data=body, headers={"Content-Type": kind})) as lines:
+        async with aclosing(self._lines("POST", "/v1/images", data=body, headers={"Content-Type": kind},
+                                        params=params)) as lines:
             async for item in lines:
                 if "event" in item and on_step is not None:
                     on_step(wire.event_from_json(item["event"]))
@@ -222,6 +224,9 @@ class HttpTransport:
     async def remove_image(self, ref: str, *, force: bool = False) -> str:
         done = await self._json("DELETE", "/v1/images", params={"ref": ref, "force": "true" if force else "false"})
         return done["id"]
+
+    async def share_image(self, ref: str, shared: bool = True) -> Image:
+        return wire.image_from_json(await self._json("POST", "/v1/images/share", json={"ref": ref, "shared": shared}))
 
     async def login(self, registry: str, username: str, password: str) -> None:
         await self._json("POST", "/v1/registries/login", json={"registry": registry, "username": username,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from ..config import EngineConfig
 from ..images import Image
-from ..images.builder import OnStep
+from ..images.builder import Network, OnStep
 from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
@@ -82,9 +82,11 @@ class Fleet:
             portal.stop()
             atexit.unregister(self.close)
 
-    def build(self, spec: EnvSpec, *, on_step: OnStep | None = None) -> Image:
-        """Build ``spec`` into an image; cached layers make a rebuild almost free."""
-        return self._call(self._async.build(spec, on_step=on_step))
+    def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated") -> Image:
+        """Build ``spec`` into an image; cached layers make a rebuild almost free. Its ``run`` steps
+        reach the outside through NAT but nothing of the host; ``network="host"`` (the host's own
+        tenant only, on a server) gives them the host's network."""
+        return self._call(self._async.build(spec, on_step=on_step, network=network))
 
     def images(self) -> list[Image]:
         """Every image on the host: ``source`` says where each came from, ``names`` what names it."""
@@ -101,6 +103,10 @@ class Fleet:
     def remove_image(self, ref: str, *, force: bool = False) -> str:
         """Remove an image by id or reference (``ImageInUse`` while sandboxes or snapshots use it)."""
         return self._call(self._async.remove_image(ref, force=force))
+
+    def share_image(self, ref: str, shared: bool = True) -> Image:
+        """Publish an image to every tenant of the server (the host's own tenant only), or take it back."""
+        return self._call(self._async.share_image(ref, shared))
 
     def login(self, registry: str, username: str, password: str) -> None:
         """Check credentials against ``registry`` and keep them for pulls."""
@@ -157,7 +163,7 @@ class Fleet:
         ))
 
     def pools(self) -> list[PoolInfo]:
-        """Every warm pool on the host."""
+        """Every warm pool on the host (on a server: the tenant's own)."""
         return self._call(self._async.pools())
 
     def metrics(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ImageInUse, ImageNotFound, InvalidRequest
+from ..errors import ImageInUse, ImageNotFound, InvalidRequest, Unauthorized
 from ..images import Image, LayerStore
 from ..spec import BASES, is_image_id, is_image_ref
 from . import db as dbmod
@@ -20,9 +20,14 @@ if TYPE_CHECKING:
     from ..images.oci import ImageStore, OnPull
 
 
-
 class Catalog:
-    """Every image this host holds, by id and by the references that named it."""
+    """Every image this host holds, by id and by the references that named it.
+
+    On a server each image belongs to the tenants that built, pulled or imported it; a tenant
+    sees those, the ones the host's own tenant ("") shared, and fanfold's bare bases, each
+    under its own namespace of references. Another tenant's image is ImageNotFound, exactly
+    like one that does not exist. The host's tenant sees every image. Layers stay shared.
+    """
 
     def __init__(self, db: dbmod.Database, store: LayerStore, state_dir: Path, *, pull: str = "missing") -> None:
         self.db, self.store, self.state_dir = db, store, state_dir
@@ -39,33 +44,56 @@ class Catalog:
             self._oci = ImageStore(self.store, self.state_dir)
         return self._oci
 
-    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image:
+    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None,
+                   tenant: str = "") -> Image:
         """Fetch ``ref`` from its registry (again, to see whether its tag moved); layers already here are kept."""
         if not is_image_ref(ref):
             raise InvalidRequest(
                 f"{ref!r} is not an image reference: give one like 'python:3.12-slim',"
                 " 'registry.example.org/team/env:v1' or 'localhost:5000/env@sha256:<64 hex>'"
             )
-        return self._named(await self.oci.pull(ref, platform=platform, on_progress=on_progress))
+        img = await self.oci.pull(ref, platform=platform, on_progress=on_progress)
+        if tenant:  # the pull named it for the host; the tenant's own names say the same
+            for name, named in self.store.refs().items():
+                if named == img.id and (name == ref or name.endswith("@" + img.digest)):
+                    self.store.tag(name, img.id, tenant)
+        return self.own(img, tenant)
 
     async def import_file(self, path: str | Path, *, ref: str | None = None,
-                          on_progress: OnPull | None = None) -> Image:
+                          on_progress: OnPull | None = None, tenant: str = "") -> Image:
         """An image from a ``docker save`` tarball, an OCI archive or an OCI layout directory."""
         where = Path(path)
         if not where.exists():
             raise InvalidRequest(f"no file or directory {str(path)!r} to import")
-        return self._named(await self.oci.import_file(where.absolute(), ref=ref, on_progress=on_progress))
+        if tenant and ref is not None:
+            raise InvalidRequest("only the host's own tenant names imported images; import without a ref")
+        return self.own(await self.oci.import_file(where.absolute(), ref=ref, on_progress=on_progress), tenant)
 
-    async def resolve(self, ref: str) -> Image:
-        """The image a base or create names: a pulled reference (pulled now if it never was) or an id."""
+    def own(self, img: Image, tenant: str) -> Image:
+        """Record that ``tenant`` made ``img`` (built, pulled or imported it); the image as it sees it."""
+        if tenant:
+            self.db.grant_image(img.id, tenant)
+        return self._named(img, tenant)
+
+    async def resolve(self, ref: str, tenant: str = "") -> Image:
+        """The image a base or create names: a pulled reference (pulled now if it never was) or an id;
+        for a server tenant, only among the images it may see."""
         if is_image_id(ref):
-            return self.store.load_image(ref)
-        known = self.store.resolve_ref(ref)
-        if known is not None:
+            img = self.store.load_image(ref)
+            if not self.visible(img, tenant):
+                raise ImageNotFound(_unknown_id(ref))
+            return img
+        for namespace in dict.fromkeys((tenant, "")):
+            known = self.store.resolve_ref(ref, namespace)
+            if known is None:
+                continue
             try:
-                return self.store.load_image(known)
+                img = self.store.load_image(known)
             except ImageNotFound:
-                self.store.untag(ref)  # its image was removed meanwhile
+                self.store.untag(ref, namespace)  # its image was removed meanwhile
+                continue
+            if namespace == tenant or img.id in self.db.shared_images():
+                return img
         if not is_image_ref(ref):
             raise ImageNotFound(
                 f"unknown image {ref!r}: use a base ({', '.join(BASES)}), an image id (img-...), a snapshot,"
@@ -74,43 +102,100 @@ class Catalog:
         if self.pull_policy == "never":
             raise ImageNotFound(f"image {ref!r} was never pulled here, and this host pulls only when asked"
                                 f" (FANFOLD_PULL=never): run `fanfold pull {ref}` first")
-        return await self.pull(ref)
+        return await self.pull(ref, tenant=tenant)
 
-    def _named(self, img: Image) -> Image:
-        return dataclasses.replace(img, names=tuple(sorted(r for r, i in self.store.refs().items() if i == img.id)))
+    def visible(self, img: Image, tenant: str) -> bool:
+        """Whether ``tenant`` may see ``img``: its own, a shared one, or a bare base; the host sees all."""
+        return (not tenant or _bare_base(img) or img.id in self.db.shared_images()
+                or tenant in self.db.image_grants().get(img.id, ()))
 
-    def images(self) -> list[Image]:
-        """Every image, with the references that name it now."""
-        names: dict[str, list[str]] = {}
-        for ref, image_id in sorted(self.store.refs().items()):
-            names.setdefault(image_id, []).append(ref)
-        return [dataclasses.replace(img, names=tuple(names.get(img.id, ()))) for img in self.store.images()]
+    def share(self, ref: str, shared: bool = True) -> Image:
+        """Publish an image (by id or the host's reference) to every tenant, or take it back."""
+        img = self.store.load_image(self._host_id(ref))
+        self.db.share_image(img.id, shared)
+        return self._named(img, "")
 
-    async def remove(self, ref: str, *, force: bool = False) -> str:
-        """Remove an image (by id or a reference naming it); returns its id. Refused while a sandbox
-        or snapshot uses it unless ``force`` (then only the name goes, and the image stays for them)."""
+    def _host_id(self, ref: str) -> str:
         image_id = ref if is_image_id(ref) else self.store.resolve_ref(ref)
         if image_id is None:
             raise ImageNotFound(f"no image {ref!r} here: `fanfold images` lists them")
+        return image_id
+
+    def _named(self, img: Image, tenant: str, shared: set[str] | None = None) -> Image:
+        shared = self.db.shared_images() if shared is None else shared
+        names = {r for r, i in self.store.refs(tenant).items() if i == img.id}
+        if tenant and img.id in shared:
+            names |= {r for r, i in self.store.refs().items() if i == img.id}
+        return dataclasses.replace(img, names=tuple(sorted(names)), shared=img.id in shared)
+
+    def images(self, tenant: str = "") -> list[Image]:
+        """Every image ``tenant`` may see (the host's tenant: every image), with the references that name it."""
+        shared, grants = self.db.shared_images(), self.db.image_grants()
+        names: dict[str, set[str]] = {}
+        for owner, ref, image_id in self.store.all_refs():
+            if owner == tenant or (owner == "" and image_id in shared):
+                names.setdefault(image_id, set()).add(ref)
+        return [
+            dataclasses.replace(img, names=tuple(sorted(names.get(img.id, ()))), shared=img.id in shared)
+            for img in self.store.images()
+            if not tenant or img.id in shared or tenant in grants.get(img.id, ()) or _bare_base(img)
+        ]
+
+    async def remove(self, ref: str, *, force: bool = False, tenant: str = "") -> str:
+        """Remove an image (by id or a reference naming it); returns its id. Refused while a sandbox
+        or snapshot uses it unless ``force`` (then only the name goes, and the image stays for them).
+
+        A server tenant removes only its own images: its claim and its names go, and the image
+        itself once no tenant, name or share keeps it."""
+        if tenant:
+            return await self._remove_own(ref, force, tenant)
+        image_id = self._host_id(ref)
         self.store.load_image(image_id)  # ImageNotFound for an unknown id
         users = self._users(image_id)
         if users and not force:
-            raise ImageInUse(
-                f"image {image_id} is used by {', '.join(sorted(users)[:5])}{' ...' if len(users) > 5 else ''}:"
-                " remove those first, or pass force to drop only its name"
-            )
+            raise ImageInUse(_in_use(image_id, users))
         if not users:
-            await self.oci.remove(image_id)  # the record, every name and the unpacked image
+            await self._drop(image_id)
             return image_id
         for name, named in self.store.refs().items():  # forced: only the name(s) go, the image stays for its users
             if named == image_id and (name == ref or is_image_id(ref)):
                 self.store.untag(name)
         return image_id
 
-    def _users(self, image_id: str) -> set[str]:
-        found = {row["id"] for row in self.db.rows() if row["image_id"] == image_id}
-        found |= {row["id"] for row in self.db.snapshot_rows() if row["image_id"] == image_id}
-        return found
+    async def _remove_own(self, ref: str, force: bool, tenant: str) -> str:
+        image_id = ref if is_image_id(ref) else self.store.resolve_ref(ref, tenant)
+        if image_id is None or tenant not in self.db.image_grants().get(image_id, ()):
+            if image_id is not None and image_id in self.db.shared_images():
+                raise Unauthorized(f"image {ref!r} is shared by the host's tenant: only it may remove it")
+            raise ImageNotFound(f"no image {ref!r} here: `fanfold images` lists them")
+        users = self._users(image_id, tenant)
+        if users and not force:
+            raise ImageInUse(_in_use(image_id, users))
+        for name, named in self.store.refs(tenant).items():
+            if named == image_id and (name == ref or is_image_id(ref)):
+                self.store.untag(name, tenant)
+        if users:
+            return image_id
+        self.db.revoke_image(image_id, tenant)
+        for name, named in self.store.refs(tenant).items():
+            if named == image_id:
+                self.store.untag(name, tenant)
+        orphan = not self.db.image_grants().get(image_id) and image_id not in self.db.shared_images()
+        if orphan and image_id not in self.store.refs().values() and not self._users(image_id):
+            await self._drop(image_id)
+        return image_id
+
+    async def _drop(self, image_id: str) -> None:
+        """The record, every name in every namespace, every claim and share, and the unpacked image."""
+        for owner, name, named in self.store.all_refs():
+            if named == image_id and owner:
+                self.store.untag(name, owner)
+        self.db.revoke_image(image_id)
+        await self.oci.remove(image_id)
+
+    def _users(self, image_id: str, tenant: str | None = None) -> set[str]:
+        rows = [*self.db.rows(), *self.db.snapshot_rows()]
+        return {row["id"] for row in rows if row["image_id"] == image_id and tenant in (None, row["tenant"])}
 
     async def collect(self) -> list[str]:
         """Delete layers no image, snapshot or sandbox uses, and unpacked registry layers no image
@@ -143,6 +228,20 @@ class Catalog:
             used.add(row["id"])  # a snapshot's own layer is named by its id
         return used
 
+
+def _bare_base(img: Image) -> bool:
+    """A fanfold base with no steps (``host``, ``debian:bookworm``): every tenant may use one."""
+    return img.base in BASES and len(img.layers) == 1 and img.id == "img-" + img.layers[0][:16]
+
+
+def _unknown_id(image_id: str) -> str:
+    return (f"unknown image {image_id!r}: build a spec first (`fanfold build`), or use a base:"
+            f" {', '.join(BASES)}")
+
+
+def _in_use(image_id: str, users: set[str]) -> str:
+    return (f"image {image_id} is used by {', '.join(sorted(users)[:5])}{' ...' if len(users) > 5 else ''}:"
+            " remove those first, or pass force to drop only its name")
 
 
 def layer_size(store: LayerStore, layer: str) -> int:

@@ -11,6 +11,7 @@ removed or their deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -19,13 +20,14 @@ from typing import TYPE_CHECKING, Any, AsyncIterable
 from ..config import EngineConfig
 from ..errors import CapacityExceeded, HostNotReady, InfrastructureError, InvalidRequest
 from ..images import Image, LayerStore, users
-from ..images.builder import Builder, OnStep
+from ..host.stepnet import StepNetworks
+from ..images.builder import Builder, Network, OnStep
 from ..models import (
     ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
 )
 from ..runtime import get_backend
 from ..runtime.seccomp import PROFILES, check as check_seccomp
-from ..spec import EnvSpec, check_user
+from ..spec import BASES, EnvSpec, check_user
 from . import db as dbmod
 from .admission import Admission, check_fits_host
 from .catalog import Catalog
@@ -39,7 +41,9 @@ from .leases import Leases
 from .lifecycle import Lifecycle, owner_token
 from .policies import Policies
 from .pools import Pools
+from .quotas import Quotas
 from .reaper import Reaper
+from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
 from .sources import Sources
 from .telemetry import Telemetry
@@ -68,7 +72,7 @@ class Engine:
         cfg = self.config
         try:
             (cfg.state_dir / "bundles").mkdir(parents=True, exist_ok=True)
-            os.chmod(cfg.state_dir, 0o700)  # sandbox roots and layers are no business of other host users
+            _private_state(cfg.state_dir)
         except OSError as err:
             raise HostNotReady(f"cannot use the state dir {cfg.state_dir}: {err}; run fanfold as root"
                                " or set FANFOLD_STATE_DIR to a directory of yours") from None
@@ -78,7 +82,8 @@ class Engine:
         self._db = db = dbmod.Database(cfg.state_dir / "fanfold.db")
         self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
-                          scratch_run=cfg.state_dir / "bundles", resolve_base=self.catalog.resolve)
+                          scratch_run=cfg.state_dir / "bundles", networks=StepNetworks(cfg.tag),
+                          resolve_base=self.catalog.resolve)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count)
         self.telemetry = Telemetry(lambda: self.figures.gauges())
@@ -94,6 +99,7 @@ class Engine:
         self.policies = Policies(life, self.pools, self.checkpoints.suspend)
         self.reaper = Reaper(life, self.leases, self.policies, self.pools)
         self.figures = Figures(life, self.pools)
+        self.quotas = Quotas(cfg.quotas, lambda: self.db)
         self._started = True
         try:
             await self.reaper.reconcile()
@@ -141,31 +147,38 @@ class Engine:
 
     # -- images -------------------------------------------------------------------------------
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
-        """Build ``spec`` into an image, reusing every layer already built."""
-        return await self.sources.build(spec, on_step)
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+        """Build ``spec`` into an image, reusing every layer already built. Its ``run`` steps reach the
+        outside through NAT but nothing of the host, unless ``network="host"``."""
+        return await self.sources.build(spec, on_step, network=network)
 
     async def image(self, ref: str | Image) -> Image:
         """An image from an Image, an image id, a base name (``host``, ``debian:bookworm``) or a
         reference (pulled from its registry the first time)."""
         return await self.sources.image(ref)
 
-    async def images(self) -> list[Image]:
-        """Every image on this host, with the references that name it."""
-        return self.catalog.images()
+    async def images(self, *, tenant: str = "") -> list[Image]:
+        """Every image on this host (a server tenant's: its own and shared ones), with the references that name it."""
+        return self.catalog.images(tenant)
 
-    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None) -> Image:
+    async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None,
+                   tenant: str = "") -> Image:
         """Pull ``ref`` from its registry (``python:3.12-slim``, ``host:5000/env@sha256:...``)."""
-        return await self.catalog.pull(ref, platform=platform, on_progress=on_progress)
+        return await self.catalog.pull(ref, platform=platform, on_progress=on_progress, tenant=tenant)
 
     async def import_image(self, path: str | Path, *, ref: str | None = None,
-                           on_progress: OnPull | None = None) -> Image:
+                           on_progress: OnPull | None = None, tenant: str = "") -> Image:
         """Import a ``docker save`` tarball, an OCI archive or an OCI layout directory on this host."""
-        return await self.catalog.import_file(path, ref=ref, on_progress=on_progress)
+        return await self.catalog.import_file(path, ref=ref, on_progress=on_progress, tenant=tenant)
 
-    async def remove_image(self, ref: str, *, force: bool = False) -> str:
+    async def remove_image(self, ref: str, *, force: bool = False, tenant: str = "") -> str:
         """Remove an image by id or reference; refused while sandboxes or snapshots use it."""
-        return await self.catalog.remove(ref, force=force)
+        return await self.catalog.remove(ref, force=force, tenant=tenant)
+
+    async def share_image(self, ref: str, shared: bool = True) -> Image:
+        """Publish an image (id or reference) to every tenant of a server, or with ``shared=False`` take it back;
+        sandboxes already made from it keep running."""
+        return self.catalog.share(ref, shared)
 
     async def login(self, registry: str, username: str, password: str) -> None:
         """Check credentials against ``registry`` and keep them for later pulls."""
@@ -228,6 +241,13 @@ class Engine:
         self.telemetry.created(info.source, time.perf_counter() - started, pooled=pooled)
         return info
 
+    async def _scoped(self, image: str | Image, tenant: str) -> str | Image:
+        """What a server tenant's create or pool names, as an image id when it is an image: its own or a
+        shared one (another tenant's is ImageNotFound). Bases and snapshots pass as they are."""
+        if not tenant or not isinstance(image, str) or image in BASES or self.sources.resolve_snapshot(image):
+            return image
+        return image if image.startswith(SNAPSHOT_PREFIX) else (await self.catalog.resolve(image, tenant)).id
+
     async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait, user, seccomp) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
@@ -237,7 +257,7 @@ class Engine:
             check_user(user)
         env, labels = check_strings(env, "env"), check_labels(labels)
         check_deadline(deadline)
-        source, img, limits = await self.sources.source_limits(image, limits)
+        source, img, limits = await self.sources.source_limits(await self._scoped(image, tenant), limits)
         check_fits_host(limits)
         persistence, priority, idle_timeout = policy
         if deadline is None and persistence != "persistent":
@@ -250,11 +270,14 @@ class Engine:
             source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout, user=user or img.user,
             seccomp=seccomp,
         )
-        pooled_id = self.pools.take(source, limits) if seccomp == "default" else None
+        # Each quota check runs with no await before the row it counts is in: creates never overshoot.
+        self.quotas.check_create(tenant, limits)
+        pooled_id = self.pools.take(source, limits, tenant) if seccomp == "default" else None
         if pooled_id is not None:
             made, pooled = self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
         else:
             async with self.admission.slot(wait, self.policies.evict_for_room):
+                self.quotas.check_create(tenant, limits)
                 made, pooled = await self.life.bring_up(info, deadline, owner, env, tenant), False
         if made.user:  # a user the sandbox does not know fails its create, not its first exec
             try:
@@ -413,28 +436,31 @@ class Engine:
 
     async def set_pool(
         self, image: str | Image | SnapshotInfo, size: int | None, *, limits: Limits | None = None,
-        wait: float | None = None,
+        wait: float | None = None, tenant: str = "",
     ) -> PoolInfo:
         """Keep ``size`` sandboxes of ``image`` (an image or snapshot) warm, with ``limits``.
 
         ``size=None`` follows recent demand; ``0`` empties and removes the pool. With
-        ``wait`` (seconds), return once the pool is full.
+        ``wait`` (seconds), return once the pool is full. A server ``tenant``'s pools are its own:
+        only its creates take from them, and their sizes count against its ``pools`` quota.
         """
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_POOL):
             raise InvalidRequest(f"a pool size is a whole number from 0 to {MAX_POOL}, or None to follow demand")
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
         ref = image.id if isinstance(image, SnapshotInfo) else image
-        source, _, limits = await self.sources.source_limits(ref, limits)
+        source, _, limits = await self.sources.source_limits(await self._scoped(ref, tenant), limits)
         check_fits_host(limits)
-        pool = self.pools.configure(source, limits, size)
+        need = self.config.pool_auto_max if size is None else size
+        self.quotas.check_pools(tenant, self.pools.planned(tenant, but=(source, limits)), need)
+        pool = self.pools.configure(source, limits, size, tenant)
         if wait:
             await self.pools.wait_full(pool, wait)
         return self.pools.info(pool)
 
-    async def pools_info(self) -> list[PoolInfo]:
-        """Every warm pool: its target, what is ready, hand-outs and misses."""
-        return self.pools.infos()
+    async def pools_info(self, *, tenant: str | None = None) -> list[PoolInfo]:
+        """Every warm pool (only ``tenant``'s, when given): its target, what is ready, hand-outs and misses."""
+        return self.pools.infos(tenant)
 
     async def stats(self, *, tenant: str | None = None, sandboxes: bool = True) -> dict[str, Any]:
         """The host at a glance: sandboxes by state (with their CPU and memory), queue, pools,
@@ -444,6 +470,19 @@ class Engine:
     def metrics_text(self) -> bytes:
         """Every metric in Prometheus' text format."""
         return self.telemetry.exposition()
+
+
+def _private_state(state_dir: Path) -> None:
+    """Layers, images, snapshots and the database are no business of other host users. The state
+    dir itself is only traversable: a sandbox's own root (a host uid of its user namespace) must
+    reach its root dir, which is its own (mode 0700), and the agent's binary."""
+    os.chmod(state_dir, 0o711)
+    for name in ("layers", "images", "refs", "snapshots", "storage", "bundles", "locks", "disk"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(state_dir / name, 0o700)
+    for name in ("fanfold.db", "fanfold.db-wal", "fanfold.db-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(state_dir / name, 0o600)
 
 
 def _wait(queue_timeout: float | None, default: float) -> float:

@@ -48,6 +48,14 @@ CREATE TABLE IF NOT EXISTS leases (
     expires_at REAL NOT NULL,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS image_tenants (
+    image_id TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    PRIMARY KEY (image_id, tenant)
+);
+CREATE TABLE IF NOT EXISTS shared_images (
+    image_id TEXT PRIMARY KEY
+);
 """
 # Columns added after the first release: (name, SQL type and default). Old databases get them.
 LATER_COLUMNS = [
@@ -138,6 +146,35 @@ class Database:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.conn.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
+
+    # -- which server tenants see which images ------------------------------------------------
+
+    def grant_image(self, image_id: str, tenant: str) -> None:
+        self.conn.execute("INSERT OR IGNORE INTO image_tenants (image_id, tenant) VALUES (?, ?)", (image_id, tenant))
+
+    def revoke_image(self, image_id: str, tenant: str | None = None) -> None:
+        """Take ``image_id`` from ``tenant`` (from every tenant, and unshare it, when None)."""
+        if tenant is not None:
+            self.conn.execute("DELETE FROM image_tenants WHERE image_id=? AND tenant=?", (image_id, tenant))
+            return
+        self.conn.execute("DELETE FROM image_tenants WHERE image_id=?", (image_id,))
+        self.conn.execute("DELETE FROM shared_images WHERE image_id=?", (image_id,))
+
+    def image_grants(self) -> dict[str, set[str]]:
+        """Each image id a tenant made, and the tenants that made it."""
+        found: dict[str, set[str]] = {}
+        for image_id, tenant in self.conn.execute("SELECT image_id, tenant FROM image_tenants"):
+            found.setdefault(image_id, set()).add(tenant)
+        return found
+
+    def share_image(self, image_id: str, shared: bool) -> None:
+        if shared:
+            self.conn.execute("INSERT OR IGNORE INTO shared_images (image_id) VALUES (?)", (image_id,))
+        else:
+            self.conn.execute("DELETE FROM shared_images WHERE image_id=?", (image_id,))
+
+    def shared_images(self) -> set[str]:
+        return {row[0] for row in self.conn.execute("SELECT image_id FROM shared_images")}
 
     # -- leases -------------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ class Files:
         sandbox_id = row["id"]
         img = self.life.sources.store.load_image(row["image_id"])
         target = safefs.normalize(path, img.workdir)
-        root = self.life.backend.root(sandbox_id)
+        backend = self.life.backend
+        root = backend.root(sandbox_id)
 
         def run() -> Any:
             try:
@@ -42,7 +43,8 @@ class Files:
             except OSError:
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the call") from None
             try:
-                return fn(fd, target, *args)
+                with backend.as_root(sandbox_id):  # what it makes is the sandbox root's, not the host's
+                    return fn(fd, target, *args)
             finally:
                 os.close(fd)
 

@@ -1,7 +1,9 @@
 """Warm pools: sandboxes brought up ahead of need, handed out by a create in about a millisecond.
 
-A pool is keyed by what its sandboxes are made from (an image or snapshot id) and their
-limits. Its sandboxes are rows in state ``pooled``, owned by the engine: no call can
+A pool is keyed by its tenant (on a server; "" for the host's own), what its sandboxes are
+made from (an image or snapshot id) and their limits: a tenant sees and resizes only its own
+pools, and takes from its own first, then from the host's (``fanfold serve --pool``: the
+operator's warm capacity, of bases and shared images the tenant may use anyway). Its sandboxes are rows in state ``pooled``, owned by the engine: no call can
 reach one by id, so a sandbox is handed out exactly as it came up, never used. A
 handed-out sandbox takes the caller's owner, tenant, labels, env and deadline, and the
 pool refills in the background, giving way to creates that wait in the queue.
@@ -26,7 +28,7 @@ log = logging.getLogger("fanfold.pools")
 FILL_BACKOFF_S = 5.0
 """Pause after a failed fill before trying again."""
 
-PoolKey = tuple[str, Limits]
+PoolKey = tuple[str, str, Limits]
 
 
 @dataclass
@@ -35,6 +37,7 @@ class _Pool:
     limits: Limits
     size: int | None
     """Sandboxes kept warm, or None to follow recent demand."""
+    tenant: str = ""
     ready: deque[str] = field(default_factory=deque)
     filling: int = 0
     demand: deque[float] = field(default_factory=deque)
@@ -75,19 +78,22 @@ class Pools:
             pool.demand.popleft()
         return min(self._config.pool_auto_max, len(pool.demand))
 
-    def configure(self, source: str, limits: Limits, size: int | None) -> _Pool:
+    def configure(self, source: str, limits: Limits, size: int | None, tenant: str = "") -> _Pool:
         """Set a pool's size (None: follow demand; 0: remove it) and start filling or shrinking it."""
-        key = (source, limits)
+        key = (tenant, source, limits)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = _Pool(source, limits, size)
+            pool = self._pools[key] = _Pool(source, limits, size, tenant)
         pool.size = size
         self.maintain()
         return pool
 
-    def take(self, source: str, limits: Limits) -> str | None:
-        """A warm sandbox's id, removed from its pool, or None when the pool is empty or absent."""
-        pool = self._pools.get((source, limits))
+    def take(self, source: str, limits: Limits, tenant: str = "") -> str | None:
+        """A warm sandbox's id, removed from the tenant's pool (else the host's), or None when both are
+        empty or absent. The caller checked that ``tenant`` may use ``source``."""
+        own = self._pools.get((tenant, source, limits))
+        host = self._pools.get(("", source, limits)) if tenant else None
+        pool = host if host is not None and host.ready and (own is None or not own.ready) else own or host
         if pool is None:
             return None
         pool.demand.append(time.monotonic())
@@ -178,8 +184,16 @@ class Pools:
             filling=pool.filling, handouts=pool.handouts, misses=pool.misses, last_error=pool.last_error,
         )
 
-    def infos(self) -> list[PoolInfo]:
-        return [self.info(pool) for pool in self._pools.values()]
+    def infos(self, tenant: str | None = None) -> list[PoolInfo]:
+        """Every pool (only ``tenant``'s, when given)."""
+        return [self.info(pool) for pool in self._pools.values() if tenant is None or pool.tenant == tenant]
+
+    def planned(self, tenant: str, *, but: tuple[str, Limits] | None = None) -> int:
+        """Warm sandboxes ``tenant``'s pools may hold (a demand-sized one: its most), ``but`` one of them."""
+        return sum(
+            self._config.pool_auto_max if pool.size is None else pool.size
+            for (owner, source, limits), pool in self._pools.items() if owner == tenant and (source, limits) != but
+        )
 
     async def close(self) -> None:
         for task in list(self._fills):

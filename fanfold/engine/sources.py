@@ -8,7 +8,7 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import ImageNotFound, InvalidRequest
 from ..images import Image, LayerStore
-from ..images.builder import DEFAULT_PATH, Builder, OnStep
+from ..images.builder import DEFAULT_PATH, Builder, Network, OnStep
 from ..models import Limits, SnapshotInfo
 from ..spec import BASES, EnvSpec
 from . import db as dbmod
@@ -26,10 +26,10 @@ class Sources:
         """An image id or reference to its image (a reference never pulled is pulled)."""
         self._bases: dict[str, Image] = {}
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
         if not isinstance(spec, EnvSpec):
             raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
-        return await self.builder.build(spec, on_step)
+        return await self.builder.build(spec, on_step, network=network)
 
     async def image(self, ref: str | Image) -> Image:
         if isinstance(ref, Image):

@@ -131,9 +131,17 @@ def check_image_tools() -> Check:
                  required=False)
 
 
+def check_build_network() -> Check:
+    """What isolated build steps need (``host.stepnet``): ip and nft."""
+    missing = [tool for tool in ("ip", "nft") if shutil.which(tool) is None]
+    return Check("build network", not missing, "ip and nft (isolated build steps)"
+                 if not missing else f"missing {', '.join(missing)}: only builds with network='host' run steps",
+                 "apt-get install iproute2 nftables", required=False)
+
+
 def run_checks(runtime: str) -> list[Check]:
     return [
         check_root(), check_kernel(), check_namespaces(), check_overlayfs(), check_cgroups(),
         check_runtime(runtime), check_compiler(), check_criu(), check_debootstrap(), check_disks(),
-        check_image_tools(),
+        check_image_tools(), check_build_network(),
     ]

@@ -12,11 +12,12 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Literal
 
 from ..errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
-from ..host import safefs
+from ..host import safefs, stepnet
 from ..runtime import Bind, ContainerSpec, Runtime
+from ..runtime import seccomp
 from ..runtime.container import ProcessUser
 from ..refs import DEFAULT_PATH
 from ..spec import BASES, EnvSpec, Step, is_repo_url
@@ -44,25 +45,43 @@ ResolveBase = Callable[[str], Awaitable[Image]]
 """Turns a base that is not one of fanfold's own (an image reference or id) into a local image."""
 CONFIG_STEPS = ("env", "service", "user", "entrypoint", "cmd", "expose")
 """Steps that change an image's config and make no layer."""
+Network = Literal["isolated", "host"]
+"""Where a build's ``run`` steps are: ``isolated`` (egress through NAT, nothing of the host; see
+``host.stepnet``) or ``host`` (the host's own network: for the host's own tenant only)."""
+NETWORKS = ("isolated", "host")
+
+
+def check_network(network: str) -> Network:
+    """``network`` when it names a ``Network``; else InvalidRequest."""
+    if network not in NETWORKS:
+        raise InvalidRequest(f"network must be one of {', '.join(NETWORKS)}, not {network!r}")
+    return network  # type: ignore[return-value]
 
 
 class Builder:
     """Turns specs into images in one LayerStore, running ``run`` steps with a Runtime."""
 
     def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path,
-                 resolve_base: ResolveBase | None = None) -> None:
+                 networks: stepnet.StepNetworks, resolve_base: ResolveBase | None = None) -> None:
         self.store = store
         self.runtime = runtime
+        self.networks = networks
         self.mirror = mirror
         self.scratch_run = scratch_run
         self.resolve_base = resolve_base
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
-        """Build ``spec``; its layers are safe from gc until its image record names them."""
-        async with self.store.making():
-            return await self._build(spec, on_step)
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+        """Build ``spec``; its layers are safe from gc until its image record names them. Its ``run``
+        steps share one network for the build (see ``Network``)."""
+        net = self.networks.network() if check_network(network) == "isolated" else None
+        try:
+            async with self.store.making():
+                return await self._build(spec, on_step, net)
+        finally:
+            if net is not None:
+                await net.close()
 
-    async def _build(self, spec: EnvSpec, on_step: OnStep | None = None) -> Image:
+    async def _build(self, spec: EnvSpec, on_step: OnStep | None, net: stepnet.StepNetwork | None) -> Image:
         report = on_step or (lambda event: None)
         total = len(spec.steps) + 1
         report(StepEvent(0, total, f"BASE {spec.base}", "running"))
@@ -81,10 +100,14 @@ class Builder:
             description = step.describe()
             source = None
             if step.kind == "copy_from":
-                source, key = await self._copy_source(step.arg("source"), context, description, report)
+                source, key = await self._copy_source(step.arg("source"), context, description, report, net)
                 inputs: dict[str, object] = {**dict(step.args), "source": key}
             else:
                 inputs = await _off_loop(_step_inputs, step, context)  # hashes trees, asks remotes
+            if step.kind == "run":
+                # What a step saw on the host's network (its loopback services) never serves an isolated
+                # build, nor does a layer made before steps had a network of their own.
+                inputs["network"] = "host" if net is None else "isolated"
             digest = _step_digest(digest, step, inputs)
             if step.kind in CONFIG_STEPS:
                 if step.kind == "env":
@@ -110,7 +133,7 @@ class Builder:
             report(StepEvent(index, total, description, "running"))
             try:
                 await self._make_layer(step, digest, tuple(layers), dirs, env, str(config["workdir"]), context,
-                                       inputs, str(config["user"]), source)
+                                       inputs, net, str(config["user"]), source)
             except BuildFailed:
                 report(StepEvent(index, total, description, "failed"))
                 raise
@@ -147,7 +170,7 @@ class Builder:
         return start, hashlib.sha256(f"image:{start.id}".encode()).hexdigest(), cached
 
     async def _copy_source(self, source: EnvSpec | str, context: Path, description: str,
-                           report: OnStep) -> tuple[Image, str]:
+                           report: OnStep, net: stepnet.StepNetwork | None) -> tuple[Image, str]:
         """The image a copy_from step reads and what its layer's key counts of it: a spec is built
         first (its progress reported under the step's name), anything else resolved as a base is."""
         if isinstance(source, str):
@@ -155,18 +178,18 @@ class Builder:
             return image, image.id or f"base:{digest}"
         nested = source if source.context is not None else source.with_context(context)
         image = await self._build(nested, lambda event: report(StepEvent(
-            event.index, event.total, f"{description} <- {event.description}", event.status)))
+            event.index, event.total, f"{description} <- {event.description}", event.status)), net)
         return image, image.id
 
-    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs, user="",
-                          source: Image | None = None) -> None:
+    async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs,
+                          net: stepnet.StepNetwork | None, user="", source: Image | None = None) -> None:
         async with self.store.alock(digest):
             if self.store.has_layer(digest):
                 return
             scratch = self.store.scratch()
             try:
                 if step.kind == "run":
-                    tree = await self._run_step(step, layers, dirs, env, workdir, scratch, user)
+                    tree = await self._run_step(step, layers, dirs, env, workdir, scratch, net, user)
                 elif step.kind == "copy_from":
                     assert source is not None
                     tree = await _off_loop(_copy_from, self.store, source, step, scratch)
@@ -178,13 +201,16 @@ class Builder:
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
 
-    async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path, user: str = "") -> Path:
+    async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path, net: stepnet.StepNetwork | None,
+                        user: str = "") -> Path:
         if self.runtime is None:
             raise BuildFailed(
                 f"build step {step.describe()!r} needs a runtime to run it, and this engine's backend has none:"
                 " build the image with the oci backend (its layers are then shared through the state dir)",
                 step=step.describe(), exit_code=None, output_tail="",
             )
+        netns = None if net is None else await net.netns()  # None: the host's network
+        resolvers = "/etc/resolv.conf" if net is None else stepnet.resolv_conf()
         rootfs = scratch / "rootfs"
         mount_rootfs(self.store, layers, dirs, rootfs, scratch)
         build_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid tells reconcile whose it is
@@ -195,8 +221,9 @@ class Builder:
             spec = ContainerSpec(
                 id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],
                 env=[f"{k}={v}" for k, v in variables.items()], cwd=workdir, hostname="fanfold-build",
-                host_network=True, binds=[Bind("/etc/resolv.conf", "/etc/resolv.conf")],
+                host_network=net is None, netns=netns, binds=[Bind(resolvers, "/etc/resolv.conf")],
                 user=ProcessUser() if who is None else ProcessUser(who.uid, who.gid, who.groups),
+                seccomp_bpf=seccomp.bpf("default"),  # a step runs a tenant's commands as root, as a sandbox does
             )
             done = await self.runtime.run(spec, self.scratch_run / build_id, timeout=STEP_TIMEOUT_S)
         finally:

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 from ..host import mounts
 from .store import LayerStore
@@ -17,21 +18,25 @@ def _upper_name(host_dir: str) -> str:
 
 def mount_rootfs(
     store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[str, ...], target: Path, scratch: Path, *,
-    volatile: bool = False,
+    volatile: bool = False, remap: Callable[[Path], Path] | None = None,
 ) -> None:
     """Mount ``layers`` (bottom first) at ``target``, writes going to dirs under ``scratch``
     (``volatile``: never synced, see ``mounts.mount_overlay``).
 
     Each of ``host_dirs`` (the ``host`` base's /usr) gets an overlay of its own whose
     lowest layer is the host's directory itself, so writes there stay in the sandbox.
-    On failure everything mounted so far is unmounted again.
+    On failure everything mounted so far is unmounted again. ``remap`` gives the directory to
+    use in place of each lower one (an idmapped clone of it, for a sandbox in a user namespace).
     """
+    same: Callable[[Path], Path] = lambda path: path  # noqa: E731
+    mapped = remap or same
     lowers = [store.layer_path(d) for d in reversed(layers)]
     try:
         (scratch / "upper").mkdir(exist_ok=True)
         (scratch / "work").mkdir(exist_ok=True)
         target.mkdir(exist_ok=True)
-        mounts.mount_overlay(target, lowers, scratch / "upper", scratch / "work", volatile=volatile)
+        mounts.mount_overlay(target, [mapped(p) for p in lowers], scratch / "upper", scratch / "work",
+                             volatile=volatile)
         for host_dir in host_dirs:
             name = _upper_name(host_dir)
             (scratch / f"{name}-upper").mkdir(exist_ok=True)
@@ -39,8 +44,8 @@ def mount_rootfs(
             rel = host_dir.lstrip("/")
             dir_lowers = [p / rel for p in lowers if (p / rel).is_dir() and not (p / rel).is_symlink()]
             dir_lowers = [p for p in dir_lowers if any(p.iterdir())] + [Path(host_dir)]
-            mounts.mount_overlay(target / rel, dir_lowers, scratch / f"{name}-upper", scratch / f"{name}-work",
-                                 volatile=volatile)
+            mounts.mount_overlay(target / rel, [mapped(p) for p in dir_lowers], scratch / f"{name}-upper",
+                                 scratch / f"{name}-work", volatile=volatile)
     except BaseException:
         unmount_rootfs(target)
         raise

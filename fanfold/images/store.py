@@ -50,13 +50,15 @@ class Image:
     """The manifest digest of a pulled or imported image (``sha256:...``)."""
     names: tuple[str, ...] = ()
     """The references that name it now (filled in by listings; not part of the stored record)."""
+    shared: bool = False
+    """Published by the host's tenant to every tenant of a server (filled in by listings, not stored)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     def stored(self) -> Image:
         """The record as saved: without the names a listing added."""
-        return replace(self, names=())
+        return replace(self, names=(), shared=False)
 
     @classmethod
     def from_json(cls, text: str) -> Image:
@@ -71,7 +73,7 @@ class Image:
             services=tuple(tuple(s) for s in data["services"]), user=data.get("user", ""),
             entrypoint=tuple(data.get("entrypoint", ())), cmd=tuple(data.get("cmd", ())),
             ports=tuple(data.get("ports", ())), source=data.get("source", ""), digest=data.get("digest", ""),
-            names=tuple(data.get("names", ())),
+            names=tuple(data.get("names", ())), shared=bool(data.get("shared", False)),
         )
 
 
@@ -184,36 +186,42 @@ class LayerStore:
         if "/" not in image_id:
             (self.images_dir / f"{image_id}.json").unlink(missing_ok=True)
 
-    def tag(self, ref: str, image_id: str) -> None:
-        """Record that ``ref`` (as the user wrote it: a registry reference, a file) names ``image_id``."""
-        path = self._ref_path(ref)
+    def tag(self, ref: str, image_id: str, tenant: str = "") -> None:
+        """Record that ``ref`` (as the user wrote it: a registry reference, a file) names ``image_id``
+        for ``tenant`` (each server tenant has a namespace of its own; "" is the host's)."""
+        path = self._ref_path(ref, tenant)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}")
-        tmp.write_text(json.dumps({"ref": ref, "image": image_id}))
+        tmp.write_text(json.dumps({"ref": ref, "image": image_id, **({"tenant": tenant} if tenant else {})}))
         tmp.rename(path)
 
-    def untag(self, ref: str) -> None:
-        self._ref_path(ref).unlink(missing_ok=True)
+    def untag(self, ref: str, tenant: str = "") -> None:
+        self._ref_path(ref, tenant).unlink(missing_ok=True)
 
-    def resolve_ref(self, ref: str) -> str | None:
-        """The image id ``ref`` named when it was last pulled or imported, or None."""
+    def resolve_ref(self, ref: str, tenant: str = "") -> str | None:
+        """The image id ``ref`` named (for ``tenant``) when it was last pulled or imported, or None."""
         try:
-            return json.loads(self._ref_path(ref).read_text())["image"]
+            return json.loads(self._ref_path(ref, tenant).read_text())["image"]
         except (OSError, ValueError, KeyError):
             return None
 
-    def refs(self) -> dict[str, str]:
-        """Every recorded reference and the image id it names."""
-        found = {}
+    def refs(self, tenant: str = "") -> dict[str, str]:
+        """Every reference recorded for ``tenant`` and the image id it names."""
+        return {ref: image for owner, ref, image in self.all_refs() if owner == tenant}
+
+    def all_refs(self) -> list[tuple[str, str, str]]:
+        """(tenant, reference, image id) of every namespace."""
+        found = []
         for path in self.refs_dir.glob("*.json"):
             try:
                 data = json.loads(path.read_text())
-                found[data["ref"]] = data["image"]
+                found.append((data.get("tenant", ""), data["ref"], data["image"]))
             except (OSError, ValueError, KeyError):
                 continue
         return found
 
-    def _ref_path(self, ref: str) -> Path:
-        return self.refs_dir / f"{hashlib.sha256(ref.encode()).hexdigest()[:32]}.json"
+    def _ref_path(self, ref: str, tenant: str = "") -> Path:
+        key = f"{tenant}\0{ref}" if tenant else ref  # the host's refs keep the names they always had
+        return self.refs_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
     def images(self) -> list[Image]:
         return [Image.from_json(p.read_text()) for p in sorted(self.images_dir.glob("img-*.json"))]

@@ -15,6 +15,7 @@ and ``fake`` (``fake.FakeBackend``: the real agent as a plain process over a dir
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
@@ -163,6 +164,11 @@ class Backend(ABC):
     @abstractmethod
     def root(self, sandbox_id: str) -> Path:
         """The sandbox's live root filesystem on the host, for file calls and service logs."""
+
+    def as_root(self, sandbox_id: str) -> AbstractContextManager[None]:
+        """Within it, the calling thread's writes into ``root(sandbox_id)`` are made as the sandbox's
+        own root (its user namespace's uid 0), not as the host's."""
+        return nullcontext()
 
     @abstractmethod
     def agent(self, handle: Handle) -> AgentClient:

@@ -62,6 +62,9 @@ class ContainerSpec:
     """Set for PID 1 when the host allows; None keeps the runtime's own."""
     user: ProcessUser = ProcessUser()
     """Root unless a build step's USER says otherwise (a sandbox's PID 1, the agent, is always root)."""
+    uid_base: int | None = None
+    """A user namespace of its own whose root is this host uid (its range: ``idmap.RANGE`` ids);
+    None: none, root is the host's."""
     seccomp_bpf: str | None = None
     """The seccomp filter as a BPF program in base64 (``seccomp.bpf``); None runs unconfined."""
 

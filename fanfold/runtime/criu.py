@@ -57,14 +57,18 @@ class Criu:
             )
 
     async def dump(
-        self, pid: int, images: Path, *, root: Path, mounts: Mounts, freezer: Path, leave_running: bool
+        self, pid: int, images: Path, *, root: Path, mounts: Mounts, freezer: Path, leave_running: bool,
+        own_netns: bool = False,
     ) -> None:
-        """Dump the tree under ``pid`` into ``images``; with ``leave_running`` it goes on, else it is killed."""
+        """Dump the tree under ``pid`` into ``images``; with ``leave_running`` it goes on, else it is killed.
+        ``own_netns``: the image keeps the network namespace, for CRIU to rebuild (a tree in a user
+        namespace of its own cannot join one of ours)."""
         self.check_installed()
         argv = [self.binary, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--root", str(root),
-                "--freeze-cgroup", str(freezer), "--timeout", "5", *COMMON, *mounts.dump_args(),
-                # Restores get a fresh namespace of ours: CRIU's own rebuild runs ip and iptables (~40 ms).
-                "--external", f"net[{netns_inode(pid)}]:{NETNS_KEY}"]
+                "--freeze-cgroup", str(freezer), "--timeout", "5", *COMMON, *mounts.dump_args()]
+        if not own_netns:
+            # Restores get a fresh namespace of ours: CRIU's own rebuild runs ip and iptables (~40 ms).
+            argv += ["--external", f"net[{netns_inode(pid)}]:{NETNS_KEY}"]
         if leave_running:
             argv.append("--leave-running")
         done = await run(argv, timeout=300)
@@ -72,12 +76,12 @@ class Criu:
             raise CheckpointFailed(f"CRIU could not checkpoint the sandbox: {_log_errors(images / 'dump.log')}")
 
     async def restore(
-        self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int
+        self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int | None
     ) -> int:
         """Restore ``images`` as a new tree rooted at ``root``, in cgroup ``cgroup``; return its PID 1.
 
         ``binds`` maps each external key to the host path the new sandbox uses for it.
-        ``netns`` is an fd of the network namespace to restore into. ``work`` (the new
+        ``netns`` is an fd of the network namespace to restore into (None: the image has its own). ``work`` (the new
         sandbox's own dir) takes the log and pid file, so restores of one image can run at once.
         """
         self.check_installed()
@@ -85,10 +89,12 @@ class Criu:
         pidfile.unlink(missing_ok=True)
         argv = [self.binary, "restore", "-D", str(images), "-W", str(work), "-o", "restore.log", "--root", str(root),
                 "--cgroup-root", cgroup, "--restore-detached", "--pidfile", str(pidfile), "--ext-mount-map", "auto",
-                "--inherit-fd", f"fd[{NETNS_FD}]:{NETNS_KEY}", *COMMON]
+                *COMMON]
+        if netns is not None:
+            argv += ["--inherit-fd", f"fd[{NETNS_FD}]:{NETNS_KEY}"]
         for key, path in binds.items():
             argv += ["--external", f"mnt[{key}]:{path}"]
-        done = await run(argv, fds={NETNS_FD: netns}, timeout=300)
+        done = await run(argv, fds=None if netns is None else {NETNS_FD: netns}, timeout=300)
         if done.returncode != 0 or not pidfile.exists():
             raise CheckpointFailed(f"CRIU could not restore the snapshot: {_log_errors(work / 'restore.log')}")
         return int(pidfile.read_text().strip())

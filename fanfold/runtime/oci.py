@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import HostNotReady, InfrastructureError
 from ..host import setup
+from ..host.idmap import RANGE as USERNS_RANGE
 from ..host.spawn import Finished, log_tail, run
 from . import seccomp
 from .container import CAPABILITIES, ContainerSpec
@@ -19,6 +20,7 @@ from .container import CAPABILITIES, ContainerSpec
 MASKED = [
     "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
     "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
+    "/proc/1/mem", "/proc/1/task/1/mem",  # PID 1 is fanfold's agent: see seccomp's NAMES_A_PID
 ]
 READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
@@ -80,6 +82,10 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
     }
     if spec.cgroup_path:
         linux["cgroupsPath"] = spec.cgroup_path
+    if spec.uid_base is not None:
+        namespaces.append({"type": "user"})
+        mapping = [{"containerID": 0, "hostID": spec.uid_base, "size": USERNS_RANGE}]
+        linux["uidMappings"] = linux["gidMappings"] = mapping
     annotations = {} if spec.seccomp_bpf is None else {seccomp.BPF_ANNOTATION: spec.seccomp_bpf}
     process_extra = {} if spec.oom_score_adj is None else {"oomScoreAdj": spec.oom_score_adj}
     user: dict[str, Any] = {"uid": spec.user.uid, "gid": spec.user.gid}

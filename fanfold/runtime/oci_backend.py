@@ -13,13 +13,14 @@ import asyncio
 import logging
 import os
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from .._agent.build import agent_binary
 from .._agent.client import AgentClient
 from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, disk, procs, setup
+from ..host import cgroups, disk, idmap, procs, setup, stepnet
 from ..host.offload import host_errors
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
@@ -37,6 +38,10 @@ class OciBackend(Backend):
     capabilities = Capabilities(memory="live", exact_counters=True, isolated=True)
     disk_hold: disk.Hold | None = None
     """The btrfs holding sandboxes' disks, while ``prepare`` made sure of it."""
+    users: idmap.Namespaces
+    """User namespaces for the idmaps of sandboxes' layers, one per uid range."""
+    userns: bool = False
+    """Whether new sandboxes get a user namespace (``config.userns``, where the host allows)."""
 
     @property
     def quota(self) -> bool:
@@ -56,6 +61,8 @@ class OciBackend(Backend):
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu)
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
+        self.users = idmap.Namespaces()
+        self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
         self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
 
     async def close(self, *, idle: bool = True) -> None:
@@ -67,6 +74,7 @@ class OciBackend(Backend):
         if self.disk_hold is not None:  # unmounted only when no engine holds it and no sandbox has a disk
             await asyncio.to_thread(self.disk_hold.close)
             self.disk_hold = None
+        self.users.close()
 
     async def list_ids(self) -> set[str]:
         cfg = self.config
@@ -84,15 +92,17 @@ class OciBackend(Backend):
         for container in await self.runtime.list_ids():
             if container.startswith("build-") and not procs.running(container.split("-")[1]):
                 await self.runtime.delete(container)  # a build step whose builder died
+        await asyncio.to_thread(stepnet.sweep, self.config.tag)  # and that builder's network
 
     # -- one sandbox ----------------------------------------------------------------------------
 
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         if spec.restore is not None:
-            pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec, quota=self.quota)
+            pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec, quota=self.quota,
+                                            users=self.users)
         else:
-            pid = await oci_sandbox.provision(
-                self.config, self.store, self.runtime, self.agent_path, spec, quota=self.quota)
+            pid = await oci_sandbox.provision(self.config, self.store, self.runtime, self.agent_path, spec,
+                                              quota=self.quota, users=self.users if self.userns else None)
         return Handle(spec.id, pid)
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
@@ -153,6 +163,7 @@ class OciBackend(Backend):
                         handle.pid or 0, dest / "memory", root=where.rootfs,
                         mounts=oci_sandbox.criu_mounts(host_dirs),
                         freezer=cgroups.freezer_dir(self.config.cgroup_parent, handle.id), leave_running=leave_running,
+                        own_netns=idmap.base_of(handle.id) is not None,
                     )
             finally:
                 if not frozen:
@@ -169,6 +180,9 @@ class OciBackend(Backend):
 
     def root(self, sandbox_id: str) -> Path:
         return oci_sandbox.paths(self.config, sandbox_id).rootfs
+
+    def as_root(self, sandbox_id: str) -> AbstractContextManager[None]:
+        return idmap.as_mapped_root(idmap.base_of(sandbox_id))
 
     def agent(self, handle: Handle) -> AgentClient:
         return AgentClient(str(oci_sandbox.paths(self.config, handle.id).socket))
@@ -193,6 +207,17 @@ async def _agent_settled(pid: int | None, timeout: float = 5.0) -> None:
             raise CheckpointFailed("the sandbox's agent still holds a connection (a process in the sandbox"
                                    " connected to it?); try again")
         await asyncio.sleep(0.001)
+
+
+def _reachable_from_userns(state_dir: Path) -> bool:
+    """Whether a sandbox's root, an unprivileged host uid, can reach its root dir under ``state_dir``:
+    every directory above it must let others through. If not, sandboxes go without user namespaces."""
+    for parent in state_dir.resolve().parents:
+        if not parent.stat().st_mode & 0o001:
+            log.warning("sandboxes run without user namespaces: %s (above the state dir) is closed to other"
+                        " users; `chmod o+x %s`, or use a state dir under one that is open", parent, parent)
+            return False
+    return True
 
 
 def _quota_disk(cfg: EngineConfig) -> disk.Hold | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import itertools
 import fcntl
 import os
 import signal
@@ -12,17 +13,18 @@ import socket
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError
-from ..host import cgroups, disk, mounts, safefs, setup
+from ..host import cgroups, disk, idmap, mounts, safefs, setup
 from ..host.offload import on_thread, read_once
 from ..images import LayerStore
 from ..images.rootfs import mount_rootfs
 from ..models import Limits
 from ..host.netns import new_netns
 from ..host.spawn import log_tail, run
-from . import seccomp
+from . import criu_images, seccomp
 from .base import SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
 from .criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
@@ -74,15 +76,18 @@ def paths(config: EngineConfig, sandbox_id: str) -> Paths:
 
 async def provision(
     config: EngineConfig, store: LayerStore, runtime: Runtime, agent: Path, spec: SandboxSpec, *, quota: bool = False,
+    users: idmap.Namespaces | None = None,
 ) -> int:
     """Mount the sandbox's disk and root, and start its agent; return the agent's host pid.
 
     With ``quota`` its writes go to a subvolume of ``<state>/disk`` (``disk.ensure`` made it),
-    else to a tmpfs. The caller owns cleanup: on any failure it calls ``release``, which undoes
-    whatever exists.
+    else to a tmpfs. With ``users`` it gets a user namespace and a uid range of its own. The caller
+    owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
     sandbox_id, limits = spec.id, spec.limits
-    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, spec.host_dirs, limits, quota)
+    base = idmap.claim(sandbox_id) if users is not None else None
+    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, spec.host_dirs, limits, quota,
+                            base, users)
     profile = seccomp.bpf(spec.seccomp) if spec.seccomp in seccomp.PROFILES else await on_thread(seccomp.bpf, spec.seccomp)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in spec.services:
@@ -91,7 +96,7 @@ async def provision(
         id=sandbox_id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=sandbox_id,
         limits=limits, binds=channel_binds(agent, where),
         cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
-        oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=profile,
+        oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=profile, uid_base=base,
     )
     # The agent binds its own socket (inside the sandbox, so a checkpoint carries it) and says
     # so on this socket; end of file first means it died. It starts services only once we
@@ -108,25 +113,45 @@ async def provision(
 
 async def restore(
     config: EngineConfig, store: LayerStore, criu: Criu, agent: Path, spec: SandboxSpec, *, quota: bool = False,
+    users: idmap.Namespaces,
 ) -> int:
     """Mount a new disk and root over the spec's layers and restore its memory images into them.
 
+    A checkpoint of a sandbox in a user namespace restores into a uid range of its own (its image
+    rewritten to it), and CRIU rebuilds its network namespace: a namespace made here would be
+    owned by the host's user namespace, which the restored root cannot join.
     Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
     """
     sandbox_id, host_dirs, images = spec.id, spec.host_dirs, spec.restore
     assert images is not None
-    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota)
+    in_userns = criu_images.has_userns(images)
+    base = idmap.claim(sandbox_id) if in_userns else None
+    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota,
+                            base, users if in_userns else None)
     where.bundle.mkdir()
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
     binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})
-    netns = await on_thread(new_netns, discard=os.close)  # unshare and raising lo take milliseconds
-    try:
-        pid = await criu.restore(
-            images, work=where.bundle, root=where.rootfs, cgroup=f"/{config.cgroup_parent}/{sandbox_id}", binds=binds,
-            netns=netns,
-        )
-    finally:
-        os.close(netns)  # the restored processes hold the namespace now
+    cgroup = f"/{config.cgroup_parent}/{sandbox_id}"
+    if base is not None:
+        own = images.with_name(f"{images.name}.{sandbox_id}")
+        # CRIU binds the root into the restored mount namespace without its submounts, which a
+        # namespace of a user namespace holds locked (the host dirs' overlays): a bind of the root
+        # alone, which has none, is what it may take.
+        bare = where.root / "bare"
+        bare.mkdir()
+        mounts.mount(str(where.rootfs), bare, "", mounts.MS_BIND)
+        try:
+            await on_thread(criu_images.private_copy, images, own, base)
+            pid = await criu.restore(own, work=where.bundle, root=bare, cgroup=cgroup, binds=binds, netns=None)
+        finally:
+            await on_thread(shutil.rmtree, own, True)
+    else:
+        netns = await on_thread(new_netns, discard=os.close)  # unshare and raising lo take milliseconds
+        try:
+            pid = await criu.restore(images, work=where.bundle, root=where.rootfs, cgroup=cgroup, binds=binds,
+                                     netns=netns)
+        finally:
+            os.close(netns)  # the restored processes hold the namespace now
     # The image holds the source's freezer state (frozen while it was dumped) and hostname: the
     # restored processes run only once thawed, after their channel dir (CRIU bound the agent's
     # socket in it again) is locked.
@@ -140,9 +165,10 @@ async def restore(
 
 def _mount_disk(
     config: EngineConfig, store: LayerStore, sandbox_id: str, layers: tuple[str, ...], host_dirs: tuple[str, ...],
-    limits: Limits, quota: bool,
+    limits: Limits, quota: bool, base: int | None = None, users: idmap.Namespaces | None = None,
 ) -> Paths:
-    """The sandbox's disk, its root over ``layers``, and the empty channel dir."""
+    """The sandbox's disk, its root over ``layers``, and the empty channel dir; with ``base``, the
+    layers and the disk idmapped into the range at ``base`` (``users`` has its namespace)."""
     where = paths(config, sandbox_id)
     where.root.mkdir(parents=True)
     if quota:
@@ -155,10 +181,37 @@ def _mount_disk(
         scratch = where.root
     # volatile: a disk lives only as long as its sandbox, and unmounting a synced overlay
     # would commit the whole btrfs (~2.5 ms, and a wait on every other sandbox's writes).
-    mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota)
-    name_host(where.rootfs, sandbox_id)
+    if base is None:
+        mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota)
+        name_host(where.rootfs, sandbox_id)
+    else:
+        assert users is not None
+        os.chown(where.root, base, base)  # its root may reach its rootfs there; no other host user may
+        os.chmod(where.root, 0o700)
+        remap = _idmapper(where.root / "mapped", users.fd(base))
+        scratch = remap(scratch)
+        with idmap.as_mapped_root(base):  # the overlay's dirs and copy-ups: uid 0 on disk, root inside
+            mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota, remap=remap)
+            name_host(where.rootfs, sandbox_id)
     where.channel.mkdir(mode=0o700)
+    if base is not None:
+        os.chown(where.channel, base, base)  # the agent, root of the namespace, binds its socket there
     return where
+
+
+def _idmapper(under: Path, userns: int) -> Callable[[Path], Path]:
+    """Gives each directory it is handed an idmapped clone under ``under`` (on the sandbox's root
+    tmpfs, so the root's lazy unmount takes them all)."""
+    under.mkdir()
+    serial = itertools.count()
+
+    def remap(path: Path) -> Path:
+        clone = under / str(next(serial))
+        clone.mkdir()
+        idmap.idmapped_bind(path, clone, userns)
+        return clone
+
+    return remap
 
 
 def name_host(rootfs: Path, sandbox_id: str) -> None:
@@ -245,3 +298,4 @@ def _release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:
     shutil.rmtree(where.root, ignore_errors=True)
     mounts.umount(where.subvolume)  # one stacked on it would make deleting it fail (EBUSY)
     disk.remove(config.state_dir, sandbox_id)  # after the overlay on it is gone
+    idmap.release(sandbox_id)  # last: no process or file of the sandbox is left to use its range

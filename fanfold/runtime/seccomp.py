@@ -7,7 +7,9 @@ own default refuses and a sandbox of ours never needs: new namespaces (``unshare
 ``clone`` with namespace flags; ``clone3`` answers ENOSYS so libc falls back to ``clone``), the
 kernel keyring, mounts of any API, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the
 kernel log, modules, kexec, reboot, swap and quotas. ``ptrace`` stays (debuggers in a sandbox
-work), but a sandbox's PID 1 is not dumpable, so root in the sandbox cannot trace it.
+work), except of PID 1, fanfold's agent, which no ``ptrace``, ``process_vm_readv``/``writev`` or
+``pidfd_open`` may name (its ``/proc/1/mem`` is masked, ``oci.MASKED``). A non-dumpable agent
+would do as much, but CRIU cannot checkpoint a restored one in a user namespace again.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ DENIED = frozenset({
     "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "syslog",
     "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon",
     "swapoff", "quotactl", "quotactl_fd", "acct", "lookup_dcookie", "fanotify_init", "open_by_handle_at",
-    "clone", "clone3",
+    "clone", "clone3", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_open",
 })
-"""Refused outright (``clone`` is allowed again below, without namespace flags)."""
+"""Refused outright; ``clone`` is allowed again below without namespace flags, and the calls
+that name a process, unless they name PID 1."""
+NAMES_A_PID = {"ptrace": 1, "process_vm_readv": 0, "process_vm_writev": 0, "pidfd_open": 0}
+"""Which argument of each is the pid."""
 CLONE_NAMESPACES = 0x7E020000
 """CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET."""
 EPERM, ENOSYS = 1, 38
@@ -108,6 +113,9 @@ def default_profile(machine: str) -> dict[str, Any]:
                    "op": "SCMP_CMP_MASKED_EQ"}]},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
     ]
+    rules += [{"names": [name], "action": "SCMP_ACT_ALLOW",
+               "args": [{"index": index, "value": 1, "valueTwo": 0, "op": "SCMP_CMP_NE"}]}
+              for name, index in NAMES_A_PID.items()]
     return {"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": EPERM, "architectures": architectures,
             "syscalls": rules}
 

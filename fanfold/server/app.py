@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from contextlib import asynccontextmanager
@@ -43,7 +44,8 @@ large, 422 bad input (a tool call's also carries a `function_call_output` for th
 
 def create_app(config: EngineConfig | None = None, tenants: Tenants | None = None) -> FastAPI:
     """The app with its own engine, started and closed with the app's lifespan."""
-    engine = Engine(config)
+    tenants = tenants or Tenants()
+    engine = Engine(dataclasses.replace(config or EngineConfig(), quotas=tuple(tenants.quotas.items())))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,7 +59,7 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
 
     app = FastAPI(title="fanfold", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.engine = engine
-    app.state.tenants = tenants or Tenants()
+    app.state.tenants = tenants
     app.state.creates = CreateRegistry(engine)
     app.state.rollouts = rollouts.Rollouts(engine)
     _add_error_handlers(app)

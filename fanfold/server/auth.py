@@ -1,8 +1,9 @@
-"""Tenancy: each bearer token is a tenant; a tenant sees only its own sandboxes.
+"""Tenancy: each bearer token is a tenant; a tenant sees only its own sandboxes, snapshots,
+images and pools, and holds at most what its quota allows.
 
 Callers on the unix socket (mode 0600, so root on this host) may omit the token and act as
-the local tenant, which also owns what the embedded SDK and the CLI create. Over TCP a
-token is always required.
+the local tenant, which also owns what the embedded SDK and the CLI create, sees every
+image and has no quota. Over TCP a token is always required.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from starlette.requests import HTTPConnection
 
+from ..config import Quota
 from ..errors import InvalidRequest, Unauthorized
 
 LOCAL_TENANT = ""
@@ -29,8 +31,10 @@ def new_token() -> str:
 class Tenants:
     """Token digests to tenant names (tokens themselves are never kept)."""
 
-    def __init__(self, tokens: dict[str, str] | None = None) -> None:
+    def __init__(self, tokens: dict[str, str] | None = None, quotas: dict[str, Quota] | None = None) -> None:
         self._by_digest: dict[str, str] = {}
+        self.quotas: dict[str, Quota] = dict(quotas or {})
+        """Each tenant's quota; a tenant not named here has none."""
         for token, tenant in (tokens or {}).items():
             self.add(token, tenant)
 
@@ -43,7 +47,9 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:
-        """Lines of ``TENANT TOKEN``; blank lines and ``#`` comments are skipped."""
+        """Lines of ``TENANT TOKEN [QUOTA=N ...]``, quotas being ``sandboxes``, ``memory_mb``, ``disk_mb``
+        and ``pools`` (``alice ff_... sandboxes=8 memory_mb=8192``); blank lines and ``#`` comments are
+        skipped. A tenant with several tokens gives its quotas on one of its lines."""
         tenants = cls()
         try:
             lines = Path(path).read_text().splitlines()
@@ -53,9 +59,16 @@ class Tenants:
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
             parts = line.split()
-            if len(parts) != 2:
-                raise InvalidRequest(f"{path}:{number}: expected 'TENANT TOKEN'")
+            if len(parts) < 2:
+                raise InvalidRequest(f"{path}:{number}: expected 'TENANT TOKEN [QUOTA=N ...]'")
             tenants.add(parts[1], parts[0])
+            if len(parts) > 2:
+                if parts[0] in tenants.quotas:
+                    raise InvalidRequest(f"{path}:{number}: tenant {parts[0]!r} has quotas on an earlier line already")
+                try:
+                    tenants.quotas[parts[0]] = Quota.parse(parts[2:])
+                except ValueError as err:
+                    raise InvalidRequest(f"{path}:{number}: {err}") from None
         return tenants
 
     def __len__(self) -> int:

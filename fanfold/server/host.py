@@ -1,4 +1,7 @@
-"""Routes of the host: leases (owners' heartbeats), warm pools, stats and Prometheus metrics."""
+"""Routes of the host: leases (owners' heartbeats), warm pools, stats and Prometheus metrics.
+
+Pools are per tenant: a tenant lists, resizes and takes from only its own, made from its own
+or shared images (another tenant's image is a 404), within its ``pools`` quota."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Path, Request, Response
 
 from ..models import Limits
+from .auth import LOCAL_TENANT
 from .deps import check_source, engine, tenant
 from .schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest
 
@@ -36,23 +40,28 @@ async def close_lease(request: Request, lease_id: str = LeaseID, caller: str = D
 
 @router.put("/pools", response_model=PoolBody, responses=ERRORS)
 async def set_pool(body: PoolRequest, request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
-    """Keep sandboxes of an image (or one of the caller's snapshots) warm for creates with the same limits."""
+    """Keep sandboxes of an image (or one of the caller's snapshots) warm for the caller's creates with the
+    same limits; size 0 removes the pool."""
     check_source(request, body.image, caller)
     limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb)
-    return (await engine(request).set_pool(body.image, body.size, limits=limits, wait=body.wait)).to_dict()
+    return (await engine(request).set_pool(body.image, body.size, limits=limits, wait=body.wait,
+                                           tenant=caller)).to_dict()
 
 
 @router.get("/pools", response_model=list[PoolBody], responses=ERRORS)
-async def list_pools(request: Request, _: str = Depends(tenant)) -> list[dict[str, Any]]:
-    """Every warm pool on the host."""
-    return [pool.to_dict() for pool in await engine(request).pools_info()]
+async def list_pools(request: Request, caller: str = Depends(tenant)) -> list[dict[str, Any]]:
+    """The caller's warm pools."""
+    return [pool.to_dict() for pool in await engine(request).pools_info(tenant=caller)]
 
 
 @router.get("/stats", responses=ERRORS)
 async def stats(request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
     """The host at a glance (``fanfold top``): counts, queue, pools, latency percentiles, error
-    rates and alerts; the sandbox list holds the caller's sandboxes only."""
-    return await engine(request).stats(tenant=caller)
+    rates and alerts; the sandbox list holds the caller's only, the pool list too but for the host's tenant."""
+    figures = await engine(request).stats(tenant=caller)
+    if caller != LOCAL_TENANT:  # the host's tenant sees every pool, as `fanfold top` on the host
+        figures["pools"] = [pool.to_dict() for pool in await engine(request).pools_info(tenant=caller)]
+    return figures
 
 
 @router.get("/metrics", responses=ERRORS, response_class=Response)

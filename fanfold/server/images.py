@@ -1,9 +1,15 @@
 """Routes of images: list, build from a spec (with its copy sources, when it has any), pull from a
-registry, import an archive, remove; and registry credentials (the host's own tenant only)."""
+registry, import an archive, remove, share; and registry credentials (the host's own tenant only).
+
+Each image belongs to the tenants that built, pulled or imported it (``engine.catalog``): a
+tenant sees, builds on, creates from and removes only those and the ones the host's tenant
+shared; another tenant's image answers 404, as if it did not exist.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -20,7 +26,8 @@ from pydantic import BaseModel, Field
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, InvalidSpec, Unauthorized
 from ..host import safefs
-from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
+from ..images.builder import check_network
+from ..spec import BASES, REMOTE_LOCAL_REPO, EnvSpec, Step, is_repo_url
 from ..wire import event_to_json, image_to_json, pull_event_to_json, spec_from_json
 from .auth import LOCAL_TENANT
 from .deps import NDJSON, engine, ndjson_events, tenant
@@ -35,14 +42,14 @@ MAX_CONTEXT = 8 << 30
 MAX_MEMBERS = 500_000
 
 
-@router.get("", response_model=list[ImageBody], responses=ERRORS, dependencies=[Depends(tenant)])
-async def list_images(request: Request) -> list[dict[str, Any]]:
-    return [image_to_json(image) for image in await engine(request).images()]
+@router.get("", response_model=list[ImageBody], responses=ERRORS)
+async def list_images(request: Request, caller: str = Depends(tenant)) -> list[dict[str, Any]]:
+    """The caller's images and the shared ones (the host's own tenant: every image)."""
+    return [image_to_json(image) for image in await engine(request).images(tenant=caller)]
 
 
 @router.post(
     "",
-    dependencies=[Depends(tenant)],
     responses={**ERRORS, 200: {"content": {NDJSON: {}}, "description":
         "NDJSON: `{\"event\": StepEvent}` lines as steps start and end, then `{\"image\": Image}` or `{\"error\": Error}`."}},
     openapi_extra={"requestBody": {"required": True, "content": {
@@ -51,9 +58,13 @@ async def list_images(request: Request) -> list[dict[str, Any]]:
               "description": "spec.json plus context/: the spec's copy and local repo sources"},
     }}},
 )
-async def build(request: Request) -> StreamingResponse:
+async def build(request: Request, caller: str = Depends(tenant), network: str = Query(
+        "isolated", description="Where `run` steps are: `isolated` (egress through NAT, nothing of the host) or"
+                                " `host` (the host's network: the host's own tenant only).")) -> StreamingResponse:
     """Build a spec into an image; cached layers are reused. Progress streams as it goes."""
     fleet: Engine = engine(request)
+    if check_network(network) == "host":  # a step on the host's network reaches its loopback services
+        _host_only(caller, "build with the host's network (network=host)")
     # The pid in the name lets reconcile clear what a crashed server left.
     scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
     try:
@@ -64,7 +75,8 @@ async def build(request: Request) -> StreamingResponse:
 
     async def work(report):  # type: ignore[no-untyped-def]
         try:
-            return await fleet.build(spec, report)
+            built = await fleet.build(await _scoped_spec(fleet, spec, caller), report, network=network)
+            return fleet.catalog.own(built, caller)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
 
@@ -107,7 +119,7 @@ async def pull(body: PullRequest, request: Request, caller: str = Depends(tenant
     fleet: Engine = engine(request)
     if fleet.config.pull == "never":
         _host_only(caller, "pull images on this host (FANFOLD_PULL=never)")
-    return _stream_image(lambda report: fleet.pull(body.ref, platform=body.platform, on_progress=report))
+    return _stream_image(lambda report: fleet.pull(body.ref, platform=body.platform, on_progress=report, tenant=caller))
 
 
 @router.post("/import", responses=PULL_STREAM, openapi_extra={"requestBody": {
@@ -131,7 +143,7 @@ async def import_image(request: Request, caller: str = Depends(tenant), ref: str
 
     async def work(report):  # type: ignore[no-untyped-def]
         try:
-            return await fleet.import_image(archive, ref=ref, on_progress=report)
+            return await fleet.import_image(archive, ref=ref, on_progress=report, tenant=caller)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
 
@@ -141,9 +153,21 @@ async def import_image(request: Request, caller: str = Depends(tenant), ref: str
 @router.delete("", response_model=RemovedImage, responses=ERRORS)
 async def remove_image(request: Request, ref: str = Query(description="An image id or a reference naming it."),
                        force: bool = False, caller: str = Depends(tenant)) -> dict[str, str]:
-    """Remove an image (the host's own tenant only: images are shared by every tenant)."""
-    _host_only(caller, "remove images")
-    return {"id": await engine(request).remove_image(ref, force=force)}
+    """Remove one of the caller's images: its names and its claim go, the image once nobody else holds it."""
+    return {"id": await engine(request).remove_image(ref, force=force, tenant=caller)}
+
+
+class ShareRequest(BaseModel):
+    ref: str = Field(description="An image id or a reference naming it.")
+    shared: bool = Field(True, description="True publishes it to every tenant; false takes it back.")
+
+
+@router.post("/share", response_model=ImageBody, responses=ERRORS)
+async def share(body: ShareRequest, request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
+    """Publish an image to every tenant, or take it back (the host's own tenant only); sandboxes
+    already made from it keep running."""
+    _host_only(caller, "share images")
+    return image_to_json(await engine(request).share_image(body.ref, body.shared))
 
 
 registries = APIRouter(prefix="/v1/registries", tags=["images"])
@@ -160,6 +184,27 @@ async def login(body: LoginRequest, request: Request, caller: str = Depends(tena
 async def logout(body: LoginRequest, request: Request, caller: str = Depends(tenant)) -> None:
     _host_only(caller, "log out of registries")
     await engine(request).logout(body.registry)
+
+
+async def _scoped_spec(fleet: Engine, spec: EnvSpec, caller: str) -> EnvSpec:
+    """``spec`` with each image it builds on (its base, a ``copy --from`` image) resolved among the
+    caller's images to an id, so the build reads no other tenant's image, whatever it is named."""
+    if caller == LOCAL_TENANT:
+        return spec
+    steps = []
+    for step in spec.steps:
+        source = step.arg("source") if step.kind == "copy_from" else None
+        if isinstance(source, EnvSpec):
+            source = await _scoped_spec(fleet, source, caller)
+        elif isinstance(source, str):
+            source = await _scoped_base(fleet, source, caller)
+        args = tuple((k, source if k == "source" and source is not None else v) for k, v in step.args)
+        steps.append(Step(step.kind, args) if args != step.args else step)
+    return dataclasses.replace(spec, base=await _scoped_base(fleet, spec.base, caller), steps=tuple(steps))
+
+
+async def _scoped_base(fleet: Engine, ref: str, caller: str) -> str:
+    return ref if ref in BASES else (await fleet.catalog.resolve(ref, caller)).id
 
 
 def _host_only(caller: str, what: str) -> None:

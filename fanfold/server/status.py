@@ -15,6 +15,7 @@ _STATUS: list[tuple[type[errors.FanfoldError], int]] = [
     (errors.SnapshotInUse, 409),
     (errors.ImageInUse, 409),
     (errors.CapacityExceeded, 429),
+    (errors.QuotaExceeded, 429),
     (errors.Retryable, 503),
     (errors.HostNotReady, 503),
     (errors.InvalidRequest, 422),
@@ -41,7 +42,9 @@ def bug_body(err: Exception) -> dict[str, str]:
 
 def error_response(err: errors.FanfoldError, status: int | None = None) -> JSONResponse:
     status = status or status_for(err)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
+    # A quota is not lifted by waiting: no Retry-After, so clients do not retry it.
+    retry = status in (429, 503) and not isinstance(err, errors.QuotaExceeded)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else {}
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(error_to_json(err), status_code=status, headers=headers)

@@ -1,0 +1,243 @@
+"""User namespaces for sandboxes: a host uid range per sandbox, and layers idmapped into it.
+
+Root in a sandbox is host uid ``base`` (its whole range is ``base .. base+65535``), a range no
+other live sandbox on this host has: ``claim`` takes the lowest free slot, host-wide (engines
+of every state dir share ``CLAIMS``), as two symlinks made atomically. The layers stay as they
+are on disk (owned by uid 0, shared by every sandbox): each gets an idmapped clone
+(``open_tree`` + ``mount_setattr(MOUNT_ATTR_IDMAP)``) through a user namespace with the
+sandbox's mapping, and the overlay is mounted over the clones by a thread whose fsuid is the
+range's root, so what the sandbox writes lands on disk as uid 0 again: snapshot layers fit
+any range. Host-side writes into a sandbox's root go through ``as_mapped_root`` for the same
+reason (host uid 0 has no mapping there: EOVERFLOW).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import platform
+import signal
+import subprocess
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import HostNotReady, InfrastructureError
+
+RANGE = 65536
+FIRST_SLOT = 16
+"""Slot s maps to host uids (s) * RANGE ..: the first 16 ranges (uids below 1048576) stay the host's."""
+SLOTS = (1 << 32) // RANGE - FIRST_SLOT - 1
+CLAIMS = Path("/run/fanfold/uids")
+NAMESPACES_KEPT = 512
+"""User namespaces kept open (one fd each) for the idmaps of the slots used last."""
+
+_SYSCALLS = {"x86_64": (428, 429, 442, 122, 123, 157), "aarch64": (428, 429, 442, 151, 152, 167)}
+"""open_tree, move_mount, mount_setattr, setfsuid, setfsgid, prctl: called raw, per thread."""
+AT_FDCWD, AT_EMPTY_PATH = -100, 0x1000
+OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 1, 0x4
+MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_IDMAP = 0x2, 0x4, 0x100000
+PR_GET_SECUREBITS, PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP = 27, 28, 0x4
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _numbers() -> tuple[int, int, int, int, int, int]:
+    found = _SYSCALLS.get(platform.machine())
+    if found is None:
+        raise HostNotReady(f"user namespaces for sandboxes are not wired up for {platform.machine()}:"
+                           " set FANFOLD_USERNS=0")
+    return found
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return rc
+
+
+# -- ranges -----------------------------------------------------------------------------------
+
+
+def base_of_slot(slot: int) -> int:
+    return (slot + FIRST_SLOT) * RANGE
+
+
+def claim(sandbox_id: str, claims: Path = CLAIMS) -> int:
+    """Take the lowest free range for ``sandbox_id``; its base (host uid of the sandbox's root)."""
+    by_id = claims / "by-id"
+    by_id.mkdir(parents=True, exist_ok=True)
+    taken = {int(n) for n in os.listdir(claims) if n.isdigit()}
+    for slot in range(SLOTS):
+        if slot in taken:
+            continue
+        try:
+            os.symlink(sandbox_id, claims / str(slot))  # atomic: the host-wide claim
+        except FileExistsError:
+            continue  # another engine took it meanwhile
+        try:
+            os.symlink(str(slot), by_id / sandbox_id)
+        except FileExistsError:  # a claim of this id already: keep that one
+            os.unlink(claims / str(slot))
+            return base_of(sandbox_id, claims) or 0
+        return base_of_slot(slot)
+    raise InfrastructureError(f"every one of {SLOTS} uid ranges is taken by a live sandbox")
+
+
+def base_of(sandbox_id: str, claims: Path = CLAIMS) -> int | None:
+    """The base of the range ``sandbox_id`` holds, or None when it holds none."""
+    try:
+        return base_of_slot(int(os.readlink(claims / "by-id" / sandbox_id)))
+    except (OSError, ValueError):
+        return None
+
+
+def release(sandbox_id: str, claims: Path = CLAIMS) -> None:
+    """Give back the range of ``sandbox_id``; idempotent."""
+    link = claims / "by-id" / sandbox_id
+    try:
+        slot = os.readlink(link)
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        if os.readlink(claims / slot) == sandbox_id:
+            os.unlink(claims / slot)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(link)
+
+
+def claimed() -> set[str]:
+    """Sandbox ids holding a range, on this host."""
+    try:
+        return set(os.listdir(CLAIMS / "by-id"))
+    except FileNotFoundError:
+        return set()
+
+
+# -- user namespaces --------------------------------------------------------------------------
+
+
+class Namespaces:
+    """User namespaces mapping 0..RANGE-1 to a base, one fd each, made once (~5 ms) and kept."""
+
+    def __init__(self, kept: int = NAMESPACES_KEPT) -> None:
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._kept = kept
+        self._lock = threading.Lock()
+
+    def fd(self, base: int) -> int:
+        """An fd of a user namespace for ``base``: valid until ``close`` (or ``kept`` other bases later)."""
+        with self._lock:
+            if base in self._fds:
+                self._fds.move_to_end(base)
+                return self._fds[base]
+        made = _new_userns(base)
+        with self._lock:
+            if base in self._fds:  # another thread made one meanwhile
+                os.close(made)
+                return self._fds[base]
+            self._fds[base] = made
+            while len(self._fds) > self._kept:
+                os.close(self._fds.popitem(last=False)[1])
+            return made
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _new_userns(base: int) -> int:
+    """A user namespace fd with the range at ``base``: a child that unshares one waits while its
+    maps are written from here; its namespace outlives it through the fd."""
+    mine = os.readlink("/proc/self/ns/user")
+    child = subprocess.Popen(["unshare", "--user", "--", "sleep", "60"], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if os.readlink(f"/proc/{child.pid}/ns/user") != mine and _exe_is_sleep(child.pid):
+                    break
+            except OSError:
+                pass
+            if child.poll() is not None:
+                raise HostNotReady(f"unshare --user failed: {child.stderr.read().decode()[-300:] if child.stderr else ''}"
+                                   " (set FANFOLD_USERNS=0 to run sandboxes without user namespaces)")
+            if time.monotonic() > deadline:
+                raise InfrastructureError("a helper process for a user namespace did not start within 10 s")
+            time.sleep(0.0005)
+        mapping = f"0 {base} {RANGE}\n".encode()
+        for name in ("uid_map", "gid_map"):
+            fd = os.open(f"/proc/{child.pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, mapping)
+            finally:
+                os.close(fd)
+        return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGKILL)
+        child.wait()
+        if child.stderr is not None:
+            child.stderr.close()
+
+
+def _exe_is_sleep(pid: int) -> bool:
+    """Whether ``pid`` has exec'd ``sleep``: by then it has unshared, and its maps may be written."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe").endswith("/sleep")
+    except OSError:
+        return False
+
+
+# -- idmapped mounts --------------------------------------------------------------------------
+
+
+def idmapped_bind(source: Path, target: Path, userns: int) -> None:
+    """Mount an idmapped clone of the mount at ``source`` (or the subtree there) on ``target``,
+    nosuid and nodev; the sandbox's root tmpfs holds it, so its lazy unmount takes the clone too."""
+    open_tree, move_mount, mount_setattr, _, _, _ = _numbers()
+    fd = _check(_libc.syscall(open_tree, AT_FDCWD, str(source).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC),
+                f"open_tree {source}")
+    try:
+        attr = _MountAttr(attr_set=MOUNT_ATTR_IDMAP | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, userns_fd=userns)
+        _check(_libc.syscall(mount_setattr, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
+               f"idmapping {source}")
+        _check(_libc.syscall(move_mount, fd, b"", AT_FDCWD, str(target).encode(), MOVE_MOUNT_F_EMPTY_PATH),
+               f"mounting the idmapped {source} on {target}")
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def as_mapped_root(base: int | None) -> Iterator[None]:
+    """Within it, this thread creates files (and mounts overlays) as host uid ``base``: through an
+    idmapped mount they land as uid 0. Capabilities are kept; a no-op for ``base`` None."""
+    if base is None:
+        yield
+        return
+    _, _, _, setfsuid, setfsgid, prctl = _numbers()
+    bits = _check(_libc.syscall(prctl, PR_GET_SECUREBITS), "reading securebits")
+    _check(_libc.syscall(prctl, PR_SET_SECUREBITS, bits | SECBIT_NO_SETUID_FIXUP), "setting securebits")
+    try:
+        _libc.syscall(setfsgid, base)
+        _libc.syscall(setfsuid, base)
+        if _libc.syscall(setfsuid, -1) != base:  # setfsuid answers the previous value, never an error
+            raise InfrastructureError(f"could not take fsuid {base} for writes into a sandbox")
+        yield
+    finally:
+        _libc.syscall(setfsuid, 0)
+        _libc.syscall(setfsgid, 0)
+        _libc.syscall(prctl, PR_SET_SECUREBITS, bits)

@@ -1,0 +1,257 @@
+"""Tenants apart on a real ``fanfold serve``: images and pools are each tenant's own (the host's tenant
+shares some), quotas refuse with a 429 that names them and leave nothing behind, and a file written
+through the files API past the sandbox's disk fails cleanly.
+
+The module runs its own server (quotas in its tokens file, pulls from a loopback registry) on the
+session's state directory; alice and bob have no quota, carol has small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import uuid
+
+import httpx
+import pytest
+
+from conftest import TOKENS, Server, run_cli, start_server, stop_server
+from fanfold import AsyncFleet, EnvSpec, ImageNotFound, LimitExceeded, QuotaExceeded, SandboxNotFound, Unauthorized
+from fanfold.errors import FanfoldError
+from fanfold.server.auth import Tenants
+from registry import push_image
+
+CAROL = "carol-token-0123456789abcdef"
+QUOTA = "sandboxes=2 memory_mb=1024 disk_mb=3072 pools=1"
+
+
+@pytest.fixture(scope="module")
+def tserver(config, registry, tmp_path_factory):
+    where = tmp_path_factory.mktemp("tenants")
+    tokens = where / "quota-tokens"
+    tokens.write_text(f"alice {TOKENS['alice']}\nbob {TOKENS['bob']}\n# small quotas\ncarol {CAROL} {QUOTA}\n")
+    running = start_server(config.state_dir, where, "--tokens-file", str(tokens),
+                           env={"FANFOLD_INSECURE_REGISTRIES": registry.host})
+    running.tokens["carol"] = CAROL
+    yield running
+    assert stop_server(running) == 0
+
+
+def fleet(server: Server, who: str | None) -> AsyncFleet:
+    """``who``'s fleet over TCP, or the host's own tenant over the unix socket (None)."""
+    return AsyncFleet(server.unix_url) if who is None else AsyncFleet(server.tcp_url, token=server.tokens[who])
+
+
+def http(server: Server, who: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=server.tcp_url, headers={"Authorization": f"Bearer {server.tokens[who]}"},
+                             timeout=60)
+
+
+async def until(poll, wanted, timeout: float = 60) -> None:
+    """Poll ``await poll()`` until it equals ``wanted``, failing after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while (got := await poll()) != wanted:
+        assert loop.time() < give_up, f"still {got!r} after {timeout} s"
+        await asyncio.sleep(0.1)
+
+
+def rows_of(config, tenant: str) -> int:
+    with sqlite3.connect(config.state_dir / "fanfold.db") as db:
+        return db.execute("SELECT COUNT(*) FROM sandboxes WHERE tenant=?", (tenant,)).fetchone()[0]
+
+
+async def test_another_tenants_image_is_a_404_everywhere(tserver):
+    secret = f"alice-{uuid.uuid4().hex}"
+    async with fleet(tserver, "alice") as alice, fleet(tserver, "bob") as bob:
+        mine = await alice.build(EnvSpec("host").env(SECRET=secret))
+        assert mine.id in {i.id for i in await alice.images()}
+        assert mine.id not in {i.id for i in await bob.images()}
+        async with http(tserver, "bob") as raw:
+            listed = await raw.get("/v1/images")
+            assert listed.status_code == 200 and secret not in listed.text
+            made = await raw.post("/v1/sandboxes", json={"image": mine.id})
+            never = await raw.post("/v1/sandboxes", json={"image": "img-" + "0" * 16})
+        assert made.status_code == never.status_code == 404
+        assert made.json()["kind"] == "image_not_found"
+        assert made.json()["message"] == never.json()["message"].replace("img-" + "0" * 16, mine.id)
+        with pytest.raises(ImageNotFound):
+            await bob.pool(mine.id, 1)
+        with pytest.raises(ImageNotFound):
+            await bob.remove_image(mine.id)
+        with pytest.raises(ImageNotFound):  # nor build on it, as a base or a copy source
+            await bob.build(EnvSpec(mine.id).env(MORE="1"))
+        with pytest.raises(ImageNotFound):
+            await bob.build(EnvSpec("host").copy_from(mine.id, "/etc/hostname", "/stolen"))
+        assert await bob.list() == []
+        async with await alice.create(mine.id) as sandbox:
+            assert (await sandbox.exec("echo $SECRET")).stdout.decode().strip() == secret
+
+        # The same spec built by bob is his too (layers stay shared); his removing it leaves alice's.
+        again = await bob.build(EnvSpec("host").env(SECRET=secret))
+        assert again.id == mine.id and again.layers == mine.layers
+        assert await bob.remove_image(again.id) == mine.id
+        assert mine.id not in {i.id for i in await bob.images()}
+        assert mine.id in {i.id for i in await alice.images()}
+        async with await alice.create(mine.id):
+            pass
+
+
+async def test_the_hosts_shared_image_is_everyones_until_unshared(tserver):
+    async with fleet(tserver, None) as host, fleet(tserver, "bob") as bob:
+        image = await host.build(EnvSpec("host").env(TEAM=f"shared-{uuid.uuid4().hex}"))
+        assert image.id not in {i.id for i in await bob.images()}
+        with pytest.raises(Unauthorized):  # only the host's own tenant publishes
+            await bob.share_image(image.id)
+        shown = run_cli("--url", tserver.unix_url, "images", "share", image.id)
+        assert shown.returncode == 0 and shown.stdout.strip() == image.id, shown.stderr
+        seen = {i.id: i for i in await bob.images()}
+        assert seen[image.id].shared
+        async with await bob.create(image.id) as sandbox:
+            with pytest.raises(Unauthorized, match="shared"):
+                await bob.remove_image(image.id)
+            assert not (await host.share_image(image.id, shared=False)).shared
+            assert (await sandbox.exec("echo $TEAM")).stdout.decode().strip() == dict(image.env)["TEAM"]
+            with pytest.raises(ImageNotFound):
+                await bob.create(image.id)
+        assert image.id in {i.id for i in await host.images()}
+        await host.remove_image(image.id)
+
+
+async def test_pools_are_the_tenants_own(tserver):
+    async with fleet(tserver, "alice") as alice, fleet(tserver, "bob") as bob:
+        image = await alice.build(EnvSpec("host").env(POOL=uuid.uuid4().hex))
+        try:
+            pool = await alice.pool(image.id, 1, memory_mb=160, wait=120)
+            assert pool.ready == 1
+            assert [p.source for p in await alice.pools()] == [image.id]
+            assert image.id not in {p.source for p in await bob.pools()}
+            with pytest.raises(ImageNotFound):  # bob can neither resize nor remove it
+                await bob.pool(image.id, 0, memory_mb=160)
+            async with http(tserver, "bob") as raw:
+                stats = (await raw.get("/v1/stats")).json()
+            assert image.id not in str(stats["pools"])
+            async with await alice.create(image.id, memory_mb=160) as sandbox:
+                assert (await alice.pools())[0].handouts == 1
+                with pytest.raises(SandboxNotFound):  # a sandbox from alice's pool is alice's
+                    await bob.get(sandbox.id)
+                assert sandbox.id not in {info.id for info in await bob.list()}
+        finally:
+            await alice.pool(image.id, 0, memory_mb=160)
+        await until(lambda: alice.pools(), [])
+
+
+async def test_the_hosts_pools_serve_every_tenant_as_its_own(tserver):
+    """``fanfold serve --pool`` is the operator's warm capacity: a tenant's create of a base takes from it."""
+    async with fleet(tserver, None) as host, fleet(tserver, "bob") as bob, fleet(tserver, "alice") as alice:
+        try:
+            await host.pool("host", 1, memory_mb=176, wait=120)
+            assert not [p for p in await bob.pools() if p.limits.memory_mb == 176]
+            async with await bob.create(memory_mb=176) as sandbox:
+                [pool] = [p for p in await host.pools() if p.limits.memory_mb == 176]
+                assert pool.handouts == 1
+                assert sandbox.id in {info.id for info in await bob.list()}
+                with pytest.raises(SandboxNotFound):
+                    await alice.get(sandbox.id)
+        finally:
+            await host.pool("host", 0, memory_mb=176)
+        await until(lambda: host.pools(), [])
+
+
+async def test_a_tenants_names_are_its_own(tserver, registry):
+    """alice and bob pull the same tag at different times: each keeps the image it pulled."""
+    ref = f"{registry.host}/tenants-{uuid.uuid4().hex[:8]}:v1"
+    name = ref.partition("/")[2]
+    async with fleet(tserver, "alice") as alice, fleet(tserver, "bob") as bob:
+        push_image(registry, name, [{"marker": "first"}])
+        first = await alice.pull(ref)
+        push_image(registry, name, [{"marker": "second"}])
+        second = await bob.pull(ref)
+        assert first.id != second.id
+        assert ref in next(i for i in await alice.images() if i.id == first.id).names
+        assert first.id not in {i.id for i in await bob.images()}
+        for who, marker in ((alice, b"first"), (bob, b"second")):
+            async with await who.create(ref) as sandbox:
+                assert await sandbox.files.read("/marker") == marker
+        await alice.remove_image(ref)
+        with pytest.raises(ImageNotFound):
+            await alice.remove_image(first.id)
+        async with await bob.create(ref):  # alice's removal took her name, not bob's
+            pass
+        await bob.remove_image(ref)
+
+
+async def test_a_quota_is_a_429_that_names_it_and_leaves_nothing(tserver, config):
+    async with fleet(tserver, "carol") as carol:
+        made = [await carol.create(memory_mb=256, disk_mb=256) for _ in range(2)]
+        with pytest.raises(QuotaExceeded, match=r"tenant carol has 2 of 2 sandboxes \(quota sandboxes\)"):
+            await carol.create(memory_mb=256, disk_mb=256)
+        async with http(tserver, "carol") as raw:
+            refused = await raw.post("/v1/sandboxes", json={"image": "host"})
+        assert refused.status_code == 429 and refused.json()["kind"] == "quota_exceeded"
+        assert "retry-after" not in refused.headers  # waiting does not lift a quota
+        assert rows_of(config, "carol") == 2
+        await made[0].kill()
+        with pytest.raises(QuotaExceeded, match=r"256 of 1024 MB of memory \(quota memory_mb\); this create needs 1024"):
+            await carol.create(memory_mb=1024)
+        with pytest.raises(QuotaExceeded, match=r"256 of 3072 MB of disk \(quota disk_mb\)"):
+            await carol.create(memory_mb=256, disk_mb=3000)
+        assert rows_of(config, "carol") == 1
+        await made[1].kill()
+
+        # Concurrent creates never overshoot: two of four get in.
+        tries = await asyncio.gather(*(carol.create(memory_mb=128, disk_mb=128) for _ in range(4)),
+                                     return_exceptions=True)
+        assert sorted(type(t).__name__ for t in tries) == ["AsyncSandbox"] * 2 + ["QuotaExceeded"] * 2
+        assert rows_of(config, "carol") == 2
+        for sandbox in tries:
+            if not isinstance(sandbox, BaseException):
+                await sandbox.kill()
+
+        with pytest.raises(QuotaExceeded, match=r"0 of 1 pooled sandboxes \(quota pools\); this pool needs 2"):
+            await carol.pool("host", 2)
+        with pytest.raises(QuotaExceeded, match="quota pools"):  # a demand-sized pool counts as its most
+            await carol.pool("host", None)
+        await carol.pool("host", 1, memory_mb=128)
+        await carol.pool("host", 1, memory_mb=128)  # resizing the same pool counts it once
+        with pytest.raises(QuotaExceeded, match=r"1 of 1 pooled sandboxes"):
+            await carol.pool("host", 1, memory_mb=144)
+        await carol.pool("host", 0, memory_mb=128)
+        await until(lambda: carol.pools(), [])  # a fill in flight ends before its pool goes
+    assert rows_of(config, "carol") == 0
+
+
+async def test_files_past_the_disk_quota_fail_cleanly_and_the_sandbox_goes_on(tserver, config):
+    if config.disk != "btrfs":
+        pytest.skip("the disk quota tested here is the btrfs disk's")
+    async with fleet(tserver, "alice") as alice, await alice.create(disk_mb=8) as sandbox:
+        with pytest.raises(LimitExceeded, match="disk is full"):
+            await sandbox.files.write("/big", b"x" * (16 << 20))
+        async def chunks():  # streamed, as the SDK's upload sends it
+            for _ in range(16):
+                yield b"y" * (1 << 20)
+
+        async with http(tserver, "alice") as raw:
+            put = await raw.put(f"/v1/sandboxes/{sandbox.id}/files/content", params={"path": "/big2"},
+                                content=chunks())
+        assert put.status_code == 422 and put.json()["kind"] == "limit_exceeded", put.text
+        assert "Traceback" not in put.text
+        names = {entry.name for entry in await sandbox.files.list("/")}
+        assert not {"big", "big2"} & names and not any(n.startswith(".") and "big" in n for n in names)
+        await sandbox.files.write("/small", "still usable")
+        assert await sandbox.files.read("/small") == b"still usable"
+        assert (await sandbox.exec("echo ok")).stdout == b"ok\n"
+
+
+def test_quotas_in_the_tokens_file(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"carol {CAROL} {QUOTA}\ncarol {CAROL}x\ndave dave-token-0123456789abcd\n")
+    tenants = Tenants.from_file(tokens)
+    assert tenants.quotas["carol"].sandboxes == 2 and tenants.quotas["carol"].pools == 1
+    assert "dave" not in tenants.quotas
+    tokens.write_text(f"carol {CAROL} sandboxes=two\n")
+    with pytest.raises(FanfoldError, match=r"tokens:1: 'sandboxes=two' is not a quota"):
+        Tenants.from_file(tokens)
+    tokens.write_text(f"carol {CAROL} sandboxes=1\ncarol {CAROL}x sandboxes=2\n")
+    with pytest.raises(FanfoldError, match="quotas on an earlier line"):
+        Tenants.from_file(tokens)

@@ -1,0 +1,102 @@
+"""User namespaces: root in a sandbox is an unprivileged host uid, a range no other live sandbox
+has, over layers shared without copying; writes land on disk as the sandbox's root, uid 0."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from fanfold import AsyncFleet, EngineConfig
+from fanfold.host import idmap
+from fanfold.runtime.oci_sandbox import paths
+
+
+def _host_ids(engine, sandbox_id: str) -> tuple[int, int]:
+    """(uid, gid) PID 1 of the sandbox runs as, seen from the host."""
+    pid = engine.db.get(sandbox_id)["pid"]
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    uid = next(line for line in status if line.startswith("Uid:")).split()[1]
+    gid = next(line for line in status if line.startswith("Gid:")).split()[1]
+    return int(uid), int(gid)
+
+
+async def test_root_in_a_sandbox_is_an_unprivileged_host_uid_of_its_own(config):
+    async with AsyncFleet(config=config) as fleet:
+        engine = fleet._transport
+        a, b = await asyncio.gather(fleet.create(), fleet.create())
+        try:
+            ids = {s.id: _host_ids(engine, s.id) for s in (a, b)}
+            for sandbox in (a, b):
+                uid, gid = ids[sandbox.id]
+                assert uid == gid == idmap.base_of(sandbox.id) and uid >= idmap.FIRST_SLOT * idmap.RANGE
+                inside = await sandbox.exec("id -u; cat /proc/self/uid_map; stat -c %u:%g /etc/passwd /usr/bin/env")
+                first, base, size, *owners = inside.text.split()[1:]
+                assert inside.text.split()[0] == "0" and (int(first), int(base), int(size)) == (0, uid, idmap.RANGE)
+                assert owners == ["0:0", "0:0"]  # the image's files (and the host's /usr) are root's inside
+            assert abs(ids[a.id][0] - ids[b.id][0]) >= idmap.RANGE  # ranges apart, not just different roots
+        finally:
+            await asyncio.gather(a.kill(), b.kill())
+        assert idmap.base_of(a.id) is None and idmap.base_of(b.id) is None  # ranges given back
+
+
+async def test_writes_land_on_disk_as_the_sandbox_sees_them(config):
+    async with AsyncFleet(config=config) as fleet:
+        async with await fleet.create() as sandbox:
+            made = await sandbox.exec(
+                "echo x > /root/mine; useradd -m bob && su bob -c 'echo y > ~/his'; mkdir /srv/d && chown bob /srv/d;"
+                " rm /etc/motd 2>/dev/null; stat -c %U /root/mine /home/bob/his /srv/d")
+            assert made.text.split() == ["root", "bob", "bob"], made.stderr
+            await sandbox.files.write("/root/from-host", "z")  # through the files API: root's too
+            assert (await sandbox.exec("stat -c %u /root/from-host")).text == "0\n"
+            upper = paths(config, sandbox.id).disk / "upper"
+            on_disk = {name: (upper / name).stat().st_uid for name in ("root/mine", "home/bob/his", "srv/d", "root/from-host")}
+            assert on_disk == {"root/mine": 0, "home/bob/his": 1000, "srv/d": 1000, "root/from-host": 0}
+            # snapshot layers made of such an upper start in any other range as they were
+            snap = await sandbox.snapshot()
+        async with await fleet.create(snap) as copy:
+            seen = await copy.exec("stat -c %U /root/mine /home/bob/his; cat /root/mine; id -u bob")
+            assert seen.text.split() == ["root", "bob", "x", "1000"]
+        await fleet.delete_snapshot(snap.id)
+
+
+async def test_a_fork_child_gets_a_range_of_its_own_and_can_fork_again(config):
+    async with AsyncFleet(config=config) as fleet:
+        engine = fleet._transport
+        async with await fleet.create() as parent:
+            await parent.exec("echo parent > /tmp/mark")
+            child = (await parent.fork(1)).children[0]
+            try:
+                assert _host_ids(engine, child.id)[0] not in (0, _host_ids(engine, parent.id)[0])
+                assert (await child.exec("cat /tmp/mark; id -u; touch /tmp/w && echo wrote")).text == "parent\n0\nwrote\n"
+                grandchild = (await child.fork(1)).children[0]
+                try:
+                    assert (await grandchild.exec("cat /tmp/mark")).text == "parent\n"
+                    assert _host_ids(engine, grandchild.id)[0] not in {_host_ids(engine, s.id)[0] for s in (parent, child)}
+                finally:
+                    await grandchild.kill()
+            finally:
+                await child.kill()
+
+
+async def test_without_user_namespaces_root_is_the_hosts(config, tmp_path):
+    quiet = EngineConfig(state_dir=config.state_dir, userns=False)
+    async with AsyncFleet(config=quiet) as fleet:
+        async with await fleet.create() as sandbox:
+            assert _host_ids(fleet._transport, sandbox.id) == (0, 0)
+            assert idmap.base_of(sandbox.id) is None
+            assert (await sandbox.exec("cat /proc/self/uid_map")).text.split() == ["0", "0", "4294967295"]
+
+
+def test_a_checkpoints_user_namespace_is_rewritten_for_each_restore(tmp_path):
+    from fanfold.runtime import criu_images
+
+    images = tmp_path / "images"
+    images.mkdir()
+    source = images / "userns-11.img"
+    criu_images.write_maps(source, {"uid_map": [(0, 1048576, 65536)], "gid_map": [(0, 1048576, 65536)]})
+    (images / "pages-1.img").write_bytes(b"pages")
+    copy = criu_images.private_copy(images, tmp_path / "copy", 2 * 1048576)
+    assert criu_images.read_maps(copy / "userns-11.img")["uid_map"] == [(0, 2 * 1048576, 65536)]
+    assert criu_images.read_maps(source)["gid_map"] == [(0, 1048576, 65536)]  # the shared image is left alone
+    assert (copy / "pages-1.img").stat().st_ino == (images / "pages-1.img").stat().st_ino  # linked, not copied
+    assert criu_images.has_userns(images) and not criu_images.has_userns(tmp_path)
