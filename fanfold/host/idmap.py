@@ -128,7 +128,9 @@ def claimed() -> set[str]:
 
 
 class Namespaces:
-    """User namespaces mapping 0..RANGE-1 to a base, one fd each, made once (~5 ms) and kept."""
+    """User namespaces mapping 0..RANGE-1 to a base, one fd each, made once (~5 ms) and kept: for
+    the idmaps, and for crun to join. The sandboxes that hold a range one after another share its
+    namespace; none of them outlives its sandbox but the kernel keyring, which seccomp closes."""
 
     def __init__(self, kept: int = NAMESPACES_KEPT) -> None:
         self._fds: OrderedDict[int, int] = OrderedDict()

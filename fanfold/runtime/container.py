@@ -65,6 +65,8 @@ class ContainerSpec:
     uid_base: int | None = None
     """A user namespace of its own whose root is this host uid (its range: ``idmap.RANGE`` ids);
     None: none, root is the host's."""
+    userns_path: str | None = None
+    """With ``uid_base``: a user namespace with that mapping to join rather than make one."""
     seccomp_bpf: str | None = None
     """The seccomp filter as a BPF program in base64 (``seccomp.bpf``); None runs unconfined."""
 

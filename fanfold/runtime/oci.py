@@ -83,7 +83,7 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
     if spec.cgroup_path:
         linux["cgroupsPath"] = spec.cgroup_path
     if spec.uid_base is not None:
-        namespaces.append({"type": "user"})
+        namespaces.append({"type": "user"} if spec.userns_path is None else {"type": "user", "path": spec.userns_path})
         mapping = [{"containerID": 0, "hostID": spec.uid_base, "size": USERNS_RANGE}]
         linux["uidMappings"] = linux["gidMappings"] = mapping
     annotations = {} if spec.seccomp_bpf is None else {seccomp.BPF_ANNOTATION: spec.seccomp_bpf}

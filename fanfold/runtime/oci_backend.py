@@ -59,7 +59,8 @@ class OciBackend(Backend):
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
-        self.criu = Criu(cfg.criu)
+        self.criu = Criu(cfg.criu, cfg.state_dir / "bin")
+        await asyncio.to_thread(self.criu.prepare)
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
