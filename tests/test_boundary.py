@@ -70,6 +70,8 @@ out = {
     "ptrace_pid1": call(101, 16, 1, 0, 0),
     "process_vm_readv_pid1": call(310, 1, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0),
     "pidfd_open_pid1": call(434, 1, 0),
+    "ptrace_pid1_high_bits": call(101, 16, 0x100000001, 0, 0),  # the kernel reads 32 bits of a pid
+    "pidfd_open_pid1_high_bits": call(434, 0x100000001, 0),
     "pid1_mem": reached("/proc/1/mem"),
     "pid1_task_mem": reached("/proc/1/task/1/mem"),
     "proc_sys": write("/proc/sys/kernel/hostname", "escaped"),
@@ -311,11 +313,14 @@ def test_the_default_profile_is_an_allowlist_without_namespaces_keys_or_mounts()
     allowed = {n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW" and not rule.get("args")
                for n in rule["names"]}
     assert {"read", "write", "execve", "openat", "socket"} <= allowed
-    # ptrace and its kin are allowed only with a pid argument other than 1 (the agent)
-    pid_checked = {rule["names"][0]: rule["args"][0] for rule in profile["syscalls"]
-                   if rule["action"] == "SCMP_ACT_ALLOW" and rule.get("args") and rule["args"][0]["op"] == "SCMP_CMP_NE"}
-    assert pid_checked["ptrace"]["index"] == 1 and pid_checked["ptrace"]["value"] == 1
-    assert {"process_vm_readv", "process_vm_writev", "pidfd_open"} <= set(pid_checked)
+    # ptrace and its kin are allowed only when the pid's low 32 bits (all the kernel reads) are not 1
+    for name, index in (("ptrace", 1), ("process_vm_readv", 0), ("process_vm_writev", 0), ("pidfd_open", 0)):
+        conditions = [rule["args"][0] for rule in profile["syscalls"] if rule["names"] == [name]]
+        assert {c["index"] for c in conditions} == {index} and len(conditions) == 32, name
+        masks = {(c["value"], c["valueTwo"]) for c in conditions if c["op"] == "SCMP_CMP_MASKED_EQ"}
+        lets_through = [pid for pid in (0, 1, 2, 3, 7, 1 << 31, (1 << 32) + 1, (1 << 32) + 2)
+                        if any(pid & mask == value for mask, value in masks)]
+        assert lets_through == [0, 2, 3, 7, 1 << 31, (1 << 32) + 2], name
     assert not allowed & {"unshare", "setns", "keyctl", "mount", "bpf", "perf_event_open", "init_module", "clone",
                           "clone3", "userfaultfd", "io_uring_setup", "kexec_load", "reboot"}
     assert seccomp.bpf("unconfined") is None and len(seccomp.bpf("default") or "") > 1000

@@ -174,8 +174,17 @@ async def test_auth_refused_then_login_lets_the_pull_through(
     assert stat.S_IMODE(auth.stat().st_mode) == 0o600 and secure.host in json.loads(auth.read_text())["auths"]
     image = await images.pull(ref)
     assert (images.store.layer_path(image.layers[0]) / "secret").read_text() == "data"
+    with pytest.raises(RegistryDenied):  # a server tenant's pull: the host's logins are the host's
+        await images.pull(ref, host=False)
     await images.logout(secure.host)
     assert secure.host not in json.loads(auth.read_text()).get("auths", {})
+
+
+async def test_a_tenants_pull_names_nothing_of_the_hosts(images: ImageStore, registry: Registry) -> None:
+    ref = push_image(registry, "tenant-named:v1", [{"a": "1"}])
+    image = await images.pull(ref, tls_verify=False, host=False)
+    assert images.store.resolve_ref(ref) is None  # the catalog names it for the tenant alone
+    assert (images.store.layer_path(image.layers[0]) / "a").read_text() == "1"
 
 
 async def test_untrusted_tls_and_plain_http_say_what_to_configure(

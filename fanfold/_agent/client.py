@@ -128,6 +128,8 @@ class AgentClient:
         (which knows no ``u``) drops the connection instead of running the command as root."""
         try:
             return await self._exec(argv, env, cwd, timeout_ms, max_output, stdin, on_chunk, user)
+        except AgentProtocolError:
+            raise
         except AgentUnreachable:
             if user is not None and await self._version() < PROTOCOL_VERSION:
                 raise AgentTooOld("this sandbox's agent predates running commands as a user") from None

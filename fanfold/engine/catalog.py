@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ImageInUse, ImageNotFound, InvalidRequest, Unauthorized
 from ..images import Image, LayerStore
+from ..images.registry import parse_platform
 from ..spec import BASES, is_image_id, is_image_ref
 from . import db as dbmod
 
@@ -52,11 +53,10 @@ class Catalog:
                 f"{ref!r} is not an image reference: give one like 'python:3.12-slim',"
                 " 'registry.example.org/team/env:v1' or 'localhost:5000/env@sha256:<64 hex>'"
             )
-        img = await self.oci.pull(ref, platform=platform, on_progress=on_progress)
-        if tenant:  # the pull named it for the host; the tenant's own names say the same
-            for name, named in self.store.refs().items():
-                if named == img.id and (name == ref or name.endswith("@" + img.digest)):
-                    self.store.tag(name, img.id, tenant)
+        # A tenant pulls as nobody (the host's logins are the host's) and names it for itself alone.
+        img = await self.oci.pull(ref, platform=platform, on_progress=on_progress, host=not tenant)
+        if tenant and parse_platform(platform)[:2] == parse_platform(None)[:2]:  # another platform's: by id only
+            self.store.tag(ref, img.id, tenant)
         return self.own(img, tenant)
 
     async def import_file(self, path: str | Path, *, ref: str | None = None,

@@ -186,9 +186,17 @@ class Checkpoints:
 
     async def _suspend_locked(self, row: Any) -> None:
         sandbox_id = row["id"]
-        snap, _ = await self._take(row, memory=True, kind="suspend", leave_running=False)
-        await self.life.backend.release(sandbox_id, dbmod.row_handle(row))
-        self.life.db.update(sandbox_id, state="suspended", pid=None, suspended_to=snap.id, layers=dbmod.row_layers(row) + (snap.id,))
+        # Claimed while its processes go (CRIU ends them): an engine that saw it running with a dead
+        # PID 1 would destroy it as broken; and the row names the snapshot at once, so no collection
+        # takes what it is to stand on. It is suspended once all it held is released.
+        self.life.db.update(sandbox_id, claimed_by=self.life.owner)
+        try:
+            snap, _ = await self._take(row, memory=True, kind="suspend", leave_running=False)
+            self.life.db.update(sandbox_id, suspended_to=snap.id, layers=dbmod.row_layers(row) + (snap.id,))
+            await self.life.backend.release(sandbox_id, dbmod.row_handle(row))
+        finally:
+            self.life.db.update(sandbox_id, claimed_by=None)
+        self.life.db.update(sandbox_id, state="suspended", pid=None)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         """Bring a suspended (or paused) sandbox back, processes and all, where it stopped."""

@@ -80,6 +80,7 @@ class Engine:
         self.backend = get_backend(cfg, self.store)
         await self.backend.prepare()
         self._db = db = dbmod.Database(cfg.state_dir / "fanfold.db")
+        _private_state(cfg.state_dir)  # again: the disk and the database exist now
         self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
                           scratch_run=cfg.state_dir / "bundles", networks=StepNetworks(cfg.tag),
@@ -477,7 +478,13 @@ def _private_state(state_dir: Path) -> None:
     dir itself is only traversable: a sandbox's own root (a host uid of its user namespace) must
     reach its root dir, which is its own (mode 0700), and the agent's binary."""
     os.chmod(state_dir, 0o711)
-    for name in ("layers", "images", "refs", "snapshots", "storage", "bundles", "locks", "disk"):
+    for name in ("layers", "images", "refs", "snapshots", "bundles", "locks"):
+        (state_dir / name).mkdir(mode=0o700, exist_ok=True)  # private before anything lands in it
+        os.chmod(state_dir / name, 0o700)
+    for name in ("bin", "sandboxes"):  # passed through by sandboxes' roots: the agent, their own root dir
+        (state_dir / name).mkdir(exist_ok=True)
+        os.chmod(state_dir / name, 0o711)
+    for name in ("storage", "disk"):
         with contextlib.suppress(FileNotFoundError):
             os.chmod(state_dir / name, 0o700)
     for name in ("fanfold.db", "fanfold.db-wal", "fanfold.db-shm"):

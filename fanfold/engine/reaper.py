@@ -41,7 +41,8 @@ class Reaper:
         for sandbox_id, row in rows.items():
             dead = not alive[row["owner"]]
             expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
-            broken = row["state"] in ("running", "pooled") and not life.backend.alive(dbmod.row_handle(row))
+            busy = row["claimed_by"] and process_alive(row["claimed_by"])  # a live engine is suspending it
+            broken = row["state"] in ("running", "pooled") and not busy and not life.backend.alive(dbmod.row_handle(row))
             if dead or expired or broken or self._orphaned(row):
                 await life.destroy(sandbox_id)
                 reaped += 1

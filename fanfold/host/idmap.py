@@ -32,7 +32,7 @@ FIRST_SLOT = 16
 """Slot s maps to host uids (s) * RANGE ..: the first 16 ranges (uids below 1048576) stay the host's."""
 SLOTS = (1 << 32) // RANGE - FIRST_SLOT - 1
 CLAIMS = Path("/run/fanfold/uids")
-NAMESPACES_KEPT = 512
+NAMESPACES_KEPT = 256
 """User namespaces kept open (one fd each) for the idmaps of the slots used last."""
 
 _SYSCALLS = {"x86_64": (428, 429, 442, 122, 123, 157), "aarch64": (428, 429, 442, 151, 152, 167)}
@@ -87,9 +87,9 @@ def claim(sandbox_id: str, claims: Path = CLAIMS) -> int:
             continue  # another engine took it meanwhile
         try:
             os.symlink(str(slot), by_id / sandbox_id)
-        except FileExistsError:  # a claim of this id already: keep that one
+        except FileExistsError:
             os.unlink(claims / str(slot))
-            return base_of(sandbox_id, claims) or 0
+            raise InfrastructureError(f"sandbox {sandbox_id} already holds a uid range") from None
         return base_of_slot(slot)
     raise InfrastructureError(f"every one of {SLOTS} uid ranges is taken by a live sandbox")
 

@@ -44,7 +44,8 @@ from . import procs
 
 SUBNET = ipaddress.IPv4Network("10.237.0.0/16")
 """Where build networks take their /30s (16384 of them); refused if the host routes any of it."""
-BLOCKED = ("127.0.0.0/8", "169.254.0.0/16")
+BLOCKED = ("127.0.0.0/8", "169.254.0.0/16", "100.100.100.200/32")
+"""Loopback, link-local (most clouds' metadata service) and Alibaba Cloud's metadata address."""
 NETNS_DIR = Path("/run/netns")
 VETH_PREFIX = "ffb"
 TOOL_TIMEOUT_S = 30
@@ -216,6 +217,7 @@ def _ruleset(names: _Names) -> str:
   chain forward {{
     type filter hook forward priority filter - 10; policy accept;
     iifname {veth} meta nfproto ipv6 reject with icmpx admin-prohibited
+    iifname {veth} ip saddr != {names.subnet} drop
     iifname {veth} ip daddr {{ {blocked} }} reject with icmpx admin-prohibited
     oifname {veth} ct state new drop
   }}

@@ -71,16 +71,18 @@ class ImageStore:
     # -- pulling and importing ------------------------------------------------------------------
 
     async def pull(self, ref: str, *, platform: str | None = None, tls_verify: bool | None = None,
-                   on_progress: OnPull | None = None) -> Image:
-        """Pull ``ref`` (tag or digest) from its registry; an index resolves to ``platform`` (default: this host's)."""
+                   on_progress: OnPull | None = None, host: bool = True) -> Image:
+        """Pull ``ref`` (tag or digest) from its registry; an index resolves to ``platform`` (default: this host's).
+        ``host=False`` (a server tenant's pull): without the host's registry logins, and naming nothing in
+        the host's names (the caller names it for the tenant)."""
         parsed = parse_ref(ref)
         repo = ref.split("@")[0]
         if parsed.tag:
             repo = repo[: repo.rindex(":")]
         name = f"{repo}@{parsed.digest}" if parsed.digest else ref  # skopeo takes a tag or a digest, not both
-        flags = tuple(self.options.flags(parsed.registry, tls_verify))
+        flags = tuple(self.options.flags(parsed.registry, tls_verify, anonymous=not host))
         # Another platform's image is known by its id only: the name keeps meaning what runs here.
-        native = parse_platform(platform)[:2] == parse_platform(None)[:2]
+        native = parse_platform(platform)[:2] == parse_platform(None)[:2] and host
         source = _Source(f"docker://{name}", parsed.registry, flags, ref, f"registry {ref}",
                          (ref,) if native else (), repo, tag_digest=native)
         return await self._fetch(source, platform, on_progress)

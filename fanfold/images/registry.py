@@ -94,10 +94,13 @@ class Options:
         return cls(auth_file=env_registry_auth() or state_dir / "auth.json",
                    insecure=env_insecure_registries(), certs_dir=env_registry_certs())
 
-    def flags(self, registry: str, tls_verify: bool | None) -> list[str]:
+    def flags(self, registry: str, tls_verify: bool | None, *, anonymous: bool = False) -> list[str]:
         """``--tls-verify``, ``--authfile`` and ``--cert-dir`` for one registry (``copy`` takes them as ``--src-...``)."""
         verify = tls_verify if tls_verify is not None else registry not in self.insecure
-        flags = [f"--tls-verify={'true' if verify else 'false'}", f"--authfile={self.auth_file}"]
+        auth = self.auth_file.with_name("anonymous-auth.json") if anonymous else self.auth_file
+        if anonymous and not auth.exists():  # no logins: skopeo reaches the registry as nobody
+            auth.write_text('{"auths": {}}')
+        flags = [f"--tls-verify={'true' if verify else 'false'}", f"--authfile={auth}"]
         if self.certs_dir is not None and (self.certs_dir / registry).is_dir():
             flags.append(f"--cert-dir={self.certs_dir / registry}")
         return flags

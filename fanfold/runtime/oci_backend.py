@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -20,7 +21,7 @@ from .._agent.build import agent_binary
 from .._agent.client import AgentClient
 from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, disk, idmap, procs, setup, stepnet
+from ..host import cgroups, disk, idmap, mounts, procs, setup, stepnet
 from ..host.offload import host_errors
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
@@ -57,6 +58,8 @@ class OciBackend(Backend):
         cfg = self.config
         (cfg.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        for passed in (cfg.run_dir.parent, cfg.run_dir):  # a sandbox's root reaches its channel dir through them
+            os.chmod(passed, 0o755)
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu, cfg.state_dir / "bin")
@@ -65,6 +68,8 @@ class OciBackend(Backend):
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
         self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
+        if self.userns:
+            self.userns = await asyncio.to_thread(_idmaps_work, cfg, self.users, self.disk_hold is not None)
 
     async def close(self, *, idle: bool = True) -> None:
         # Only empty groups go (rmdir), and the runtime recreates the parent on the next create,
@@ -219,6 +224,33 @@ def _reachable_from_userns(state_dir: Path) -> bool:
                         " users; `chmod o+x %s`, or use a state dir under one that is open", parent, parent)
             return False
     return True
+
+
+def _idmaps_work(cfg: EngineConfig, users: idmap.Namespaces, quota: bool) -> bool:
+    """Whether this kernel idmaps what a sandbox's root is made of: the layers' filesystem, the
+    disks' (btrfs, or tmpfs from Linux 6.3), the host dirs'. If not, sandboxes go without user namespaces."""
+    probe = cfg.run_dir / f".idmap-probe-{os.getpid()}"
+    sources = [cfg.state_dir / "layers", Path("/usr"), cfg.state_dir / "disk" if quota else probe / "tmpfs"]
+    try:
+        probe.mkdir(exist_ok=True)
+        if not quota:
+            (probe / "tmpfs").mkdir(exist_ok=True)
+            mounts.mount_tmpfs(probe / "tmpfs", 1)
+        ns = users.fd(idmap.base_of_slot(0))
+        for index, source in enumerate(sources):
+            target = probe / str(index)
+            target.mkdir(exist_ok=True)
+            idmap.idmapped_bind(source, target, ns)
+            mounts.umount(target)
+        return True
+    except (OSError, HostNotReady, InfrastructureError) as err:
+        log.warning("sandboxes run without user namespaces: this host cannot idmap what their roots are made of"
+                    " (%s); Linux 6.3 or later and layers on ext4, xfs or btrfs can", err)
+        return False
+    finally:
+        for point in mounts.mounts_under(probe):
+            mounts.umount(point)
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def _quota_disk(cfg: EngineConfig) -> disk.Hold | None:

@@ -184,6 +184,7 @@ def _mount_disk(
     # volatile: a disk lives only as long as its sandbox, and unmounting a synced overlay
     # would commit the whole btrfs (~2.5 ms, and a wait on every other sandbox's writes).
     if base is None:
+        os.chmod(where.root, 0o700)  # the sandbox's files and its bundle are no other host user's business
         mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota)
         name_host(where.rootfs, sandbox_id)
     else:

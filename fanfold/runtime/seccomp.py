@@ -49,13 +49,22 @@ ARCHES = {
 }
 
 
+def _not_pid_1(index: int) -> list[dict[str, Any]]:
+    """Conditions, any of which lets an argument through unless its low 32 bits are 1: the kernel
+    reads a pid as 32 bits, so "!= 1" on all 64 would let 0x100000001 name PID 1. Even values, or
+    any of bits 1-31 set."""
+    even = {"index": index, "value": 1, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}
+    return [even] + [{"index": index, "value": 1 << bit, "valueTwo": 1 << bit, "op": "SCMP_CMP_MASKED_EQ"}
+                     for bit in range(1, 32)]
+
+
 def check(profile: str) -> str:
     """``profile`` as given, once it names a known profile or a readable JSON file; else InvalidRequest."""
     if profile in PROFILES:
         return profile
     if not isinstance(profile, str) or not profile.startswith("/"):
         raise InvalidRequest(f"seccomp must be 'default', 'unconfined' or an absolute path to a profile, got {profile!r}")
-    load(profile)
+    bpf(profile)  # compiled now: a profile libseccomp refuses fails the create, before it queues
     return profile
 
 
@@ -113,9 +122,8 @@ def default_profile(machine: str) -> dict[str, Any]:
                    "op": "SCMP_CMP_MASKED_EQ"}]},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
     ]
-    rules += [{"names": [name], "action": "SCMP_ACT_ALLOW",
-               "args": [{"index": index, "value": 1, "valueTwo": 0, "op": "SCMP_CMP_NE"}]}
-              for name, index in NAMES_A_PID.items()]
+    rules += [{"names": [name], "action": "SCMP_ACT_ALLOW", "args": [arg]}
+              for name, index in NAMES_A_PID.items() for arg in _not_pid_1(index)]
     return {"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": EPERM, "architectures": architectures,
             "syscalls": rules}
 
@@ -148,8 +156,16 @@ def _action(name: str, errno_ret: int | None, default_errno: int) -> int:
     return _ACTIONS[name]
 
 
-@lru_cache(maxsize=8)
 def _compiled(text: str) -> str:
+    try:
+        return _compile(text)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise InvalidRequest(f"seccomp profile is not a valid OCI profile ({type(err).__name__}: {err}): each rule"
+                             " needs names and an action, each arg an index, a value and an op") from None
+
+
+@lru_cache(maxsize=8)
+def _compile(text: str) -> str:
     import base64
 
     profile = json.loads(text)
