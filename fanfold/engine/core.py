@@ -80,7 +80,7 @@ class Engine:
         self.backend = get_backend(cfg, self.store)
         await self.backend.prepare()
         self._db = db = dbmod.Database(cfg.state_dir / "fanfold.db")
-        _private_state(cfg.state_dir)  # again: the disk and the database exist now
+        _private_files(cfg.state_dir)  # the disk and the database exist now
         self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
                           scratch_run=cfg.state_dir / "bundles", networks=StepNetworks(cfg.tag),
@@ -484,6 +484,11 @@ def _private_state(state_dir: Path) -> None:
     for name in ("bin", "sandboxes"):  # passed through by sandboxes' roots: the agent, their own root dir
         (state_dir / name).mkdir(exist_ok=True)
         os.chmod(state_dir / name, 0o711)
+    _private_files(state_dir)
+
+
+def _private_files(state_dir: Path) -> None:
+    """What other parts make in the state dir (registry storage, the disks, the database): private too."""
     for name in ("storage", "disk"):
         with contextlib.suppress(FileNotFoundError):
             os.chmod(state_dir / name, 0o700)

@@ -91,11 +91,11 @@ class Pools:
     def take(self, source: str, limits: Limits, tenant: str = "") -> str | None:
         """A warm sandbox's id, removed from the tenant's pool (else the host's), or None when both are
         empty or absent. The caller checked that ``tenant`` may use ``source``."""
-        own = self._pools.get((tenant, source, limits))
-        host = self._pools.get(("", source, limits)) if tenant else None
-        pool = host if host is not None and host.ready and (own is None or not own.ready) else own or host
-        if pool is None:
+        keys = [(tenant, source, limits)] + ([("", source, limits)] if tenant else [])
+        pools = [self._pools[key] for key in keys if key in self._pools]
+        if not pools:
             return None
+        pool = next((p for p in pools if p.ready), pools[0])  # a miss counts against the tenant's own
         pool.demand.append(time.monotonic())
         while pool.ready:
             sandbox_id = pool.ready.popleft()

@@ -98,7 +98,7 @@ async def provision(
         cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
         oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=profile, uid_base=base,
         # crun joins the range's kept namespace: making one costs it ~6 ms a create
-        userns_path=None if base is None or users is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
+        userns_path=None if users is None or base is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
     )
     # The agent binds its own socket (inside the sandbox, so a checkpoint carries it) and says
     # so on this socket; end of file first means it died. It starts services only once we
@@ -120,8 +120,8 @@ async def restore(
     """Mount a new disk and root over the spec's layers and restore its memory images into them.
 
     A checkpoint of a sandbox in a user namespace restores into a uid range of its own (its image
-    rewritten to it), and CRIU rebuilds its network namespace: a namespace made here would be
-    owned by the host's user namespace, which the restored root cannot join.
+    rewritten to it), in an empty network namespace CRIU makes (``Criu.restore``): one made here
+    would be owned by the host's user namespace, which the restored root cannot join.
     Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
     """
     sandbox_id, host_dirs, images = spec.id, spec.host_dirs, spec.restore
@@ -183,19 +183,16 @@ def _mount_disk(
         scratch = where.root
     # volatile: a disk lives only as long as its sandbox, and unmounting a synced overlay
     # would commit the whole btrfs (~2.5 ms, and a wait on every other sandbox's writes).
-    if base is None:
-        os.chmod(where.root, 0o700)  # the sandbox's files and its bundle are no other host user's business
-        mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota)
-        name_host(where.rootfs, sandbox_id)
-    else:
+    os.chmod(where.root, 0o700)  # the sandbox's files and its bundle are no other host user's business
+    remap = None
+    if base is not None:
         assert users is not None
-        os.chown(where.root, base, base)  # its root may reach its rootfs there; no other host user may
-        os.chmod(where.root, 0o700)
+        os.chown(where.root, base, base)  # its own root passes through to its rootfs
         remap = _idmapper(where.root / "mapped", users.fd(base))
         scratch = remap(scratch)
-        with idmap.as_mapped_root(base):  # the overlay's dirs and copy-ups: uid 0 on disk, root inside
-            mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota, remap=remap)
-            name_host(where.rootfs, sandbox_id)
+    with idmap.as_mapped_root(base):  # the overlay's dirs and copy-ups: uid 0 on disk, root inside
+        mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota, remap=remap)
+        name_host(where.rootfs, sandbox_id)
     where.channel.mkdir(mode=0o700)
     if base is not None:
         os.chown(where.channel, base, base)  # the agent, root of the namespace, binds its socket there

@@ -24,13 +24,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from ..engine import Engine
-from ..errors import FanfoldError, InvalidRequest, InvalidSpec, Unauthorized
+from ..errors import FanfoldError, InvalidRequest, InvalidSpec
 from ..host import safefs
 from ..images.builder import check_network
 from ..spec import BASES, REMOTE_LOCAL_REPO, EnvSpec, Step, is_repo_url
 from ..wire import event_to_json, image_to_json, pull_event_to_json, spec_from_json
 from .auth import LOCAL_TENANT
-from .deps import NDJSON, engine, ndjson_events, tenant
+from .deps import NDJSON, engine, host_only, ndjson_events, tenant
 from .sandboxes import ERRORS
 from .schemas import ImageBody
 
@@ -64,7 +64,7 @@ async def build(request: Request, caller: str = Depends(tenant), network: str = 
     """Build a spec into an image; cached layers are reused. Progress streams as it goes."""
     fleet: Engine = engine(request)
     if check_network(network) == "host":  # a step on the host's network reaches its loopback services
-        _host_only(caller, "build with the host's network (network=host)")
+        host_only(caller, "build with the host's network (network=host)")
     # The pid in the name lets reconcile clear what a crashed server left.
     scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
     try:
@@ -118,7 +118,7 @@ async def pull(body: PullRequest, request: Request, caller: str = Depends(tenant
     On a host that pulls only when asked (FANFOLD_PULL=never), only its own tenant may ask."""
     fleet: Engine = engine(request)
     if fleet.config.pull == "never":
-        _host_only(caller, "pull images on this host (FANFOLD_PULL=never)")
+        host_only(caller, "pull images on this host (FANFOLD_PULL=never)")
     return _stream_image(lambda report: fleet.pull(body.ref, platform=body.platform, on_progress=report, tenant=caller))
 
 
@@ -132,7 +132,7 @@ async def import_image(request: Request, caller: str = Depends(tenant), ref: str
     by its id, and by ``ref`` when the host's own tenant gives one."""
     fleet: Engine = engine(request)
     if ref is not None:  # a tenant naming an image could stand it in for what others pull by that name
-        _host_only(caller, "name imported images")
+        host_only(caller, "name imported images")
     scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
     archive = scratch / "image.tar"
     try:
@@ -166,7 +166,7 @@ class ShareRequest(BaseModel):
 async def share(body: ShareRequest, request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
     """Publish an image to every tenant, or take it back (the host's own tenant only); sandboxes
     already made from it keep running."""
-    _host_only(caller, "share images")
+    host_only(caller, "share images")
     return image_to_json(await engine(request).share_image(body.ref, body.shared))
 
 
@@ -176,13 +176,13 @@ registries = APIRouter(prefix="/v1/registries", tags=["images"])
 @registries.post("/login", status_code=204, responses=ERRORS)
 async def login(body: LoginRequest, request: Request, caller: str = Depends(tenant)) -> None:
     """Check credentials against a registry and keep them for the host's pulls (the host's own tenant only)."""
-    _host_only(caller, "log in to registries")
+    host_only(caller, "log in to registries")
     await engine(request).login(body.registry, body.username, body.password)
 
 
 @registries.post("/logout", status_code=204, responses=ERRORS)
 async def logout(body: LoginRequest, request: Request, caller: str = Depends(tenant)) -> None:
-    _host_only(caller, "log out of registries")
+    host_only(caller, "log out of registries")
     await engine(request).logout(body.registry)
 
 
@@ -205,11 +205,6 @@ async def _scoped_spec(fleet: Engine, spec: EnvSpec, caller: str) -> EnvSpec:
 
 async def _scoped_base(fleet: Engine, ref: str, caller: str) -> str:
     return ref if ref in BASES else (await fleet.catalog.resolve(ref, caller)).id
-
-
-def _host_only(caller: str, what: str) -> None:
-    if caller != LOCAL_TENANT:
-        raise Unauthorized(f"only the host's own tenant (the unix socket) may {what}")
 
 
 async def _receive(request: Request, path: Path, what: str) -> None:
