@@ -11,8 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from fanfold._agent.build import agent_binary
-from fanfold._agent.client import AgentClient
+from fanfold._agent.client import AgentClient, AgentUnreachable
 
 
 def parent_of(pid: int) -> int:
@@ -47,3 +49,51 @@ async def test_the_agent_as_a_plain_process_keeps_services_and_orphans_at_home(t
     finally:
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
+
+
+async def _until(condition, what: str, agent: subprocess.Popen[bytes]) -> None:
+    give_up = time.monotonic() + 10
+    while not condition():
+        assert agent.poll() is None and time.monotonic() < give_up, f"waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_listener(tmp_path):
+    """What the gVisor tier relies on: ``--hold`` keeps services back until ``g``; ``q`` closes the
+    listener (and the connection) so a checkpoint finds no host socket; SIGUSR2 binds it again,
+    and is ignored while the agent listens."""
+    root, socket = tmp_path / "root", tmp_path / "agent.sock"
+    root.mkdir()
+    agent = subprocess.Popen(
+        [str(agent_binary(tmp_path / "state")), "--listen", str(socket), "--root", str(root), "--hold",
+         "--oneshot", "setup", "echo ran"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    log = root / "var/log/fanfold/setup.log"
+    try:
+        client = AgentClient(str(socket))
+        await _until(socket.exists, "the socket", agent)
+        assert await client.ping() == "fanfold-agent 3"
+        assert not log.exists()  # held: nothing ran
+        await client.release_services()
+        assert await client.wait_ready() == "ok" and log.read_text() == "ran\n"
+        await client.release_services()  # a second `g` starts nothing again
+        assert log.read_text() == "ran\n"
+
+        os.kill(agent.pid, signal.SIGUSR2)  # listening: ignored
+        assert await client.ping() == "fanfold-agent 3"
+        await client.drop_listener()
+        fds = [os.readlink(f"/proc/{agent.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{agent.pid}/fd")]
+        assert not any(link.startswith("socket:") for link in fds)  # no listener, no connection left
+        with pytest.raises(AgentUnreachable):
+            await client.ping()
+        socket.unlink()  # the stale socket file: the agent may not find its dir writable (gVisor's is locked)
+        os.kill(agent.pid, signal.SIGUSR2)
+        await _until(socket.exists, "the rebound socket", agent)
+        assert await client.ping() == "fanfold-agent 3"
+        result = await client.exec(["/bin/echo", "back"], env=[], cwd="/", timeout_ms=5000, max_output=100)
+        assert bytes(result.stdout) == b"back\n"
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+

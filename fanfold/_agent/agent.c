@@ -86,6 +86,8 @@ struct service {
 static struct conn *conns;
 static struct service *svcs;
 static int nsvc, next_svc, ready, listen_fd = -1, sig_fd = -1;
+static int held;                  /* --hold: services wait for the host's `g` */
+static const char *listen_path;   /* --listen: bound again on SIGUSR2 after a `q` */
 static int64_t accept_resume; /* listener paused until then (fd exhaustion) */
 static char ready_msg[600];
 static char scratch[256 * 1024]; /* sink for output past the limit */
@@ -458,13 +460,24 @@ static void parse_user(struct conn *c, char *pl)
 	}
 }
 
+static void drop_listener(void);
+static void release_services(void);
+
 /* Takes ownership of pl (NUL-terminated, n bytes). */
 static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 {
 	if (c->kind == K_NEW) {
 		if (t == 'h') {
 			c->kind = K_PING;
-			put(c, 'h', "fanfold-agent 2");
+			put(c, 'h', "fanfold-agent 3");
+			c->close_after = 1;
+		} else if (t == 'q' || t == 'g') {
+			c->kind = K_PING;
+			if (t == 'q')
+				drop_listener();
+			else
+				release_services();
+			put(c, t, "ok");
 			c->close_after = 1;
 		} else if (t == 'w') {
 			c->kind = K_WAIT;
@@ -666,6 +679,8 @@ static void services_next(void)
 
 /* ---- PID 1 duties ------------------------------------------------------ */
 
+static void listen_again(void);
+
 static void reap(void)
 {
 	struct signalfd_siginfo si;
@@ -673,7 +688,8 @@ static void reap(void)
 	int st;
 
 	while (read(sig_fd, &si, sizeof si) > 0)
-		;
+		if (si.ssi_signo == SIGUSR2)
+			listen_again();
 	/* signals coalesce, so reap everything, orphans included */
 	while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
 		for (struct conn *c = conns; c; c = c->next)
@@ -734,21 +750,61 @@ static int listen_on(const char *path)
 	return fd;
 }
 
+/* `q`: close the listener, so that nothing of the host is left in the agent (gVisor
+ * cannot checkpoint a socket bound on the host). The gate holds every other request back. */
+static void drop_listener(void)
+{
+	if (listen_fd >= 0 && listen_path) {
+		close(listen_fd);
+		listen_fd = -1;
+	}
+}
+
+/* SIGUSR2 after a `q` (the host, once the checkpoint or restore is done): bind again.
+ * Ignored while listening, so a process in the sandbox cannot make us drop the socket. */
+static void listen_again(void)
+{
+	if (listen_fd >= 0 || !listen_path)
+		return;
+	if ((listen_fd = listen_on(listen_path)) >= 0)
+		set_nonblock(listen_fd);
+}
+
+/* `g`: the host has locked the channel dir; the services held by --hold may start. */
+static void release_services(void)
+{
+	if (held) {
+		held = 0;
+		services_next();
+	}
+}
+
 int main(int argc, char **argv)
 {
-	const char *listen_path = NULL;
 	int acc = 0, ready_fd = -1;
 	socklen_t alen = sizeof acc;
 	struct pollfd *pfd = NULL;
 	size_t pcap = 0;
 	sigset_t mask;
 
+	if (argc == 3 && !strcmp(argv[1], "--sethostname")) {
+		/* not the agent: a one-off run by the host in a restored gVisor sandbox, which keeps
+		 * the name of the one it was checkpointed from (the agent itself may not rename it) */
+		if (sethostname(argv[2], strlen(argv[2])) < 0) {
+			perror("fanfold-agent: sethostname");
+			return 1;
+		}
+		return 0;
+	}
 	svcs = calloc(argc, sizeof *svcs);
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
 			listen_path = argv[++i];
 		} else if (!strcmp(argv[i], "--root") && i + 1 < argc) {
 			svc_root = strcmp(argv[++i], "/") ? argv[i] : "";
+		} else if (!strcmp(argv[i], "--hold")) {
+			/* no fd 3 to wait on (a runtime that cannot pass one): the host says `g` */
+			held = 1;
 		} else if (!strcmp(argv[i], "--subreaper")) {
 			/* not PID 1 (a process of a backend without namespaces): adopt what
 			 * commands leave behind, so it stays in our tree and we reap it */
@@ -809,6 +865,7 @@ int main(int argc, char **argv)
 	signal(SIGCHLD, SIG_DFL); /* SIG_IGN would auto-reap and hide exit codes */
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGCHLD);
+	sigaddset(&mask, SIGUSR2);
 	sigprocmask(SIG_BLOCK, &mask, NULL);
 	if ((sig_fd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC)) < 0) {
 		perror("fanfold-agent: signalfd");
@@ -821,7 +878,8 @@ int main(int argc, char **argv)
 		setrlimit(RLIMIT_NOFILE, &raised);
 	}
 	lo_up();
-	services_next();
+	if (!held)
+		services_next();
 
 	for (;;) {
 		size_t n = 0, cnt = 0;
@@ -837,7 +895,9 @@ int main(int argc, char **argv)
 				abort();
 		}
 		pfd[n++] = (struct pollfd){ sig_fd, POLLIN, 0 };
-		if (now >= accept_resume) {
+		if (listen_fd < 0) {
+			/* between a `q` and SIGUSR2: no listener to poll */
+		} else if (now >= accept_resume) {
 			pi_listen = n;
 			pfd[n++] = (struct pollfd){ listen_fd, POLLIN, 0 };
 		} else {

@@ -21,8 +21,9 @@ _MAX_FRAME = 1 << 20
 OnChunk = Callable[[str, bytes], Awaitable[None] | None]
 
 
-PROTOCOL_VERSION = 2
-"""What this client speaks: version 2 added the ``u`` frame (run the command as a user)."""
+PROTOCOL_VERSION = 3
+"""What this client speaks: version 2 added the ``u`` frame (run the command as a user), version 3
+the ``q`` and ``g`` requests (a runtime without fd passing: gVisor)."""
 
 
 class AgentUnreachable(Exception):
@@ -92,7 +93,7 @@ class AgentClient:
         except OSError as err:
             raise AgentUnreachable(f"cannot reach the agent at {self.socket_path}: {err}") from None
 
-    async def _request(self, kind: bytes, answer: re.Pattern[str]) -> str:
+    async def _request(self, kind: bytes, answer: re.Pattern[str], *, until_closed: bool = False) -> str:
         reader, writer = await self._connect()
         try:
             writer.write(_frame(kind))
@@ -101,12 +102,23 @@ class AgentClient:
             text = payload.decode(errors="replace")
             if got != kind.decode() or not answer.fullmatch(text):
                 raise AgentProtocolError(f"agent answered {kind.decode()!r} with {got!r} {text[:80]!r}")
+            if until_closed and await reader.read(1):
+                raise AgentProtocolError(f"agent sent more after its {kind.decode()!r} answer")
             return text
         finally:
             writer.close()
 
     async def ping(self) -> str:
         return await self._request(b"h", _PING)
+
+    async def drop_listener(self) -> None:
+        """Have the agent close its listening socket (``q``); returns once it also closed this
+        connection, so it holds nothing of the host's. SIGUSR2 to the agent binds it again."""
+        await self._request(b"q", _OK, until_closed=True)
+
+    async def release_services(self) -> None:
+        """Let an agent started with ``--hold`` start its services (``g``)."""
+        await self._request(b"g", _OK)
 
     async def wait_ready(self) -> str:
         """``ok``, or ``fail NAME CODE`` for the first oneshot service that failed."""
@@ -200,6 +212,7 @@ class AgentClient:
 
 
 _NUMBER = re.compile(r"[0-9]{1,10}")
+_OK = re.compile("ok")
 _PING = re.compile(r"fanfold-agent [0-9]{1,4}")
 _READY = re.compile(r"ok|fail [^\s]{1,255} -?[0-9]{1,10}")
 _STATUS_KEYS = ("code", "signal", "timeout", "out_bytes", "err_bytes", "out_trunc", "err_trunc", "duration_us")

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Idempotent install of gVisor's runsc >= 20240729, as root, for fanfold's stronger tier
+# (runtime="runsc"). Debian 12's own runsc (20221219) fails `statx` with AT_NO_AUTOMOUNT, so
+# `ls -l` of Debian's coreutils fails in every sandbox, and has no systrap platform; the one in
+# bookworm-backports (Debian's build of 20240729) has neither problem. It is fetched through a
+# private apt configuration (the host's sources are left alone) and installed with dpkg.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive LC_ALL=C
+MIN_VERSION=20240729
+SUITE="deb http://deb.debian.org/debian bookworm-backports main"
+
+die() { echo "setup: runsc: $*" >&2; exit 1; }
+(( EUID == 0 )) || die "must run as root"
+
+installed="$(runsc --version 2>/dev/null | sed -n 's/^runsc version 0\.0~\([0-9]\{8\}\).*/\1/p')"
+if [[ -n "$installed" && "$installed" -ge "$MIN_VERSION" ]]; then
+    exit 0
+fi
+if [[ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" != bookworm ]]; then
+    apt-get install -y -qq --no-install-recommends runsc >/dev/null  # later Debians ship a recent one
+    exit 0
+fi
+echo "setup: installing runsc from bookworm-backports"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/lists/partial"
+echo "$SUITE" > "$work/sources.list"
+apt_private=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=/dev/null"
+             -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::archives=$work" -o "APT::Sandbox::User=root")
+apt-get -qq "${apt_private[@]}" update >/dev/null || die "cannot reach bookworm-backports"
+(cd "$work" && apt-get -qq "${apt_private[@]}" download "runsc/bookworm-backports" >/dev/null) \
+    || die "cannot download runsc from bookworm-backports"
+dpkg -i "$work"/runsc_*.deb >/dev/null
+installed="$(runsc --version | sed -n 's/^runsc version 0\.0~\([0-9]\{8\}\).*/\1/p')"
+[[ -n "$installed" && "$installed" -ge "$MIN_VERSION" ]] || die "runsc $installed installed, $MIN_VERSION needed"
