@@ -53,7 +53,8 @@ class EngineConfig:
     """The isolation backend (``fanfold.runtime``): ``oci`` (default: crun or runc, needs root), ``fake``
     (plain processes in a directory, no isolation, no root: for tests of engine logic), or ``module:Class``."""
     runtime: str = field(default_factory=lambda: os.environ.get("FANFOLD_RUNTIME", "crun"))
-    """The OCI backend's runtime binary: ``crun`` (default) or ``runc``."""
+    """The OCI backend's runtime: ``crun`` (default), ``runc``, or ``runsc`` (gVisor: a kernel in user space
+    between each sandbox and the host's; stronger isolation, slower; the ``runsc`` backend)."""
     debian_mirror: str = field(
         default_factory=lambda: os.environ.get("FANFOLD_DEBIAN_MIRROR", "http://deb.debian.org/debian")
     )

@@ -34,4 +34,7 @@ fi
 # CRIU >= 4.1 for memory snapshots, fork and suspend (Debian 12's 3.17 fails `criu check`).
 bash scripts/criu.sh
 
+# gVisor's runsc >= 20240729 for runtime="runsc" (Debian 12's own fails `ls -l` in a sandbox).
+bash scripts/runsc.sh
+
 .venv/bin/fanfold doctor --fix

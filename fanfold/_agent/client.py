@@ -24,6 +24,7 @@ OnChunk = Callable[[str, bytes], Awaitable[None] | None]
 PROTOCOL_VERSION = 3
 """What this client speaks: version 2 added the ``u`` frame (run the command as a user), version 3
 the ``q`` and ``g`` requests (a runtime without fd passing: gVisor)."""
+USER_FRAME_VERSION = 2
 
 
 class AgentUnreachable(Exception):
@@ -143,7 +144,7 @@ class AgentClient:
         except AgentProtocolError:
             raise
         except AgentUnreachable:
-            if user is not None and await self._version() < PROTOCOL_VERSION:
+            if user is not None and await self._version() < USER_FRAME_VERSION:
                 raise AgentTooOld("this sandbox's agent predates running commands as a user") from None
             raise
 

@@ -160,7 +160,8 @@ def _error(text: str) -> None:
 @click.option("--state-dir", envvar="FANFOLD_STATE_DIR", default="/var/lib/fanfold", show_default=True,
               help="Where layers, images and sandboxes live.")
 @click.option("--runtime", envvar="FANFOLD_RUNTIME", default="crun", show_default=True,
-              type=click.Choice(["crun", "runc"]), help="OCI runtime of the oci backend.")
+              type=click.Choice(["crun", "runc", "runsc"]),
+              help="OCI runtime of the oci backend; runsc is gVisor: stronger isolation, slower (README: Security model).")
 @click.option("--backend", envvar="FANFOLD_BACKEND", default="oci", show_default=True, metavar="NAME",
               help="Isolation backend: oci (root; crun or runc), fake (no root and no isolation: for tests of engine"
                    " logic), or a 'module:Class' path.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -69,6 +70,25 @@ def check_runtime(name: str) -> Check:
         return Check(f"runtime {name}", False, "not installed", f"apt-get install {name}")
     code, out = _run([path, "--version"])
     return Check(f"runtime {name}", code == 0, out.splitlines()[0] if out else "no version", f"reinstall {name}")
+
+
+RUNSC_MIN = 20240729
+"""Older runsc (Debian 12's own, 20221219) fails ``statx`` with AT_NO_AUTOMOUNT: ``ls -l`` in a sandbox."""
+
+
+def check_gvisor(required: bool) -> Check:
+    """gVisor's runsc for ``runtime="runsc"``: optional unless that is the runtime chosen."""
+    fix = "bash scripts/runsc.sh (installs runsc from bookworm-backports; Debian 12's own is too old)"
+    path = shutil.which("runsc")
+    if path is None:
+        return Check("gVisor (runsc)", False, "not installed: runtime=runsc is unavailable", fix, required=required)
+    code, out = _run([path, "--version"])
+    match = re.search(r"version 0\.0~(\d{8})", out)
+    if code != 0 or match is None or int(match.group(1)) < RUNSC_MIN:
+        found = out.splitlines()[0] if out else "no version"
+        return Check("gVisor (runsc)", False, f"{found}: runtime=runsc needs {RUNSC_MIN} or later", fix,
+                     required=required)
+    return Check("gVisor (runsc)", True, f"runsc {match.group(1)} (runtime=runsc: systrap platform)")
 
 
 def check_compiler() -> Check:
@@ -143,5 +163,5 @@ def run_checks(runtime: str) -> list[Check]:
     return [
         check_root(), check_kernel(), check_namespaces(), check_overlayfs(), check_cgroups(),
         check_runtime(runtime), check_compiler(), check_criu(), check_debootstrap(), check_disks(),
-        check_image_tools(), check_build_network(),
+        check_image_tools(), check_build_network(), check_gvisor(runtime == "runsc"),
     ]

@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     from ..images import LayerStore
 
 _RUNTIMES = {"crun": "fanfold.runtime.oci:OciRuntime", "runc": "fanfold.runtime.oci:OciRuntime"}
-_BACKENDS = {"oci": "fanfold.runtime.oci_backend:OciBackend", "fake": "fanfold.runtime.fake:FakeBackend"}
+_BACKENDS = {
+    "oci": "fanfold.runtime.oci_backend:OciBackend", "runsc": "fanfold.runtime.runsc_backend:RunscBackend",
+    "fake": "fanfold.runtime.fake:FakeBackend",
+}
 
 
 def _lookup(kind: str, names: dict[str, str], name: str) -> type:
@@ -35,8 +38,10 @@ def get_runtime(name: str, state_root: str) -> Runtime:
 
 
 def get_backend(config: EngineConfig, store: LayerStore) -> Backend:
-    """The backend ``config.backend`` names (``oci``, ``fake``, or a dotted ``module:Class`` path)."""
-    cls = _lookup("backend", _BACKENDS, config.backend)
+    """The backend ``config.backend`` names (``oci``, ``runsc``, ``fake``, or a dotted ``module:Class``
+    path); the oci backend with ``runtime="runsc"`` is the runsc one (gVisor)."""
+    name = "runsc" if config.backend == "oci" and config.runtime == "runsc" else config.backend
+    cls = _lookup("backend", _BACKENDS, name)
     return cls(config, store)  # type: ignore[no-any-return]
 
 

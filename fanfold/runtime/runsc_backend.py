@@ -1,0 +1,338 @@
+"""The gVisor backend (``runtime="runsc"``): each sandbox's system calls served by gVisor's own
+kernel in user space (the sentry, on the ptrace platform), not by the host's. Needs root.
+
+The sandbox is made as the OCI backend makes it (``oci_sandbox``: the same disk, overlay root,
+agent, channel dir and cgroups) and handed to ``runsc`` as an OCI bundle. What differs
+(``docs/design/runsc.md`` has the measurements):
+
+- runsc passes no descriptors, so the agent starts with ``--hold``: the host polls its socket,
+  locks the channel dir, then lets services start (``g``).
+- Memory checkpoints are runsc's own (no CRIU). gVisor cannot save a socket bound on the host,
+  so the agent closes its listener first (``q``) and binds it again on SIGUSR2. runsc's
+  ``--leave-running`` hangs in Debian's build, so a checkpoint that leaves the sandbox running
+  restores it in place: a new sentry, whose pid ``alive`` reads from the bundle.
+- A restored sandbox keeps its source's hostname: the agent's binary renames it (``runsc exec``).
+- Limits: a sandbox's processes are counted inside gVisor (RLIMIT_NPROC), since the host's pids
+  limit counts the sentry's threads; hitting the memory limit kills the whole sandbox (the host
+  sees one process). So ``exact_counters`` is False.
+- No user namespace of fanfold's: the sentry runs as nobody in one of gVisor's. The seccomp
+  profile is applied by gVisor to the sandbox's processes (``--oci-seccomp``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from .._agent.build import agent_binary
+from .._agent.client import AgentClient, AgentUnreachable
+from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
+from ..host import cgroups, disk, setup, stepnet
+from ..host.offload import host_errors, on_thread
+from ..host.spawn import Finished, log_tail, run
+from ..images.rootfs import copy_upper
+from . import get_runtime, oci_sandbox, seccomp
+from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
+from .container import ContainerSpec
+from .oci import oci_config
+from .oci_backend import _quota_disk
+
+START_TIMEOUT_S = 30.0
+PIDS_PER_PROCESS = 10
+"""Host tasks (the sentry's threads, ptrace stubs) per sandbox process, for the host's pids limit:
+a safety net only, the sandbox's own limit is RLIMIT_NPROC inside gVisor."""
+KEEP_TMP = ".fanfold-keep"
+ENOSYS = 38
+RUNSC_NAMES = frozenset({"runsc", "runsc-gofer", "runsc-sandbox", "exe"})
+"""What runsc's processes are called (the sentry re-executes itself: ``exe``), for the reaper."""
+
+
+class RunscBackend(Backend):
+    """Sandboxes under gVisor (``runsc``, ptrace platform); memory checkpoints by runsc."""
+
+    name = "runsc"
+    capabilities = Capabilities(memory="live", exact_counters=False, isolated=True)
+    disk_hold: disk.Hold | None = None
+    """The btrfs holding sandboxes' disks (as the oci backend's), else each has a tmpfs."""
+
+    async def prepare(self) -> None:
+        if not setup.is_root():
+            raise HostNotReady("the runsc backend needs root (mounts, cgroups): run fanfold as root")
+        binary = shutil.which("runsc")
+        if binary is None:
+            raise HostNotReady("gVisor's runsc is not installed: run `apt-get install runsc` (or `make setup`)")
+        setup.fix_hybrid_cgroups()
+        setup.become_subreaper()
+        setup.RUNTIME_NAMES.update(RUNSC_NAMES)
+        cfg = self.config
+        (cfg.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = cfg.run_dir / "runsc"
+        self.state.mkdir(exist_ok=True)
+        self.argv = [binary, "--root", str(self.state), "--platform=systrap", "--network=none", "--host-uds=create", "--overlay2=none",
+                     "--file-access=shared", "--oci-seccomp"]
+        # Build steps run under crun, in a network namespace of their own, as with the oci backend.
+        self.step_runtime = get_runtime("crun", str(cfg.run_dir / "crun"))
+        self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
+        await asyncio.to_thread(seccomp.load, "default")  # HostNotReady now, not at the first create
+        self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
+
+    async def close(self, *, idle: bool = True) -> None:
+        if idle:
+            cgroups.remove_parent(self.config.cgroup_parent)
+        if self.disk_hold is not None:
+            await asyncio.to_thread(self.disk_hold.close)
+            self.disk_hold = None
+
+    async def list_ids(self) -> set[str]:
+        cfg = self.config
+        ids = {p.name.partition("_sandbox:")[0] for p in self.state.glob("sb-*_sandbox:*")}
+        ids |= {p.name.removeprefix("runsc-").removesuffix(".sock") for p in self.state.glob("runsc-sb-*.sock")}
+        ids |= {p.name for p in (cfg.state_dir / "sandboxes").iterdir()}
+        ids |= cgroups.leftover_ids(cfg.cgroup_parent)
+        ids |= {p.name for p in cfg.run_dir.glob("sb-*")}
+        return ids
+
+    async def sweep(self, *, thorough: bool = False) -> None:
+        setup.reap_orphans()
+        if thorough:
+            for container in await self.step_runtime.list_ids():
+                if container.startswith("build-") and not _pid_alive(container.split("-")[1]):
+                    await self.step_runtime.delete(container)
+            await asyncio.to_thread(stepnet.sweep, self.config.tag)
+
+    # -- one sandbox ----------------------------------------------------------------------------
+
+    async def bring_up(self, spec: SandboxSpec) -> Handle:
+        cfg = self.config
+        where = await on_thread(oci_sandbox._mount_disk, cfg, self.store, spec.id, spec.layers, spec.host_dirs,
+                                spec.limits, self.disk_hold is not None)
+        bundle = where.bundle
+        bundle.mkdir(exist_ok=True)
+        config = await on_thread(self._config, spec, where)
+        (bundle / "config.json").write_text(json.dumps(config))
+        if spec.restore is None:
+            keep = await on_thread(_hold_tmp, where.rootfs)
+            await self._runsc(spec.id, "run", "--detach", "--pid-file", str(bundle / "pid"), "--bundle", str(bundle),
+                              spec.id)
+            await self._ping_until_up(spec.id)
+            if keep is not None:
+                keep.unlink(missing_ok=True)
+            oci_sandbox.set_immutable(where.channel, True)
+            await self.agent_of(spec.id).release_services()
+        else:
+            if not (spec.restore / "checkpoint.img").is_file():
+                raise InfrastructureError(f"{spec.restore} holds no gVisor checkpoint (a snapshot taken by another"
+                                          " runtime?): restore it with the runtime that took it")
+            await self._restore(spec.id, spec.restore, where)
+            await self._runsc(spec.id, "exec", "--cap", "CAP_SYS_ADMIN", spec.id, oci_sandbox.AGENT_PATH,
+                              "--sethostname", spec.id)
+        return Handle(spec.id, _read_pid(bundle))
+
+    def _config(self, spec: SandboxSpec, where: oci_sandbox.Paths) -> dict[str, Any]:
+        """The bundle's config: the OCI backend's, plus what gVisor needs."""
+        args = [oci_sandbox.AGENT_PATH, "--listen", f"{oci_sandbox.CHANNEL_PATH}/agent.sock", "--hold"]
+        for name, cmd, mode in spec.services:
+            args += [f"--{mode}", name, cmd]
+        binds = oci_sandbox.channel_binds(self.agent_path, where)
+        container = ContainerSpec(
+            id=spec.id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=spec.id,
+            limits=spec.limits, binds=binds, cgroup_path=f"/{self.config.cgroup_parent}/{spec.id}",
+        )
+        config = oci_config(container)
+        pids = spec.limits.pids
+        config["process"]["rlimits"] = [{"type": "RLIMIT_NPROC", "soft": pids, "hard": pids}]
+        config["linux"]["resources"]["pids"] = {"limit": PIDS_PER_PROCESS * pids + 256}
+        profile = seccomp.load(spec.seccomp)
+        if profile is not None:
+            config["linux"]["seccomp"] = _for_gvisor(profile)
+        return config
+
+    async def _runsc(self, sandbox_id: str, *args: str, timeout: float = 60) -> Finished:
+        """Run runsc; its output goes to the sandbox's runtime log (a pipe would be handed to the
+        sandbox by ``--detach`` and never reach end of file)."""
+        log = oci_sandbox.paths(self.config, sandbox_id).bundle / "runtime.log"
+        done = await run([*self.argv, *args], log=str(log), timeout=timeout)
+        if done.returncode != 0:
+            raise InfrastructureError(f"runsc {args[0]} of sandbox {sandbox_id} failed: {log_tail(log)}")
+        return done
+
+    async def _ping_until_up(self, sandbox_id: str) -> None:
+        agent = self.agent_of(sandbox_id)
+        bundle = oci_sandbox.paths(self.config, sandbox_id).bundle
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                await agent.ping()
+                return
+            except AgentUnreachable:
+                if time.monotonic() > deadline or not _pid_alive(_read_pid(bundle)):
+                    raise InfrastructureError(f"sandbox {sandbox_id}'s agent did not come up under gVisor:"
+                                              f" {log_tail(bundle / 'runtime.log')}") from None
+                await asyncio.sleep(0.002)
+
+    async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths) -> None:
+        """Restore ``images`` as ``sandbox_id`` over the bundle in ``where``, and have its agent listen
+        again in its (empty, then locked) channel dir."""
+        bundle = where.bundle
+        await self._runsc(sandbox_id, "restore", "--detach", "--image-path", str(images), "--pid-file",
+                          str(bundle / "pid"), "--bundle", str(bundle), sandbox_id)
+        oci_sandbox.set_immutable(where.channel, False)
+        where.socket.unlink(missing_ok=True)  # the file the source's listener left
+        await self._runsc(sandbox_id, "kill", sandbox_id, "USR2")
+        await self._ping_until_up(sandbox_id)
+        oci_sandbox.set_immutable(where.channel, True)
+
+    async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
+        cfg = self.config
+        where = oci_sandbox.paths(cfg, sandbox_id)
+        with host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):
+            # `runsc delete --force` waits ~1.8 s for the sentry; killing its cgroup takes ~5 ms.
+            pids = [p for p in (handle.pid if handle else None, _read_pid(where.bundle)) if p]
+            await on_thread(cgroups.remove, cfg.cgroup_parent, sandbox_id)
+            for pid in pids:
+                await setup.reap(pid, timeout=1.0)
+            setup.reap_orphans()
+            self._forget(sandbox_id)
+            await on_thread(oci_sandbox._release_host, cfg, sandbox_id, where)
+
+    def _forget(self, sandbox_id: str) -> None:
+        """Remove runsc's state of a sandbox whose processes are gone: what ``delete`` would."""
+        for leftover in (*self.state.glob(f"{sandbox_id}_sandbox:*"), self.state / f"runsc-{sandbox_id}.sock"):
+            leftover.unlink(missing_ok=True)
+
+    def alive(self, handle: Handle) -> bool:
+        # A checkpoint that leaves the sandbox running restores it in a new sentry: the bundle names it.
+        pid = _read_pid(oci_sandbox.paths(self.config, handle.id).bundle) or handle.pid
+        return _pid_alive(pid) and _in_cgroup(pid, f"/{self.config.cgroup_parent}/{handle.id}")
+
+    async def freeze(self, handle: Handle) -> None:
+        with host_errors(f"freezing sandbox {handle.id} failed"):
+            await self._runsc(handle.id, "pause", handle.id)
+
+    async def thaw(self, handle: Handle) -> None:
+        with host_errors(f"thawing sandbox {handle.id} failed"):
+            if self._state_of(handle.id) == "paused":
+                await self._runsc(handle.id, "resume", handle.id)
+
+    def _state_of(self, sandbox_id: str) -> str | None:
+        path = self.state / f"{sandbox_id}_sandbox:{sandbox_id}.state"
+        try:
+            return json.loads(path.read_text()).get("status")
+        except (OSError, ValueError):
+            return None
+
+    async def checkpoint(
+        self, handle: Handle, dest: Path, host_dirs: tuple[str, ...], *, memory: bool, leave_running: bool,
+        frozen: bool = False,
+    ) -> float:
+        sandbox_id = handle.id
+        where = oci_sandbox.paths(self.config, sandbox_id)
+        started = time.perf_counter()
+        try:
+            if memory:
+                await self._unbind(handle, frozen)  # thaws a frozen sandbox for it
+            if memory or not frozen:
+                await self.freeze(handle)
+            await on_thread(copy_upper, where.disk, host_dirs, dest / "layer")
+            if not memory:
+                if not frozen:
+                    await self.thaw(handle)
+                return (time.perf_counter() - started) * 1000
+            (dest / "memory").mkdir()
+            await self._runsc(sandbox_id, "checkpoint", "--image-path", str(dest / "memory"), sandbox_id, timeout=300)
+            if leave_running:
+                # The sentry has stopped with the checkpoint: a new one takes its place, as it was.
+                self._forget(sandbox_id)
+                await on_thread(cgroups.remove, self.config.cgroup_parent, sandbox_id)
+                setup.reap_orphans()
+                await self._restore(sandbox_id, dest / "memory", where)
+                if frozen:
+                    await self.freeze(handle)
+        except (InfrastructureError, OSError) as err:
+            raise CheckpointFailed(f"snapshot of {sandbox_id} failed: {err}") from None
+        return (time.perf_counter() - started) * 1000
+
+    async def _unbind(self, handle: Handle, frozen: bool) -> None:
+        """Have the agent close its listener, which gVisor cannot save (``q``)."""
+        if frozen:
+            await self.thaw(handle)
+        try:
+            await self.agent(handle).drop_listener()
+        except AgentUnreachable as err:
+            raise CheckpointFailed(f"sandbox {handle.id}'s agent did not let go of its socket: {err}") from None
+
+    def counters(self, handle: Handle) -> CounterReader:
+        return cgroups.CounterFiles(self.config.cgroup_parent, handle.id)
+
+    def usage(self, handle: Handle) -> tuple[float, int]:
+        return cgroups.usage(self.config.cgroup_parent, handle.id) if handle.pid else (0.0, 0)
+
+    def root(self, sandbox_id: str) -> Path:
+        return oci_sandbox.paths(self.config, sandbox_id).rootfs
+
+    def agent(self, handle: Handle) -> AgentClient:
+        return self.agent_of(handle.id)
+
+    def agent_of(self, sandbox_id: str) -> AgentClient:
+        return AgentClient(str(oci_sandbox.paths(self.config, sandbox_id).socket))
+
+
+def _read_pid(bundle: Path) -> int | None:
+    try:
+        return int((bundle / "pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int | str | None) -> bool:
+    if not pid:
+        return False
+    try:
+        head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
+    except OSError:
+        return False
+    return rest.split()[0] != "Z"
+
+
+def _in_cgroup(pid: int | None, cgroup: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cgroup") as handle:
+            return any(line.rstrip("\n").endswith(cgroup) for line in handle)
+    except OSError:
+        return False
+
+
+def _for_gvisor(profile: dict[str, Any]) -> dict[str, Any]:
+    """``profile`` as gVisor can apply it. gVisor answers EPERM to every refused call, never the
+    rule's errno; a ``clone3`` refused with ENOSYS (so that libc falls back to ``clone``, whose
+    flags a filter can read) would then fail every new thread: gVisor's own clone3 is allowed."""
+    rules: list[dict[str, Any]] = []
+    for rule in profile.get("syscalls") or ():
+        if "clone3" in rule.get("names", ()) and rule.get("action") == "SCMP_ACT_ERRNO" \
+                and rule.get("errnoRet") == ENOSYS:
+            rule = {**rule, "names": [n for n in rule["names"] if n != "clone3"]}
+            rules.append({"names": ["clone3"], "action": "SCMP_ACT_ALLOW"})
+        if rule.get("names"):
+            rules.append(rule)
+    return {**profile, "syscalls": rules}
+
+
+def _hold_tmp(rootfs: Path) -> Path | None:
+    """Keep gVisor from mounting a tmpfs of its own on an empty /tmp, which the host (files,
+    snapshots) cannot see: a file in it until the sandbox is up (``_let_go``). A bind mount of /tmp
+    would do as much, but this build's statx fails on a bind's root (``ls /tmp``: EINVAL)."""
+    keep = rootfs / "tmp" / KEEP_TMP
+    try:
+        if not stat.S_ISDIR(os.lstat(rootfs / "tmp").st_mode) or any(os.scandir(rootfs / "tmp")):
+            return None  # not a dir (a link, say: then no tmpfs either), or not empty
+        os.close(os.open(keep, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except OSError:
+        return None  # no /tmp: gVisor makes none
+    return keep
