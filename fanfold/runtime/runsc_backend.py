@@ -1,22 +1,21 @@
 """The gVisor backend (``runtime="runsc"``): each sandbox's system calls served by gVisor's own
-kernel in user space (the sentry, on the ptrace platform), not by the host's. Needs root.
+kernel in user space (the sentry, on the systrap platform), not by the host's. Needs root and
+runsc 20240729 or later (``scripts/runsc.sh``). Build steps still run under crun.
 
 The sandbox is made as the OCI backend makes it (``oci_sandbox``: the same disk, overlay root,
-agent, channel dir and cgroups) and handed to ``runsc`` as an OCI bundle. What differs
-(``docs/design/runsc.md`` has the measurements):
+agent, channel dir and cgroups) and handed to ``runsc`` as an OCI bundle, with runsc's own
+overlay off so that writes land on the sandbox's disk. What differs (``docs/design/runsc.md``):
 
 - runsc passes no descriptors, so the agent starts with ``--hold``: the host polls its socket,
   locks the channel dir, then lets services start (``g``).
 - Memory checkpoints are runsc's own (no CRIU). gVisor cannot save a socket bound on the host,
-  so the agent closes its listener first (``q``) and binds it again on SIGUSR2. runsc's
-  ``--leave-running`` hangs in Debian's build, so a checkpoint that leaves the sandbox running
-  restores it in place: a new sentry, whose pid ``alive`` reads from the bundle.
+  so the agent closes its listener first (``q``) and binds it again on SIGUSR2.
 - A restored sandbox keeps its source's hostname: the agent's binary renames it (``runsc exec``).
 - Limits: a sandbox's processes are counted inside gVisor (RLIMIT_NPROC), since the host's pids
   limit counts the sentry's threads; hitting the memory limit kills the whole sandbox (the host
   sees one process). So ``exact_counters`` is False.
 - No user namespace of fanfold's: the sentry runs as nobody in one of gVisor's. The seccomp
-  profile is applied by gVisor to the sandbox's processes (``--oci-seccomp``).
+  profile is applied by gVisor to the sandbox's processes (``--oci-seccomp``), every refusal EPERM.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import os
 import shutil
 import stat
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -178,11 +178,14 @@ class RunscBackend(Backend):
                 await asyncio.sleep(0.002)
 
     async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths) -> None:
-        """Restore ``images`` as ``sandbox_id`` over the bundle in ``where``, and have its agent listen
-        again in its (empty, then locked) channel dir."""
+        """Restore ``images`` as ``sandbox_id`` over the bundle in ``where``; its agent listens again."""
         bundle = where.bundle
         await self._runsc(sandbox_id, "restore", "--detach", "--image-path", str(images), "--pid-file",
                           str(bundle / "pid"), "--bundle", str(bundle), sandbox_id)
+        await self._listen_again(sandbox_id, where)
+
+    async def _listen_again(self, sandbox_id: str, where: oci_sandbox.Paths) -> None:
+        """Have an agent that let go of its socket (``q``) bind it again, and lock its dir after."""
         oci_sandbox.set_immutable(where.channel, False)
         where.socket.unlink(missing_ok=True)  # the file the source's listener left
         await self._runsc(sandbox_id, "kill", sandbox_id, "USR2")
@@ -208,7 +211,7 @@ class RunscBackend(Backend):
             leftover.unlink(missing_ok=True)
 
     def alive(self, handle: Handle) -> bool:
-        # A checkpoint that leaves the sandbox running restores it in a new sentry: the bundle names it.
+        # A restore (resume) starts a new sentry: the bundle's pid file names the current one.
         pid = _read_pid(oci_sandbox.paths(self.config, handle.id).bundle) or handle.pid
         return _pid_alive(pid) and _in_cgroup(pid, f"/{self.config.cgroup_parent}/{handle.id}")
 
@@ -235,29 +238,37 @@ class RunscBackend(Backend):
         sandbox_id = handle.id
         where = oci_sandbox.paths(self.config, sandbox_id)
         started = time.perf_counter()
+        touched = memory or not frozen  # a frozen sandbox is thawed for the `q` of a memory checkpoint
         try:
             if memory:
-                await self._unbind(handle, frozen)  # thaws a frozen sandbox for it
-            if memory or not frozen:
+                await self._unbind(handle, frozen)
+            if touched:
                 await self.freeze(handle)
             await on_thread(copy_upper, where.disk, host_dirs, dest / "layer")
-            if not memory:
-                if not frozen:
-                    await self.thaw(handle)
-                return (time.perf_counter() - started) * 1000
-            (dest / "memory").mkdir()
-            await self._runsc(sandbox_id, "checkpoint", "--image-path", str(dest / "memory"), sandbox_id, timeout=300)
-            if leave_running:
-                # The sentry has stopped with the checkpoint: a new one takes its place, as it was.
-                self._forget(sandbox_id)
-                await on_thread(cgroups.remove, self.config.cgroup_parent, sandbox_id)
-                setup.reap_orphans()
-                await self._restore(sandbox_id, dest / "memory", where)
-                if frozen:
-                    await self.freeze(handle)
+            if memory:
+                (dest / "memory").mkdir()
+                leave = ["--leave-running"] if leave_running else []
+                await self._runsc(sandbox_id, "checkpoint", *leave, "--image-path", str(dest / "memory"), sandbox_id,
+                                  timeout=300)
+                if not leave_running:
+                    return (time.perf_counter() - started) * 1000  # its processes ended; release follows
+            if touched:
+                await self._carry_on(handle, where, memory, frozen)
         except (InfrastructureError, OSError) as err:
+            if touched:
+                with suppress(InfrastructureError, OSError):
+                    await self._carry_on(handle, where, memory, frozen)
             raise CheckpointFailed(f"snapshot of {sandbox_id} failed: {err}") from None
         return (time.perf_counter() - started) * 1000
+
+    async def _carry_on(self, handle: Handle, where: oci_sandbox.Paths, unbound: bool, frozen: bool) -> None:
+        """After a checkpoint that leaves the sandbox running: thaw it, have its agent listen again,
+        and freeze it again if it was frozen before."""
+        await self.thaw(handle)
+        if unbound:
+            await self._listen_again(handle.id, where)
+        if frozen:
+            await self.freeze(handle)
 
     async def _unbind(self, handle: Handle, frozen: bool) -> None:
         """Have the agent close its listener, which gVisor cannot save (``q``)."""
