@@ -62,6 +62,8 @@ class Checkpoints:
                 dbmod.row_handle(row), staged, img.host_dirs, memory=memory, leave_running=leave_running,
                 frozen=row["state"] == "paused",
             )
+            if (staged / "memory").is_dir():  # whose checkpoint it is: no other backend can restore it
+                (staged / "memory" / snapmod.TIER_FILE).write_text(self.life.backend.name)
             layers = dbmod.row_layers(row)
             info = SnapshotInfo(
                 id=snapshot_id, parent=row["source"], image_id=row["image_id"], sandbox_id=sandbox_id, memory=memory,

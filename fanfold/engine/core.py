@@ -88,7 +88,7 @@ class Engine:
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count)
         self.telemetry = Telemetry(lambda: self.figures.gauges())
-        self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve)
+        self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve, tier=self.backend.name)
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
                                      self.owner)
         self.pools = Pools(cfg, self.admission, self.telemetry, life)

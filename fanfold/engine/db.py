@@ -70,6 +70,7 @@ LATER_COLUMNS = [
     ("claimed_by", "TEXT"),
     ("exec_user", "TEXT NOT NULL DEFAULT ''"),
     ("seccomp", "TEXT NOT NULL DEFAULT 'default'"),
+    ("backend", "TEXT NOT NULL DEFAULT ''"),
 ]
 
 
@@ -91,15 +92,15 @@ class Database:
         self.conn.close()
 
     def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str], layers: tuple[str, ...], tenant: str = "",
-               claimed_by: str | None = None) -> None:
+               claimed_by: str | None = None, backend: str = "") -> None:
         self.conn.execute(
             "INSERT INTO sandboxes (id, state, image_id, owner, detached, limits, labels, env, created_at, deadline_at,"
             " tenant, source, layers, persistence, priority, idle_timeout, active_at, claimed_by, exec_user,"
-            " seccomp) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " seccomp, backend) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (info.id, info.state, info.image_id, owner, int(info.detached), json.dumps(info.limits.__dict__),
              json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at, tenant, info.source,
              json.dumps(list(layers)), info.persistence, info.priority, info.idle_timeout, info.created_at, claimed_by,
-             info.user, info.seccomp),
+             info.user, info.seccomp, backend),
         )
 
     def update(self, sandbox_id: str, **fields: object) -> None:

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .._agent.client import AgentUnreachable
 from ..config import EngineConfig
-from ..errors import InfrastructureError, SandboxGone, SandboxNotFound, ServiceFailed
+from ..errors import InfrastructureError, InvalidRequest, SandboxGone, SandboxNotFound, ServiceFailed
 from ..host import procs, safefs
 from ..host.offload import host_errors
 from ..images import Image
@@ -100,7 +100,15 @@ class Lifecycle:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
         if row["state"] not in ("running", "paused", "suspended"):
             raise SandboxGone(f"sandbox {sandbox_id} is {row['state']}")
+        if not self.ours(row):
+            raise InvalidRequest(f"sandbox {sandbox_id} runs on the {row['backend']} backend, this engine on"
+                                 f" {self.backend.name}: use an engine (or server) of that backend on this state dir")
         return row
+
+    def ours(self, row: Any) -> bool:
+        """Whether this engine's backend runs the row's sandbox: engines of several backends
+        (crun and gVisor, say) may share a state dir, each minding its own sandboxes."""
+        return row["backend"] in ("", self.backend.name)
 
     def gate(self, sandbox_id: str) -> Gate:
         gate = self._gates.get(sandbox_id)
@@ -178,7 +186,8 @@ class Lifecycle:
             info, id=sandbox_id, state="creating", created_at=now, deadline_at=now + deadline if deadline else None,
         )
         # claimed_by names the engine bringing it up: if that engine dies, any engine reaps the row.
-        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.owner)
+        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.owner,
+                       backend=self.backend.name)
         try:
             with host_errors("creating sandbox failed"):
                 pid, layers = await self.start(sandbox_id, info.source, info.limits, info.seccomp)

@@ -30,7 +30,7 @@ class Policies:
         life, now = self.life, dbmod.now()
         can_suspend = life.backend.capabilities.memory != "none"
         for row in life.db.rows():
-            mine = row["owner"] in (life.owner, "detached")
+            mine = row["owner"] in (life.owner, "detached") and life.ours(row)
             idle = row["idle_timeout"] is not None and now - row["active_at"] > row["idle_timeout"]
             if not (mine and idle and row["state"] in ("running", "paused")) or life.gate(row["id"]).busy:
                 continue
@@ -64,7 +64,8 @@ class Policies:
     def sticky_victim(self) -> str | None:
         """The sticky sandbox to evict first: lowest priority, then longest idle; none in a call."""
         sticky = [r for r in self.life.db.rows() if r["persistence"] == "sticky"
-                  and r["state"] in ("running", "paused", "suspended") and not self.life.gate(r["id"]).busy]
+                  and r["state"] in ("running", "paused", "suspended") and not self.life.gate(r["id"]).busy
+                  and self.life.ours(r)]
         return min(sticky, key=lambda r: (r["priority"], r["active_at"]))["id"] if sticky else None
 
     def _under_pressure(self) -> bool:

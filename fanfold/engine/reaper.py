@@ -39,6 +39,8 @@ class Reaper:
             reaped += await self.leases.reap(lease_id)
         alive = self._owners_alive({row["owner"] for row in rows.values()})
         for sandbox_id, row in rows.items():
+            if not life.ours(row):
+                continue  # another backend's: an engine of that backend reaps it
             dead = not alive[row["owner"]]
             expired = row["deadline_at"] is not None and row["deadline_at"] <= dbmod.now()
             busy = row["claimed_by"] and process_alive(row["claimed_by"])  # a live engine is suspending it

@@ -23,6 +23,8 @@ from ..models import SnapshotInfo
 from . import db as dbmod
 
 PREFIX = "snap-"
+TIER_FILE = "fanfold-backend"
+"""In a memory checkpoint: the name of the backend that took it."""
 _ORPHAN_AGE_S = 300
 
 
@@ -52,6 +54,13 @@ class SnapshotStore:
 
     def memory_dir(self, snapshot_id: str) -> Path:
         return self.dir / snapshot_id / "memory"
+
+    def memory_tier(self, snapshot_id: str) -> str:
+        """The backend whose checkpoint a memory snapshot holds (``mark_tier``; before it: oci's CRIU)."""
+        try:
+            return (self.memory_dir(snapshot_id) / TIER_FILE).read_text().strip() or "oci"
+        except OSError:
+            return "oci"
 
     def staging(self, snapshot_id: str) -> Path:
         """A private dir for a snapshot being taken; ``commit`` moves it into place."""

@@ -20,8 +20,10 @@ class Sources:
     """Images and snapshots, resolved to what a sandbox starts from."""
 
     def __init__(self, db: dbmod.Database, store: LayerStore, builder: Builder, snaps: SnapshotStore,
-                 resolve: Callable[[str], Awaitable[Image]]) -> None:
+                 resolve: Callable[[str], Awaitable[Image]], tier: str = "oci") -> None:
         self.db, self.store, self.builder, self.snaps = db, store, builder, snaps
+        self.tier = tier
+        """The engine's backend: memory snapshots of another one cannot be restored here."""
         self.resolve = resolve
         """An image id or reference to its image (a reference never pulled is pulled)."""
         self._bases: dict[str, Image] = {}
@@ -69,6 +71,12 @@ class Sources:
         a memory snapshot's processes keep the limits they were dumped with."""
         source, img, snapshot = await self.source(ref)
         if snapshot is not None and snapshot.memory:
+            taken_by = self.snaps.memory_tier(snapshot.id)
+            if taken_by != self.tier:
+                raise InvalidRequest(
+                    f"snapshot {snapshot.id} holds the memory of a sandbox of the {taken_by} backend, which this"
+                    f" engine's {self.tier} backend cannot restore: create from it with an engine of that backend"
+                    " (FANFOLD_RUNTIME), or take a disk snapshot (memory=False), which any backend starts from")
             return source, img, limits_of(snapshot, limits)
         return source, img, limits or Limits()
 
