@@ -28,7 +28,8 @@ from fanfold.errors import FanfoldError  # noqa: E402
 from fanfold.host import cgroups  # noqa: E402
 
 LOOP = "for i in $(seq 100); do /bin/true; done"
-HOLDER = ("nohup python3 -c \"import time; s = bytearray(64 << 20); [s.__setitem__(i, 1) for i in range(0, len(s), 4096)];"
+HOLDER = ("nohup python3 -c \"import time; s = bytearray(64 << 20);"
+          " [s.__setitem__(i, 1) for i in range(0, len(s), 4096)];"
           " open('/tmp/ready', 'w').write('1'); time.sleep(1e9)\" >/dev/null 2>&1 &"
           " while [ ! -f /tmp/ready ]; do sleep 0.01; done")
 

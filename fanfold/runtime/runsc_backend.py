@@ -33,7 +33,7 @@ from typing import Any
 from .._agent.build import agent_binary
 from .._agent.client import AgentClient, AgentUnreachable
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, disk, setup, stepnet
+from ..host import cgroups, disk, doctor, setup, stepnet
 from ..host.offload import host_errors, on_thread
 from ..host.spawn import Finished, log_tail, run
 from ..images.rootfs import copy_upper
@@ -54,7 +54,7 @@ RUNSC_NAMES = frozenset({"runsc", "runsc-gofer", "runsc-sandbox", "exe"})
 
 
 class RunscBackend(Backend):
-    """Sandboxes under gVisor (``runsc``, ptrace platform); memory checkpoints by runsc."""
+    """Sandboxes under gVisor (``runsc``, systrap platform); memory checkpoints by runsc."""
 
     name = "runsc"
     capabilities = Capabilities(memory="live", exact_counters=False, isolated=True)
@@ -64,9 +64,10 @@ class RunscBackend(Backend):
     async def prepare(self) -> None:
         if not setup.is_root():
             raise HostNotReady("the runsc backend needs root (mounts, cgroups): run fanfold as root")
+        found = await asyncio.to_thread(doctor.check_gvisor, True)
         binary = shutil.which("runsc")
-        if binary is None:
-            raise HostNotReady("gVisor's runsc is not installed: run `apt-get install runsc` (or `make setup`)")
+        if not found.ok or binary is None:
+            raise HostNotReady(f"gVisor's runsc: {found.detail}: run {found.fix}, or `make setup`")
         setup.fix_hybrid_cgroups()
         setup.become_subreaper()
         setup.RUNTIME_NAMES.update(RUNSC_NAMES)
@@ -75,8 +76,10 @@ class RunscBackend(Backend):
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.state = cfg.run_dir / "runsc"
         self.state.mkdir(exist_ok=True)
-        self.argv = [binary, "--root", str(self.state), "--platform=systrap", "--network=none", "--host-uds=create", "--overlay2=none",
-                     "--file-access=shared", "--oci-seccomp"]
+        # No network but loopback; the agent binds its socket on the host; writes go to the sandbox's
+        # disk (no overlay of runsc's own), and what the host writes there is seen at once.
+        self.argv = [binary, "--root", str(self.state), "--platform=systrap", "--network=none", "--host-uds=create",
+                     "--overlay2=none", "--file-access=shared", "--oci-seccomp"]
         # Build steps run under crun, in a network namespace of their own, as with the oci backend.
         self.step_runtime = get_runtime("crun", str(cfg.run_dir / "crun"))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
