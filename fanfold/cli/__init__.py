@@ -176,7 +176,8 @@ def main(ctx: click.Context, state_dir: str, runtime: str, backend: str, url: st
 
 
 @main.command()
-@click.option("--fix", is_flag=True, help="Apply the fixes that can be made safely (cgroup hybrid mode).")
+@click.option("--fix", is_flag=True, help="Apply the fixes that can be made safely (cgroup hybrid mode, cgroup2"
+              " favordynmods).")
 @click.pass_context
 def doctor(ctx: click.Context, fix: bool) -> None:
     """Check the host; exit 0 only when sandboxes can run."""
@@ -185,6 +186,7 @@ def doctor(ctx: click.Context, fix: bool) -> None:
 
     if fix and setup.is_root():
         moved = setup.fix_hybrid_cgroups()  # doctor always checks this host, never a --url server
+        setup.favor_dynamic_cgroups()
         if moved:
             console.print(f"fixed: moved {', '.join(moved)} from cgroup2 to cgroup v1")
     checks = doctor_checks.run_checks(ctx.obj["runtime"])

@@ -14,6 +14,7 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_BIND = 4096
+MS_REMOUNT = 32
 MNT_DETACH = 2
 # Layers stay portable as lower dirs of later mounts only without redirects and an index.
 OVERLAY_OPTIONS = "redirect_dir=off,index=off,xino=off,metacopy=off"

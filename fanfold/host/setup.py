@@ -47,6 +47,37 @@ def fix_hybrid_cgroups() -> list[str]:
     return moved
 
 
+def favor_dynamic_cgroups() -> bool:
+    """Remount cgroup2 with ``favordynmods`` (Linux 6.0+), once per host; True when it is on.
+
+    Moving a task into a cgroup takes the kernel's global threadgroup lock for writing, which by
+    default waits for an RCU grace period: ~10 ms of each sandbox's create, whichever hierarchy
+    the runtime attaches it to. With the option (global once set on any hierarchy) the lock stays
+    in its slow-reader mode, attaching takes ~0.2 ms, and forks and exits cost an atomic more.
+    """
+    targets = cgroups.v2_roots()
+    for target in targets:
+        if "favordynmods" in mount_options(target):
+            return True
+    for target in targets:
+        try:
+            mounts.mount("cgroup2", target, "cgroup2", mounts.MS_REMOUNT, "favordynmods")
+            return True
+        except OSError:
+            continue  # an older kernel, or not ours to remount
+    return False
+
+
+def mount_options(target: Path) -> set[str]:
+    """The superblock options of the filesystem mounted at ``target`` (empty when none is)."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        for line in handle:
+            pre, _, post = line.partition(" - ")
+            if pre.split()[4] == str(target):
+                return set(post.split()[2].split(","))
+    return set()
+
+
 def is_root() -> bool:
     return os.geteuid() == 0
 

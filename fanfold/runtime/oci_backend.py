@@ -54,6 +54,7 @@ class OciBackend(Backend):
             raise HostNotReady("the oci backend needs root (mounts, cgroups): run fanfold as root,"
                                " or use the fake backend (FANFOLD_BACKEND=fake) for tests of engine logic")
         setup.fix_hybrid_cgroups()
+        setup.favor_dynamic_cgroups()  # ~10 ms off each create
         setup.become_subreaper()
         cfg = self.config
         (cfg.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True)

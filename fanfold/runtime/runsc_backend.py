@@ -69,6 +69,7 @@ class RunscBackend(Backend):
         if not found.ok or binary is None:
             raise HostNotReady(f"gVisor's runsc: {found.detail}: run {found.fix}, or `make setup`")
         setup.fix_hybrid_cgroups()
+        setup.favor_dynamic_cgroups()
         setup.become_subreaper()
         setup.RUNTIME_NAMES.update(RUNSC_NAMES)
         cfg = self.config
