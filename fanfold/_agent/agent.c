@@ -88,6 +88,7 @@ static struct service *svcs;
 static int nsvc, next_svc, ready, listen_fd = -1, sig_fd = -1;
 static int held;                  /* --hold: services wait for the host's `g` */
 static const char *listen_path;   /* --listen: bound again on SIGUSR2 after a `q` */
+static char token[65];            /* the last `q`'s payload, told back by `t` */
 static int64_t accept_resume; /* listener paused until then (fd exhaustion) */
 static char ready_msg[600];
 static char scratch[256 * 1024]; /* sink for output past the limit */
@@ -473,11 +474,17 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 			c->close_after = 1;
 		} else if (t == 'q' || t == 'g') {
 			c->kind = K_PING;
-			if (t == 'q')
+			if (t == 'q') {
+				snprintf(token, sizeof token, "%s", n < sizeof token ? pl : "");
 				drop_listener();
-			else
+			} else {
 				release_services();
+			}
 			put(c, t, "ok");
+			c->close_after = 1;
+		} else if (t == 't') {
+			c->kind = K_PING;
+			put(c, 't', token);
 			c->close_after = 1;
 		} else if (t == 'w') {
 			c->kind = K_WAIT;

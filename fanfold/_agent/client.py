@@ -94,10 +94,11 @@ class AgentClient:
         except OSError as err:
             raise AgentUnreachable(f"cannot reach the agent at {self.socket_path}: {err}") from None
 
-    async def _request(self, kind: bytes, answer: re.Pattern[str], *, until_closed: bool = False) -> str:
+    async def _request(self, kind: bytes, answer: re.Pattern[str], *, payload: bytes = b"",
+                       until_closed: bool = False) -> str:
         reader, writer = await self._connect()
         try:
-            writer.write(_frame(kind))
+            writer.write(_frame(kind, payload))
             await writer.drain()
             got, payload = await _read_frame(reader)
             text = payload.decode(errors="replace")
@@ -112,10 +113,18 @@ class AgentClient:
     async def ping(self) -> str:
         return await self._request(b"h", _PING)
 
-    async def drop_listener(self) -> None:
-        """Have the agent close its listening socket (``q``); returns once it also closed this
-        connection, so it holds nothing of the host's. SIGUSR2 to the agent binds it again."""
-        await self._request(b"q", _OK, until_closed=True)
+    async def drop_listener(self, token: str) -> None:
+        """Have the agent close its listening socket (``q``) and keep ``token`` (up to 64 hex digits),
+        which ``token`` asks back: what an agent bound again in its place proves itself by. Returns
+        once it also closed this connection, so it holds nothing of the host's. SIGUSR2 to the agent
+        binds it again."""
+        if not _TOKEN.fullmatch(token):
+            raise ValueError("a token is 1 to 64 lowercase hex digits")
+        await self._request(b"q", _OK, payload=token.encode(), until_closed=True)
+
+    async def token(self) -> str:
+        """The token of the agent's last ``q`` (``t``), empty when it had none."""
+        return await self._request(b"t", _TOKEN_OR_NONE)
 
     async def release_services(self) -> None:
         """Let an agent started with ``--hold`` start its services (``g``)."""
@@ -214,6 +223,8 @@ class AgentClient:
 
 _NUMBER = re.compile(r"[0-9]{1,10}")
 _OK = re.compile("ok")
+_TOKEN = re.compile("[0-9a-f]{1,64}")
+_TOKEN_OR_NONE = re.compile("[0-9a-f]{0,64}")
 _PING = re.compile(r"fanfold-agent [0-9]{1,4}")
 _READY = re.compile(r"ok|fail [^\s]{1,255} -?[0-9]{1,10}")
 _STATUS_KEYS = ("code", "signal", "timeout", "out_bytes", "err_bytes", "out_trunc", "err_trunc", "duration_us")

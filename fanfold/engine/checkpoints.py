@@ -75,9 +75,9 @@ class Checkpoints:
                 committed = await on_thread(
                     self.life.snaps.commit, staged, info, layers + (snapshot_id,), row["tenant"], executor=None)
             return committed, pause_ms
-        except (CheckpointFailed, InfrastructureError):
+        except (CheckpointFailed, InfrastructureError) as err:
             # PID 1 dying mid-dump shows as a missing /proc file or a failed dump: the sandbox is gone.
-            await self.life.gone_if_dead(sandbox_id, row["pid"], within=0.25)
+            await self.life.gone_if_dead(sandbox_id, row["pid"], within=0.25, why=str(err))
             raise
         finally:
             shutil.rmtree(staged, ignore_errors=True)

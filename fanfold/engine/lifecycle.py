@@ -165,15 +165,16 @@ class Lifecycle:
         except asyncio.TimeoutError:
             pass
 
-    async def gone_if_dead(self, sandbox_id: str, pid: int | None, *, within: float = 0.0) -> None:
+    async def gone_if_dead(self, sandbox_id: str, pid: int | None, *, within: float = 0.0,
+                           why: str | None = None) -> None:
         """Destroy the sandbox and raise SandboxGone if its PID 1 is dead (``within`` seconds
-        to show it, after a broken connection): no retry can bring it back."""
+        to show it, after a broken connection): no retry can bring it back. ``why``: what failed."""
         if await _init_survives(self.backend, Handle(sandbox_id, pid), within):
             return
         self.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
         await asyncio.shield(self.destroy(sandbox_id))
         raise SandboxGone(f"sandbox {sandbox_id}'s init process died (killed from outside or crashed);"
-                          " the sandbox was destroyed")
+                          " the sandbox was destroyed" + (f" ({why})" if why else ""))
 
     # -- bring-up -------------------------------------------------------------------------------
 

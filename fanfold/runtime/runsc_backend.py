@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import stat
 import time
@@ -47,6 +48,9 @@ START_TIMEOUT_S = 30.0
 PIDS_PER_PROCESS = 10
 """Host tasks (the sentry's threads, ptrace stubs) per sandbox process, for the host's pids limit:
 a safety net only, the sandbox's own limit is RLIMIT_NPROC inside gVisor."""
+TOKEN_FILE = "fanfold-agent-token"
+"""In a memory checkpoint's dir: the token its agent proves itself by once restored (``q``)."""
+REQUEST_TIMEOUT_S = 10.0
 KEEP_TMP = ".fanfold-keep"
 ENOSYS = 38
 RUNSC_NAMES = frozenset({"runsc", "runsc-gofer", "runsc-sandbox", "exe"})
@@ -131,10 +135,12 @@ class RunscBackend(Backend):
             oci_sandbox.set_immutable(where.channel, True)
             await self.agent_of(spec.id).release_services()
         else:
-            if not (spec.restore / "checkpoint.img").is_file():
-                raise InfrastructureError(f"{spec.restore} holds no gVisor checkpoint (a snapshot taken by another"
-                                          " runtime?): restore it with the runtime that took it")
-            await self._restore(spec.id, spec.restore, where)
+            try:
+                token = (spec.restore / TOKEN_FILE).read_text()
+            except OSError:
+                raise InfrastructureError(f"{spec.restore} holds no gVisor checkpoint of fanfold's (a snapshot taken"
+                                          " by another backend?): restore it with the backend that took it") from None
+            await self._restore(spec.id, spec.restore, where, token)
             await self._runsc(spec.id, "exec", "--cap", "CAP_SYS_ADMIN", spec.id, oci_sandbox.AGENT_PATH,
                               "--sethostname", spec.id)
         return Handle(spec.id, _read_pid(bundle))
@@ -173,28 +179,41 @@ class RunscBackend(Backend):
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                await agent.ping()
+                await asyncio.wait_for(agent.ping(), max(deadline - time.monotonic(), 0.1))
                 return
-            except AgentUnreachable:
+            except (AgentUnreachable, asyncio.TimeoutError):
                 if time.monotonic() > deadline or not _pid_alive(_read_pid(bundle)):
                     raise InfrastructureError(f"sandbox {sandbox_id}'s agent did not come up under gVisor:"
                                               f" {log_tail(bundle / 'runtime.log')}") from None
                 await asyncio.sleep(0.002)
 
-    async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths) -> None:
+    async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths, token: str) -> None:
         """Restore ``images`` as ``sandbox_id`` over the bundle in ``where``; its agent listens again."""
         bundle = where.bundle
         await self._runsc(sandbox_id, "restore", "--detach", "--image-path", str(images), "--pid-file",
                           str(bundle / "pid"), "--bundle", str(bundle), sandbox_id)
-        await self._listen_again(sandbox_id, where)
+        await self._listen_again(sandbox_id, where, token)
 
-    async def _listen_again(self, sandbox_id: str, where: oci_sandbox.Paths) -> None:
-        """Have an agent that let go of its socket (``q``) bind it again, and lock its dir after."""
+    async def _listen_again(self, sandbox_id: str, where: oci_sandbox.Paths, token: str) -> None:
+        """Have an agent that let go of its socket (``q``) bind it again, lock its dir, then check that
+        what listens there knows ``token``.
+
+        The sandbox's processes run meanwhile (runsc restores nothing stopped), so one could put a
+        socket of its own in the agent's place before the lock; only the agent knows the token (its
+        memory is out of the sandbox's reach). A sandbox caught at it is ended."""
         oci_sandbox.set_immutable(where.channel, False)
         where.socket.unlink(missing_ok=True)  # the file the source's listener left
         await self._runsc(sandbox_id, "kill", sandbox_id, "USR2")
         await self._ping_until_up(sandbox_id)
         oci_sandbox.set_immutable(where.channel, True)
+        try:
+            told = await asyncio.wait_for(self.agent_of(sandbox_id).token(), REQUEST_TIMEOUT_S)
+        except (AgentUnreachable, asyncio.TimeoutError):
+            told = None
+        if told != token:
+            await on_thread(cgroups.remove, self.config.cgroup_parent, sandbox_id)
+            raise InfrastructureError(f"sandbox {sandbox_id}: something else than its agent took the agent's socket"
+                                      " while it was bound again; the sandbox was ended")
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
         cfg = self.config
@@ -243,45 +262,49 @@ class RunscBackend(Backend):
         where = oci_sandbox.paths(self.config, sandbox_id)
         started = time.perf_counter()
         touched = memory or not frozen  # a frozen sandbox is thawed for the `q` of a memory checkpoint
+        token = secrets.token_hex(16) if memory else None
+        unbound: str | None = None  # the token, once the agent let go of its socket
         try:
-            if memory:
-                await self._unbind(handle, frozen)
+            if token is not None:
+                await self._unbind(handle, frozen, token)
+                unbound = token
             if touched:
                 await self.freeze(handle)
             await on_thread(copy_upper, where.disk, host_dirs, dest / "layer")
-            if memory:
+            if token is not None:
                 (dest / "memory").mkdir()
+                (dest / "memory" / TOKEN_FILE).write_text(token)
                 leave = ["--leave-running"] if leave_running else []
                 await self._runsc(sandbox_id, "checkpoint", *leave, "--image-path", str(dest / "memory"), sandbox_id,
                                   timeout=300)
                 if not leave_running:
                     return (time.perf_counter() - started) * 1000  # its processes ended; release follows
             if touched:
-                await self._carry_on(handle, where, memory, frozen)
+                await self._carry_on(handle, where, unbound, frozen)
         except (InfrastructureError, OSError) as err:
             if touched:
                 with suppress(InfrastructureError, OSError):
-                    await self._carry_on(handle, where, memory, frozen)
+                    await self._carry_on(handle, where, unbound, frozen)
             raise CheckpointFailed(f"snapshot of {sandbox_id} failed: {err}") from None
         return (time.perf_counter() - started) * 1000
 
-    async def _carry_on(self, handle: Handle, where: oci_sandbox.Paths, unbound: bool, frozen: bool) -> None:
-        """After a checkpoint that leaves the sandbox running: thaw it, have its agent listen again,
-        and freeze it again if it was frozen before."""
+    async def _carry_on(self, handle: Handle, where: oci_sandbox.Paths, token: str | None, frozen: bool) -> None:
+        """After a checkpoint that leaves the sandbox running: thaw it, have its agent listen again
+        (when it let go, ``token``), and freeze it again if it was frozen before."""
         await self.thaw(handle)
-        if unbound:
-            await self._listen_again(handle.id, where)
+        if token is not None:
+            await self._listen_again(handle.id, where, token)
         if frozen:
             await self.freeze(handle)
 
-    async def _unbind(self, handle: Handle, frozen: bool) -> None:
-        """Have the agent close its listener, which gVisor cannot save (``q``)."""
+    async def _unbind(self, handle: Handle, frozen: bool, token: str) -> None:
+        """Have the agent close its listener, which gVisor cannot save, and keep ``token`` (``q``)."""
         if frozen:
             await self.thaw(handle)
         try:
-            await self.agent(handle).drop_listener()
-        except AgentUnreachable as err:
-            raise CheckpointFailed(f"sandbox {handle.id}'s agent did not let go of its socket: {err}") from None
+            await asyncio.wait_for(self.agent(handle).drop_listener(token), REQUEST_TIMEOUT_S)
+        except (AgentUnreachable, asyncio.TimeoutError) as err:
+            raise CheckpointFailed(f"sandbox {handle.id}'s agent did not let go of its socket: {err!r}") from None
 
     def counters(self, handle: Handle) -> CounterReader:
         return cgroups.CounterFiles(self.config.cgroup_parent, handle.id)
