@@ -8,7 +8,6 @@ own paths. The rest (proc, dev, tmpfs, sysfs, the network namespace) CRIU carrie
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,6 @@ AGENT_KEY = "fanfold-agent"
 CHANNEL_KEY = "fanfold-channel"
 NETNS_KEY = "fanfold-netns"
 NETNS_FD = 3
-LO_UP = """#!/bin/sh
-# CRIU runs this at each stage of a restore; once the namespaces exist, it brings lo up in the
-# (empty) network namespace, before the sandbox's sockets are bound again.
-[ "$CRTOOLS_SCRIPT_ACTION" != setup-namespaces ] || exec nsenter -t "$CRTOOLS_INIT_PID" -n ip link set lo up
-"""
 # Restoring: CRIU's network lock would run iptables four times (~50 ms); nothing in a
 # frozen sandbox talks to the outside, so there is nothing to lock.
 COMMON = ["--network-lock", "skip", "--tcp-established", "--file-locks", "--manage-cgroups=full", "-v2"]
@@ -52,18 +46,12 @@ class Mounts:
 class Criu:
     """One CRIU binary; every failure becomes a CheckpointFailed that quotes CRIU's log."""
 
-    def __init__(self, binary: str, scripts: Path | None = None) -> None:
+    def __init__(self, binary: str, lo_up: Path | None = None) -> None:
         self.binary = binary
-        self.lo_up = None if scripts is None else scripts / "criu-lo-up"
-        """The action script of restores into a namespace of their own (written by ``prepare``)."""
-
-    def prepare(self) -> None:
-        """Write the action script (once per content)."""
-        if self.lo_up is not None and not (self.lo_up.exists() and self.lo_up.read_text() == LO_UP):
-            tmp = self.lo_up.with_suffix(f".{os.getpid()}")
-            tmp.write_text(LO_UP)
-            tmp.chmod(0o755)
-            tmp.replace(self.lo_up)
+        self.lo_up = lo_up
+        """The action script of restores into a network namespace of their own: the agent's binary,
+        which, run by CRIU, brings lo up in it once the namespaces exist (a shell script running
+        ``nsenter`` and ``ip`` at every stage of a restore cost ~20 ms of it)."""
 
     def check_installed(self) -> None:
         if not (Path(self.binary).is_file() or shutil.which(self.binary)):
@@ -111,7 +99,7 @@ class Criu:
         if netns is not None:
             argv += ["--inherit-fd", f"fd[{NETNS_FD}]:{NETNS_KEY}"]
         else:  # the image's own namespace, made empty: lo comes up before its sockets are restored
-            assert self.lo_up is not None, "Criu(scripts=) writes the script a restore in its own namespace runs"
+            assert self.lo_up is not None, "Criu(lo_up=) names what a restore in its own namespace runs"
             argv += ["--empty-ns", "net", "--action-script", str(self.lo_up)]
         for key, path in binds.items():
             argv += ["--external", f"mnt[{key}]:{path}"]

@@ -63,8 +63,7 @@ class OciBackend(Backend):
             os.chmod(passed, 0o755)
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
-        self.criu = Criu(cfg.criu, cfg.state_dir / "bin")
-        await asyncio.to_thread(self.criu.prepare)
+        self.criu = Criu(cfg.criu, lo_up=self.agent_path)
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
