@@ -193,7 +193,7 @@ async def test_host_errors_from_resume_and_reset_are_retryable_not_raw(config, m
 async def test_a_release_that_failed_is_retried_by_the_reaper(config, monkeypatch):
     from fanfold.runtime import oci_sandbox as resources
 
-    real, failures = resources._release_host, []
+    real, failures = resources.release_host, []
 
     def busy_once(*args):
         if not failures:
@@ -201,7 +201,7 @@ async def test_a_release_that_failed_is_retried_by_the_reaper(config, monkeypatc
             raise OSError(16, "Device or resource busy")
         real(*args)
 
-    monkeypatch.setattr(resources, "_release_host", busy_once)
+    monkeypatch.setattr(resources, "release_host", busy_once)
     async with AsyncFleet(config=config) as fleet:
         engine: Engine = fleet._transport  # type: ignore[assignment]
         sandbox = await fleet.create()

@@ -67,7 +67,7 @@ class OciBackend(Backend):
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
-        self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
+        self.disk_hold = await asyncio.to_thread(quota_disk, cfg)
         if self.userns:
             self.userns = await asyncio.to_thread(_idmaps_work, cfg, self.users, self.disk_hold is not None)
 
@@ -253,7 +253,7 @@ def _idmaps_work(cfg: EngineConfig, users: idmap.Namespaces, quota: bool) -> boo
         shutil.rmtree(probe, ignore_errors=True)
 
 
-def _quota_disk(cfg: EngineConfig) -> disk.Hold | None:
+def quota_disk(cfg: EngineConfig) -> disk.Hold | None:
     """A hold on the btrfs for sandboxes' disks (``disk="btrfs"``, the default), or None for a tmpfs
     each (``tmpfs``); a host that cannot make the btrfs falls back to tmpfs with a warning."""
     if cfg.disk == "tmpfs":

@@ -86,7 +86,7 @@ async def provision(
     """
     sandbox_id, limits = spec.id, spec.limits
     base = idmap.claim(sandbox_id) if users is not None else None
-    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, spec.host_dirs, limits, quota,
+    where = await on_thread(mount_disk, config, store, sandbox_id, spec.layers, spec.host_dirs, limits, quota,
                             base, users)
     profile = seccomp.bpf(spec.seccomp) if spec.seccomp in seccomp.PROFILES else await on_thread(seccomp.bpf, spec.seccomp)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
@@ -128,7 +128,7 @@ async def restore(
     assert images is not None
     in_userns = criu_images.has_userns(images)
     base = idmap.claim(sandbox_id) if in_userns else None
-    where = await on_thread(_mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota,
+    where = await on_thread(mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota,
                             base, users if in_userns else None)
     where.bundle.mkdir()
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
@@ -165,7 +165,7 @@ async def restore(
     return pid
 
 
-def _mount_disk(
+def mount_disk(
     config: EngineConfig, store: LayerStore, sandbox_id: str, layers: tuple[str, ...], host_dirs: tuple[str, ...],
     limits: Limits, quota: bool, base: int | None = None, users: idmap.Namespaces | None = None,
 ) -> Paths:
@@ -272,11 +272,11 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     # PID 1 gone means its whole pid namespace is: the runtime has nothing left to kill.
     await runtime.delete(sandbox_id, stopped=bool(pid) and not _in_sandbox_cgroup(pid, cgroup))
     # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread, the loop serves execs meanwhile.
-    await on_thread(_release_host, config, sandbox_id, where)
+    await on_thread(release_host, config, sandbox_id, where)
 
 
-def _release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:
-    # The mounts a sandbox has are the ones _mount_disk made, all on its root: a lazy
+def release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:
+    # The mounts a sandbox has are the ones mount_disk made, all on its root: a lazy
     # unmount takes the whole tree (the disk of sandboxes made before the disk moved onto
     # the root is a dir of its own). Only when one is still a mount point afterwards is the
     # kernel's mount table read: it grows with every live sandbox.

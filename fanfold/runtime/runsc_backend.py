@@ -42,7 +42,7 @@ from . import get_runtime, oci_sandbox, seccomp
 from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
 from .container import ContainerSpec
 from .oci import oci_config
-from .oci_backend import _quota_disk
+from .oci_backend import quota_disk
 
 START_TIMEOUT_S = 30.0
 PIDS_PER_PROCESS = 10
@@ -89,7 +89,7 @@ class RunscBackend(Backend):
         self.step_runtime = get_runtime("crun", str(cfg.run_dir / "crun"))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         await asyncio.to_thread(seccomp.load, "default")  # HostNotReady now, not at the first create
-        self.disk_hold = await asyncio.to_thread(_quota_disk, cfg)
+        self.disk_hold = await asyncio.to_thread(quota_disk, cfg)
 
     async def close(self, *, idle: bool = True) -> None:
         if idle:
@@ -119,7 +119,7 @@ class RunscBackend(Backend):
 
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         cfg = self.config
-        where = await on_thread(oci_sandbox._mount_disk, cfg, self.store, spec.id, spec.layers, spec.host_dirs,
+        where = await on_thread(oci_sandbox.mount_disk, cfg, self.store, spec.id, spec.layers, spec.host_dirs,
                                 spec.limits, self.disk_hold is not None)
         bundle = where.bundle
         bundle.mkdir(exist_ok=True)
@@ -226,7 +226,7 @@ class RunscBackend(Backend):
                 await setup.reap(pid, timeout=1.0)
             setup.reap_orphans()
             self._forget(sandbox_id)
-            await on_thread(oci_sandbox._release_host, cfg, sandbox_id, where)
+            await on_thread(oci_sandbox.release_host, cfg, sandbox_id, where)
 
     def _forget(self, sandbox_id: str) -> None:
         """Remove runsc's state of a sandbox whose processes are gone: what ``delete`` would."""
