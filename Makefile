@@ -21,6 +21,7 @@ bench:
 	.venv/bin/python bench/pipeline.py --json
 	.venv/bin/python bench/cli.py --json
 	.venv/bin/python bench/images.py --json
+	.venv/bin/python bench/tiers.py --json
 
 clean:
 	rm -rf .venv build *.egg-info

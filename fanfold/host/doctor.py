@@ -96,7 +96,7 @@ def check_gvisor(required: bool) -> Check:
         found = out.splitlines()[0] if out else "no version"
         return Check("gVisor (runsc)", False, f"{found}: runtime=runsc needs {RUNSC_MIN} or later", fix,
                      required=required)
-    return Check("gVisor (runsc)", True, f"runsc {match.group(1)} (runtime=runsc: systrap platform)")
+    return Check("gVisor (runsc)", True, f"runsc {match.group(1)}")
 
 
 def check_compiler() -> Check:

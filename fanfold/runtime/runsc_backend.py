@@ -52,6 +52,7 @@ TOKEN_FILE = "fanfold-agent-token"
 """In a memory checkpoint's dir: the token its agent proves itself by once restored (``q``)."""
 REQUEST_TIMEOUT_S = 10.0
 KEEP_TMP = ".fanfold-keep"
+PLATFORMS = ("systrap", "ptrace", "kvm")
 ENOSYS = 38
 RUNSC_NAMES = frozenset({"runsc", "runsc-gofer", "runsc-sandbox", "exe"})
 """What runsc's processes are called (the sentry re-executes itself: ``exe``), for the reaper."""
@@ -81,10 +82,13 @@ class RunscBackend(Backend):
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.state = cfg.run_dir / "runsc"
         self.state.mkdir(exist_ok=True)
+        if cfg.runsc_platform not in PLATFORMS:
+            raise HostNotReady(f"gVisor platform {cfg.runsc_platform!r} is not one of {', '.join(PLATFORMS)}:"
+                               " set FANFOLD_RUNSC_PLATFORM to one of them")
         # No network but loopback; the agent binds its socket on the host; writes go to the sandbox's
         # disk (no overlay of runsc's own), and what the host writes there is seen at once.
-        self.argv = [binary, "--root", str(self.state), "--platform=systrap", "--network=none", "--host-uds=create",
-                     "--overlay2=none", "--file-access=shared", "--oci-seccomp"]
+        self.argv = [binary, "--root", str(self.state), f"--platform={cfg.runsc_platform}", "--network=none",
+                     "--host-uds=create", "--overlay2=none", "--file-access=shared", "--oci-seccomp"]
         # Build steps run under crun, in a network namespace of their own, as with the oci backend.
         self.step_runtime = get_runtime("crun", str(cfg.run_dir / "crun"))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
