@@ -88,6 +88,8 @@ static struct conn *conns;
 static struct service *svcs;
 static int nsvc, next_svc, ready, listen_fd = -1, sig_fd = -1;
 static int held;                  /* --hold: services wait for the host's `g` */
+static int rebinds;               /* --hold: a runtime without fd passing (gVisor) may have us drop
+                                   * our listener (`q`); under others we never do */
 static const char *listen_path;   /* --listen: bound again on SIGUSR2 after a `q` */
 static char token[65];            /* the last `q`'s payload, told back by `t` */
 static int64_t accept_resume; /* listener paused until then (fd exhaustion) */
@@ -762,14 +764,14 @@ static int listen_on(const char *path)
  * cannot checkpoint a socket bound on the host). The gate holds every other request back. */
 static void drop_listener(void)
 {
-	if (listen_fd >= 0 && listen_path) {
+	if (rebinds && listen_fd >= 0 && listen_path) {
 		close(listen_fd);
 		listen_fd = -1;
 	}
 }
 
-/* SIGUSR2 after a `q` (the host, once the checkpoint or restore is done): bind again.
- * Ignored while listening, so a process in the sandbox cannot make us drop the socket. */
+/* SIGUSR2 after a `q` (the host, once the checkpoint or restore is done): bind again,
+ * unlinking what is at the path first. Ignored while listening. */
 static void listen_again(void)
 {
 	if (listen_fd >= 0 || !listen_path)
@@ -830,7 +832,7 @@ int main(int argc, char **argv)
 			svc_root = strcmp(argv[++i], "/") ? argv[i] : "";
 		} else if (!strcmp(argv[i], "--hold")) {
 			/* no fd 3 to wait on (a runtime that cannot pass one): the host says `g` */
-			held = 1;
+			held = rebinds = 1;
 		} else if (!strcmp(argv[i], "--subreaper")) {
 			/* not PID 1 (a process of a backend without namespaces): adopt what
 			 * commands leave behind, so it stays in our tree and we reap it */

@@ -306,6 +306,9 @@ class Engine:
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
         self.life.info(sandbox_id)
+        row = self.life.visible(sandbox_id)
+        if row is not None:
+            self.life.refuse_unless_ours(row)
         await self.life.destroy(sandbox_id)
 
     # -- exec and files -----------------------------------------------------------------------

@@ -100,15 +100,19 @@ class Lifecycle:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}: it never existed or was destroyed")
         if row["state"] not in ("running", "paused", "suspended"):
             raise SandboxGone(f"sandbox {sandbox_id} is {row['state']}")
-        if not self.ours(row):
-            raise InvalidRequest(f"sandbox {sandbox_id} runs on the {row['backend']} backend, this engine on"
-                                 f" {self.backend.name}: use an engine (or server) of that backend on this state dir")
+        self.refuse_unless_ours(row)
         return row
 
     def ours(self, row: Any) -> bool:
         """Whether this engine's backend runs the row's sandbox: engines of several backends
-        (crun and gVisor, say) may share a state dir, each minding its own sandboxes."""
-        return row["backend"] in ("", self.backend.name)
+        (crun and gVisor, say) may share a state dir, each minding its own sandboxes. Rows from
+        before backends were recorded are the oci backend's (or the fake's)."""
+        return row["backend"] == self.backend.name or (not row["backend"] and self.backend.name != "runsc")
+
+    def refuse_unless_ours(self, row: Any) -> None:
+        if not self.ours(row):
+            raise InvalidRequest(f"sandbox {row['id']} runs on the {row['backend'] or 'oci'} backend, this engine on"
+                                 f" {self.backend.name}: use an engine (or server) of that backend on this state dir")
 
     def gate(self, sandbox_id: str) -> Gate:
         gate = self._gates.get(sandbox_id)

@@ -97,7 +97,7 @@ class Reaper:
         rows = life.db.rows()
         alive = self._owners_alive({row["owner"] for row in rows} - {life.owner})
         for row in rows:
-            reason = self._reap_reason(row, alive)
+            reason = self._reap_reason(row, alive) if life.ours(row) else None  # another backend's engine reaps it
             if reason is None:
                 continue
             if reason != "retry":

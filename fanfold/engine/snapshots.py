@@ -56,11 +56,13 @@ class SnapshotStore:
         return self.dir / snapshot_id / "memory"
 
     def memory_tier(self, snapshot_id: str) -> str:
-        """The backend whose checkpoint a memory snapshot holds (``mark_tier``; before it: oci's CRIU)."""
+        """The backend whose checkpoint a memory snapshot holds (``TIER_FILE``; older ones by their
+        contents: the fake backend's state file, else CRIU's images, the oci backend's)."""
+        memory = self.memory_dir(snapshot_id)
         try:
-            return (self.memory_dir(snapshot_id) / TIER_FILE).read_text().strip() or "oci"
+            return (memory / TIER_FILE).read_text().strip() or "oci"
         except OSError:
-            return "oci"
+            return "fake" if (memory / "fake.json").exists() else "oci"
 
     def staging(self, snapshot_id: str) -> Path:
         """A private dir for a snapshot being taken; ``commit`` moves it into place."""

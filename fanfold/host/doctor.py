@@ -66,7 +66,7 @@ def check_cgroups() -> Check:
 
 def check_cgroup_attach() -> Check:
     """Whether cgroup2 is mounted with favordynmods: else each create waits ~10 ms for the kernel."""
-    on = any("favordynmods" in setup.mount_options(root) for root in cgroups.v2_roots())
+    on = any("favordynmods" in setup.mount_options(root)[1] for root in cgroups.v2_roots())
     return Check("cgroup attach", on, "fast (cgroup2 favordynmods)" if on else
                  "each create waits ~10 ms for an RCU grace period (cgroup2 without favordynmods)",
                  "run `fanfold doctor --fix` (remounts cgroup2 with favordynmods; Linux 6.0+)", required=False)

@@ -56,26 +56,37 @@ def favor_dynamic_cgroups() -> bool:
     in its slow-reader mode, attaching takes ~0.2 ms, and forks and exits cost an atomic more.
     """
     targets = cgroups.v2_roots()
+    if any("favordynmods" in mount_options(target)[1] for target in targets):
+        return True
     for target in targets:
-        if "favordynmods" in mount_options(target):
-            return True
-    for target in targets:
+        # A remount sets the whole flag set: keep the mount's flags and the hierarchy's options.
+        per_mount, options = mount_options(target)
+        flags = mounts.MS_REMOUNT
+        for name in per_mount:
+            flags |= MOUNT_FLAGS.get(name, 0)
+        data = ",".join([o for o in options if o not in ("rw", "ro")] + ["favordynmods"])
         try:
-            mounts.mount("cgroup2", target, "cgroup2", mounts.MS_REMOUNT, "favordynmods")
+            mounts.mount("cgroup2", target, "cgroup2", flags, data)
             return True
         except OSError:
             continue  # an older kernel, or not ours to remount
     return False
 
 
-def mount_options(target: Path) -> set[str]:
-    """The superblock options of the filesystem mounted at ``target`` (empty when none is)."""
+MOUNT_FLAGS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
+               "relatime": 1 << 21, "strictatime": 1 << 24}
+"""Per-mount options as mountinfo shows them, and their MS_ flags."""
+
+
+def mount_options(target: Path) -> tuple[list[str], list[str]]:
+    """The per-mount options and the superblock options of what is mounted at ``target``."""
     with open("/proc/self/mountinfo", encoding="utf-8") as handle:
         for line in handle:
             pre, _, post = line.partition(" - ")
-            if pre.split()[4] == str(target):
-                return set(post.split()[2].split(","))
-    return set()
+            fields = pre.split()
+            if fields[4] == str(target):
+                return fields[5].split(","), post.split()[2].split(",")
+    return [], []
 
 
 def is_root() -> bool:

@@ -137,7 +137,7 @@ class RunscBackend(Backend):
             if keep is not None:
                 keep.unlink(missing_ok=True)
             oci_sandbox.set_immutable(where.channel, True)
-            await self.agent_of(spec.id).release_services()
+            await asyncio.wait_for(self.agent_of(spec.id).release_services(), REQUEST_TIMEOUT_S)
         else:
             try:
                 token = (spec.restore / TOKEN_FILE).read_text()
@@ -200,24 +200,40 @@ class RunscBackend(Backend):
 
     async def _listen_again(self, sandbox_id: str, where: oci_sandbox.Paths, token: str) -> None:
         """Have an agent that let go of its socket (``q``) bind it again, lock its dir, then check that
-        what listens there knows ``token``.
+        the dir holds only a socket, and that what listens there knows ``token``.
 
         The sandbox's processes run meanwhile (runsc restores nothing stopped), so one could put a
-        socket of its own in the agent's place before the lock; only the agent knows the token (its
-        memory is out of the sandbox's reach). A sandbox caught at it is ended."""
+        socket of its own in the agent's place before the lock; a sandbox caught at it, or whose
+        agent does not come back, is ended. The dir is never left open."""
         oci_sandbox.set_immutable(where.channel, False)
-        where.socket.unlink(missing_ok=True)  # the file the source's listener left
-        await self._runsc(sandbox_id, "kill", sandbox_id, "USR2")
-        await self._ping_until_up(sandbox_id)
-        oci_sandbox.set_immutable(where.channel, True)
         try:
-            told = await asyncio.wait_for(self.agent_of(sandbox_id).token(), REQUEST_TIMEOUT_S)
-        except (AgentUnreachable, asyncio.TimeoutError):
-            told = None
-        if told != token:
-            await on_thread(cgroups.remove, self.config.cgroup_parent, sandbox_id)
+            # The old socket's file goes first: the agent's own unlink of it did not free the name under
+            # gVisor (the agent never answered again). A second rebind after a failed one ends the
+            # sandbox: its agent listens on the name just unlinked.
+            where.socket.unlink(missing_ok=True)
+            await self._runsc(sandbox_id, "kill", sandbox_id, "USR2")
+            await self._ping_until_up(sandbox_id)
+        except (InfrastructureError, OSError) as err:
+            await self._end(sandbox_id)
+            raise InfrastructureError(f"{err}; the sandbox was ended") from None
+        finally:
+            oci_sandbox.set_immutable(where.channel, True)
+        if not await self._answers_as_agent(sandbox_id, where, token):
+            await self._end(sandbox_id)
             raise InfrastructureError(f"sandbox {sandbox_id}: something else than its agent took the agent's socket"
                                       " while it was bound again; the sandbox was ended")
+
+    async def _answers_as_agent(self, sandbox_id: str, where: oci_sandbox.Paths, token: str) -> bool:
+        try:
+            if os.listdir(where.channel) != [where.socket.name] or not stat.S_ISSOCK(os.lstat(where.socket).st_mode):
+                return False
+            return await asyncio.wait_for(self.agent_of(sandbox_id).token(), REQUEST_TIMEOUT_S) == token
+        except (OSError, AgentUnreachable, asyncio.TimeoutError):
+            return False
+
+    async def _end(self, sandbox_id: str) -> None:
+        """Kill every process of the sandbox (the engine then finds it dead and destroys it)."""
+        await on_thread(cgroups.remove, self.config.cgroup_parent, sandbox_id)
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
         cfg = self.config
@@ -267,11 +283,11 @@ class RunscBackend(Backend):
         started = time.perf_counter()
         touched = memory or not frozen  # a frozen sandbox is thawed for the `q` of a memory checkpoint
         token = secrets.token_hex(16) if memory else None
-        unbound: str | None = None  # the token, once the agent let go of its socket
+        unbound: str | None = None  # the token, once the agent may have let go of its socket
         try:
             if token is not None:
+                unbound = token  # a `q` whose answer is lost may still have been carried out
                 await self._unbind(handle, frozen, token)
-                unbound = token
             if touched:
                 await self.freeze(handle)
             await on_thread(copy_upper, where.disk, host_dirs, dest / "layer")
