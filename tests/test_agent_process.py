@@ -21,14 +21,19 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
-async def test_the_agent_as_a_plain_process_keeps_services_and_orphans_at_home(tmp_path):
+def start_agent(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """The agent as a plain process listening at ``tmp_path/agent.sock``, its --root ``tmp_path/root``."""
     root, socket = tmp_path / "root", tmp_path / "agent.sock"
     root.mkdir()
     agent = subprocess.Popen(
-        [str(agent_binary(tmp_path / "state")), "--listen", str(socket), "--root", str(root), "--subreaper",
-         "--oneshot", "setup", "echo ready; pwd"],
+        [str(agent_binary(tmp_path / "state")), "--listen", str(socket), "--root", str(root), *args],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
+    return agent, root, socket
+
+
+async def test_the_agent_as_a_plain_process_keeps_services_and_orphans_at_home(tmp_path):
+    agent, root, socket = start_agent(tmp_path, "--subreaper", "--oneshot", "setup", "echo ready; pwd")
     try:
         client = AgentClient(str(socket))
         give_up = time.monotonic() + 10
@@ -62,13 +67,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
     """What the gVisor tier relies on: ``--hold`` keeps services back until ``g``; ``q`` closes the
     listener (and the connection) so a checkpoint finds no host socket; SIGUSR2 binds it again,
     and is ignored while the agent listens."""
-    root, socket = tmp_path / "root", tmp_path / "agent.sock"
-    root.mkdir()
-    agent = subprocess.Popen(
-        [str(agent_binary(tmp_path / "state")), "--listen", str(socket), "--root", str(root), "--hold",
-         "--oneshot", "setup", "echo ran"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
+    agent, root, socket = start_agent(tmp_path, "--hold", "--oneshot", "setup", "echo ran")
     log = root / "var/log/fanfold/setup.log"
     try:
         client = AgentClient(str(socket))

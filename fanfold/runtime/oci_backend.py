@@ -25,14 +25,14 @@ from ..host import cgroups, disk, idmap, mounts, procs, setup, stepnet
 from ..host.offload import host_errors
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
-from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
+from .base import Backend, Capabilities, Handle, SandboxSpec
 from .criu import Criu
 
 FREEZE_TIMEOUT_S = 10.0
 log = logging.getLogger("fanfold.engine")
 
 
-class OciBackend(Backend):
+class OciBackend(oci_sandbox.OnHost, Backend):
     """Sandboxes as OCI containers; memory checkpoints with CRIU."""
 
     name = "oci"
@@ -177,15 +177,6 @@ class OciBackend(Backend):
         except OSError as err:
             raise CheckpointFailed(f"snapshot of {handle.id} failed: {err}") from None
         return (time.perf_counter() - frozen_at) * 1000
-
-    def counters(self, handle: Handle) -> CounterReader:
-        return cgroups.CounterFiles(self.config.cgroup_parent, handle.id)
-
-    def usage(self, handle: Handle) -> tuple[float, int]:
-        return cgroups.usage(self.config.cgroup_parent, handle.id) if handle.pid else (0.0, 0)
-
-    def root(self, sandbox_id: str) -> Path:
-        return oci_sandbox.paths(self.config, sandbox_id).rootfs
 
     def as_root(self, sandbox_id: str) -> AbstractContextManager[None]:
         return idmap.as_mapped_root(idmap.base_of(sandbox_id))

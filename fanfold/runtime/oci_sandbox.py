@@ -25,7 +25,7 @@ from ..models import Limits
 from ..host.netns import new_netns
 from ..host.spawn import log_tail, run
 from . import criu_images, seccomp
-from .base import SandboxSpec
+from .base import Handle, SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
 from .criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
 
@@ -72,6 +72,22 @@ class Paths:
 
 def paths(config: EngineConfig, sandbox_id: str) -> Paths:
     return Paths(config.state_dir / "sandboxes" / sandbox_id, config.run_dir / sandbox_id)
+
+
+class OnHost:
+    """What the backends whose sandboxes are made here share (oci, runsc): counters and usage from
+    the sandbox's cgroups, and its root on the host."""
+
+    config: EngineConfig
+
+    def counters(self, handle: Handle) -> cgroups.CounterFiles:
+        return cgroups.CounterFiles(self.config.cgroup_parent, handle.id)
+
+    def usage(self, handle: Handle) -> tuple[float, int]:
+        return cgroups.usage(self.config.cgroup_parent, handle.id) if handle.pid else (0.0, 0)
+
+    def root(self, sandbox_id: str) -> Path:
+        return paths(self.config, sandbox_id).rootfs
 
 
 async def provision(

@@ -39,7 +39,7 @@ from ..host.offload import host_errors, on_thread
 from ..host.spawn import Finished, log_tail, run
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
-from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
+from .base import Backend, Capabilities, Handle, SandboxSpec
 from .container import ContainerSpec
 from .oci import oci_config
 from .oci_backend import quota_disk
@@ -58,7 +58,7 @@ RUNSC_NAMES = frozenset({"runsc", "runsc-gofer", "runsc-sandbox", "exe"})
 """What runsc's processes are called (the sentry re-executes itself: ``exe``), for the reaper."""
 
 
-class RunscBackend(Backend):
+class RunscBackend(oci_sandbox.OnHost, Backend):
     """Sandboxes under gVisor (``runsc``, systrap platform); memory checkpoints by runsc."""
 
     name = "runsc"
@@ -325,15 +325,6 @@ class RunscBackend(Backend):
             await asyncio.wait_for(self.agent(handle).drop_listener(token), REQUEST_TIMEOUT_S)
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             raise CheckpointFailed(f"sandbox {handle.id}'s agent did not let go of its socket: {err!r}") from None
-
-    def counters(self, handle: Handle) -> CounterReader:
-        return cgroups.CounterFiles(self.config.cgroup_parent, handle.id)
-
-    def usage(self, handle: Handle) -> tuple[float, int]:
-        return cgroups.usage(self.config.cgroup_parent, handle.id) if handle.pid else (0.0, 0)
-
-    def root(self, sandbox_id: str) -> Path:
-        return oci_sandbox.paths(self.config, sandbox_id).rootfs
 
     def agent(self, handle: Handle) -> AgentClient:
         return self.agent_of(handle.id)
