@@ -78,6 +78,25 @@ async def test_a_fork_child_gets_a_range_of_its_own_and_can_fork_again(config):
                 await child.kill()
 
 
+LOOPBACK = ("python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen();"
+            " c = socket.create_connection(s.getsockname()); print('lo up')\"")
+
+
+async def test_a_sandbox_without_ip_sockets_is_restored_with_lo_up(config):
+    """Its checkpoint says it held no IP socket, so lo comes up after CRIU is done (no action script)."""
+    from fanfold.runtime.oci_sandbox import NO_INET_FILE
+
+    async with AsyncFleet(config=config) as fleet:
+        async with await fleet.create() as sandbox:
+            await sandbox.exec("nohup sleep 600 >/dev/null 2>&1 &")
+            snap = await sandbox.snapshot(memory=True)
+            assert (config.state_dir / "snapshots" / snap.id / "memory" / NO_INET_FILE).exists()
+        async with await fleet.create(snap.id) as copy:
+            assert (await copy.exec(LOOPBACK)).text == "lo up\n"
+            assert "sleep 600" in (await copy.exec("ps -eo args")).text
+        await fleet.delete_snapshot(snap.id)
+
+
 async def test_without_user_namespaces_root_is_the_hosts(config, tmp_path):
     quiet = EngineConfig(state_dir=config.state_dir, userns=False)
     async with AsyncFleet(config=quiet) as fleet:

@@ -82,13 +82,16 @@ class Criu:
             raise CheckpointFailed(f"CRIU could not checkpoint the sandbox: {_log_errors(images / 'dump.log')}")
 
     async def restore(
-        self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int | None
+        self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int | None,
+        lo_first: bool = True,
     ) -> int:
         """Restore ``images`` as a new tree rooted at ``root``, in cgroup ``cgroup``; return its PID 1.
 
         ``binds`` maps each external key to the host path the new sandbox uses for it.
-        ``netns`` is an fd of the network namespace to restore into (None: the image has its own). ``work`` (the new
-        sandbox's own dir) takes the log and pid file, so restores of one image can run at once.
+        ``netns`` is an fd of the network namespace to restore into (None: the image has its own, made
+        empty, and with ``lo_first`` lo comes up before the sockets are restored; without, the caller
+        raises it). ``work`` (the new sandbox's own dir) takes the log and pid file, so restores of
+        one image can run at once.
         """
         self.check_installed()
         pidfile = work / "restored.pid"
@@ -98,9 +101,11 @@ class Criu:
                 *COMMON]
         if netns is not None:
             argv += ["--inherit-fd", f"fd[{NETNS_FD}]:{NETNS_KEY}"]
-        else:  # the image's own namespace, made empty: lo comes up before its sockets are restored
-            assert self.lo_up is not None, "Criu(lo_up=) names what a restore in its own namespace runs"
-            argv += ["--empty-ns", "net", "--action-script", str(self.lo_up)]
+        else:
+            argv += ["--empty-ns", "net"]
+            if lo_first:  # CRIU runs the action script at every stage, ~1 ms each
+                assert self.lo_up is not None, "Criu(lo_up=) names what a restore in its own namespace runs"
+                argv += ["--action-script", str(self.lo_up)]
         for key, path in binds.items():
             argv += ["--external", f"mnt[{key}]:{path}"]
         done = await run(argv, fds=None if netns is None else {NETNS_FD: netns}, timeout=300)

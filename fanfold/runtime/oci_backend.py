@@ -21,7 +21,7 @@ from .._agent.build import agent_binary
 from .._agent.client import AgentClient
 from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, disk, idmap, mounts, procs, setup, stepnet
+from ..host import cgroups, disk, idmap, mounts, netns, procs, setup, stepnet
 from ..host.offload import host_errors
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
@@ -165,11 +165,15 @@ class OciBackend(oci_sandbox.OnHost, Backend):
                 await asyncio.to_thread(copy_upper, where.disk, host_dirs, dest / "layer")
                 if memory:
                     (dest / "memory").mkdir()
+                    own_netns = idmap.base_of(handle.id) is not None
+                    if own_netns and not netns.has_inet_sockets(handle.pid or 0):
+                        # nothing to bind on lo as it is restored: it comes up after, without CRIU's action script
+                        (dest / "memory" / oci_sandbox.NO_INET_FILE).touch()
                     await self.criu.dump(
                         handle.pid or 0, dest / "memory", root=where.rootfs,
                         mounts=oci_sandbox.criu_mounts(host_dirs),
                         freezer=cgroups.freezer_dir(self.config.cgroup_parent, handle.id), leave_running=leave_running,
-                        own_netns=idmap.base_of(handle.id) is not None,
+                        own_netns=own_netns,
                     )
             finally:
                 if not frozen:

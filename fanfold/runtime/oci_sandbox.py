@@ -22,7 +22,7 @@ from ..host.offload import on_thread, read_once
 from ..images import LayerStore
 from ..images.rootfs import mount_rootfs
 from ..models import Limits
-from ..host.netns import new_netns
+from ..host.netns import new_netns, raise_lo
 from ..host.spawn import log_tail, run
 from . import criu_images, seccomp
 from .base import Handle, SandboxSpec
@@ -33,6 +33,9 @@ FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
 BUNDLE_MB = 16
 """The tmpfs on a sandbox's root when its disk is a subvolume: the bundle and logs only."""
 AGENT_PATH = "/.fanfold/agent"
+NO_INET_FILE = "fanfold-no-inet"
+"""In a memory checkpoint of a sandbox in a user namespace: it held no IP socket, so its restore
+brings lo up after CRIU is done rather than through CRIU's action script."""
 CHANNEL_PATH = "/.fanfold/run"
 
 
@@ -158,11 +161,15 @@ async def restore(
         bare = where.root / "bare"
         bare.mkdir()
         mounts.mount(str(where.rootfs), bare, "", mounts.MS_BIND)
+        lo_first = not (images / NO_INET_FILE).exists()
         try:
             await on_thread(criu_images.private_copy, images, own, base)
-            pid = await criu.restore(own, work=where.bundle, root=bare, cgroup=cgroup, binds=binds, netns=None)
+            pid = await criu.restore(own, work=where.bundle, root=bare, cgroup=cgroup, binds=binds, netns=None,
+                                     lo_first=lo_first)
         finally:
             await on_thread(shutil.rmtree, own, True)
+        if not lo_first:
+            await on_thread(raise_lo, pid)  # still frozen: nothing of the sandbox sees lo down
     else:
         netns = await on_thread(new_netns, discard=os.close)  # unshare and raising lo take milliseconds
         try:
