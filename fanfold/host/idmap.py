@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import HostNotReady, InfrastructureError
 
@@ -165,7 +165,8 @@ def _new_userns(base: int) -> int:
     maps are written from here; its namespace outlives it through the fd."""
     mine = os.readlink("/proc/self/ns/user")
     child = subprocess.Popen(["unshare", "--user", "--", "sleep", "60"], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, close_fds=True,
+                             preexec_fn=_die_with_parent(os.getpid()))
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -194,6 +195,19 @@ def _new_userns(base: int) -> int:
         child.wait()
         if child.stderr is not None:
             child.stderr.close()
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """For a helper child: SIGKILL when the thread that started it dies (an engine killed while
+    making a namespace leaves no ``sleep`` behind)."""
+    def arm() -> None:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)  # died before the signal was armed
+    return arm
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def _exe_is_sleep(pid: int) -> bool:
