@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterable
 
 from ..config import EngineConfig
-from ..errors import CapacityExceeded, HostNotReady, InfrastructureError, InvalidRequest
+from ..errors import CapacityExceeded, HostNotReady, InfrastructureError, InvalidRequest, SandboxNotFound
 from ..images import Image, LayerStore, users
 from ..host.stepnet import StepNetworks
 from ..images.builder import Builder, Network, OnStep
@@ -305,10 +305,10 @@ class Engine:
 
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
-        self.life.info(sandbox_id)
         row = self.life.visible(sandbox_id)
-        if row is not None:
-            self.life.refuse_unless_ours(row)
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        self.life.refuse_unless_ours(row)
         await self.life.destroy(sandbox_id)
 
     # -- exec and files -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 import threading
+from typing import Callable
 
 from ..errors import InfrastructureError
 
@@ -16,37 +17,49 @@ CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 
-def new_netns() -> int:
-    """An fd of a new network namespace whose only device, lo, is up.
+def _on_a_thread(work: Callable[[], int | None], what: str) -> int | None:
+    """Run ``work`` on a short-lived thread of its own, since a thread may switch network
+    namespace alone; it ends there, so nothing else of ours ever runs in that namespace.
+    ``work`` signals failure with OSError."""
+    result: dict[str, int | str | None] = {}
 
-    Made in a short-lived thread, since a thread may switch network namespace alone: the
-    thread unshares, keeps an fd, raises lo, and ends (so nothing else of ours ever runs
-    in the new namespace, even if switching back failed).
-    """
-    result: dict[str, int | str] = {}
-
-    def work() -> None:
-        host = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    def run() -> None:
         try:
-            if _libc.unshare(CLONE_NEWNET) != 0:
-                result["error"] = os.strerror(ctypes.get_errno())
-                return
-            result["fd"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            _lo_up()
-            _libc.setns(host, CLONE_NEWNET)
+            result["value"] = work()
         except OSError as err:
-            result["error"] = str(err)
-        finally:
-            os.close(host)
+            result["error"] = err.strerror or str(err)
 
-    thread = threading.Thread(target=work, name="fanfold-netns")
+    thread = threading.Thread(target=run, name="fanfold-netns")
     thread.start()
     thread.join()
     if "error" in result:
-        if "fd" in result:
-            os.close(int(result["fd"]))
-        raise InfrastructureError(f"making a network namespace failed: {result['error']}")
-    return int(result["fd"])
+        raise InfrastructureError(f"{what} failed: {result['error']}")
+    value = result.get("value")
+    return None if value is None else int(value)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def new_netns() -> int:
+    """An fd of a new network namespace whose only device, lo, is up."""
+
+    def work() -> int:
+        _check(_libc.unshare(CLONE_NEWNET))
+        fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _lo_up()
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    fd = _on_a_thread(work, "making a network namespace")
+    assert fd is not None
+    return fd
 
 
 def _lo_up() -> None:
@@ -56,30 +69,17 @@ def _lo_up() -> None:
 
 
 def raise_lo(pid: int) -> None:
-    """Bring lo up in the network namespace of ``pid``, from a short-lived thread of ours."""
-    result: dict[str, str] = {}
+    """Bring lo up in the network namespace of ``pid``."""
 
     def work() -> None:
+        target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as err:
-            result["error"] = str(err)
-            return
-        try:
-            if _libc.setns(target, CLONE_NEWNET) != 0:
-                result["error"] = os.strerror(ctypes.get_errno())
-                return
-            _lo_up()  # the thread ends in that namespace: nothing else of ours runs there
-        except OSError as err:
-            result["error"] = str(err)
+            _check(_libc.setns(target, CLONE_NEWNET))
         finally:
             os.close(target)
+        _lo_up()
 
-    thread = threading.Thread(target=work, name="fanfold-lo-up")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise InfrastructureError(f"bringing lo up in sandbox process {pid}'s network failed: {result['error']}")
+    _on_a_thread(work, f"bringing lo up in sandbox process {pid}'s network")
 
 
 INET_TABLES = ("tcp", "tcp6", "udp", "udp6", "raw", "raw6", "udplite", "udplite6", "icmp", "icmp6")

@@ -18,10 +18,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from .._agent.build import agent_binary
-from .._agent.client import AgentClient
 from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, disk, idmap, mounts, netns, procs, setup, stepnet
+from ..host import cgroups, disk, idmap, mounts, netns, procs, setup
 from ..host.offload import host_errors
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
@@ -37,8 +36,6 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     name = "oci"
     capabilities = Capabilities(memory="live", exact_counters=True, isolated=True)
-    disk_hold: disk.Hold | None = None
-    """The btrfs holding sandboxes' disks, while ``prepare`` made sure of it."""
     users: idmap.Namespaces
     """User namespaces for the idmaps of sandboxes' layers, one per uid range."""
     userns: bool = False
@@ -53,12 +50,8 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         if not setup.is_root():
             raise HostNotReady("the oci backend needs root (mounts, cgroups): run fanfold as root,"
                                " or use the fake backend (FANFOLD_BACKEND=fake) for tests of engine logic")
-        setup.fix_hybrid_cgroups()
-        setup.favor_dynamic_cgroups()  # ~10 ms off each create
-        setup.become_subreaper()
+        self.prepare_host()
         cfg = self.config
-        (cfg.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True)
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
         for passed in (cfg.run_dir.parent, cfg.run_dir):  # a sandbox's root reaches its channel dir through them
             os.chmod(passed, 0o755)
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
@@ -72,33 +65,11 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             self.userns = await asyncio.to_thread(_idmaps_work, cfg, self.users, self.disk_hold is not None)
 
     async def close(self, *, idle: bool = True) -> None:
-        # Only empty groups go (rmdir), and the runtime recreates the parent on the next create,
-        # so another engine on the same state dir is unaffected. The run dir stays: removing it
-        # would race another engine binding a socket there.
-        if idle:
-            cgroups.remove_parent(self.config.cgroup_parent)
-        if self.disk_hold is not None:  # unmounted only when no engine holds it and no sandbox has a disk
-            await asyncio.to_thread(self.disk_hold.close)
-            self.disk_hold = None
+        await self.close_host(idle=idle)
         self.users.close()
 
     async def list_ids(self) -> set[str]:
-        cfg = self.config
-        ids = {i for i in await self.runtime.list_ids() if i.startswith("sb-")}
-        ids |= {p.name for p in (cfg.state_dir / "sandboxes").iterdir()}
-        ids |= cgroups.leftover_ids(cfg.cgroup_parent)
-        ids |= disk.ids(cfg.state_dir)  # a crashed engine's subvolumes
-        ids |= {p.name.removesuffix(".sock") for p in cfg.run_dir.glob("sb-*")}  # .sock: before 0.4
-        return ids
-
-    async def sweep(self, *, thorough: bool = False) -> None:
-        setup.reap_orphans()
-        if not thorough:
-            return
-        for container in await self.runtime.list_ids():
-            if container.startswith("build-") and not procs.running(container.split("-")[1]):
-                await self.runtime.delete(container)  # a build step whose builder died
-        await asyncio.to_thread(stepnet.sweep, self.config.tag)  # and that builder's network
+        return {i for i in await self.runtime.list_ids() if i.startswith("sb-")} | self.host_ids()
 
     # -- one sandbox ----------------------------------------------------------------------------
 
@@ -184,9 +155,6 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     def as_root(self, sandbox_id: str) -> AbstractContextManager[None]:
         return idmap.as_mapped_root(idmap.base_of(sandbox_id))
-
-    def agent(self, handle: Handle) -> AgentClient:
-        return AgentClient(str(oci_sandbox.paths(self.config, handle.id).socket))
 
 
 async def _agent_settled(pid: int | None, timeout: float = 5.0) -> None:

@@ -17,7 +17,8 @@ from typing import Callable
 
 from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError
-from ..host import cgroups, disk, idmap, mounts, safefs, setup
+from .._agent.client import AgentClient
+from ..host import cgroups, disk, idmap, mounts, procs, safefs, setup, stepnet
 from ..host.offload import on_thread, read_once
 from ..images import LayerStore
 from ..images.rootfs import mount_rootfs
@@ -78,10 +79,56 @@ def paths(config: EngineConfig, sandbox_id: str) -> Paths:
 
 
 class OnHost:
-    """What the backends whose sandboxes are made here share (oci, runsc): counters and usage from
-    the sandbox's cgroups, and its root on the host."""
+    """What the backends whose sandboxes are made here share (oci, runsc): the host's set-up and
+    sweeps, the ids of what is held, counters and usage from the sandbox's cgroups, its root on the
+    host and its agent's socket."""
 
     config: EngineConfig
+    step_runtime: Runtime | None
+    disk_hold: disk.Hold | None = None
+    """The btrfs holding sandboxes' disks (``prepare`` made sure of it), else each has a tmpfs."""
+
+    def prepare_host(self) -> None:
+        """Ready the host once per engine start (the caller checked it runs as root)."""
+        setup.fix_hybrid_cgroups()
+        setup.favor_dynamic_cgroups()  # ~10 ms off each create
+        setup.become_subreaper()
+        (self.config.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True)
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+
+    async def close_host(self, *, idle: bool) -> None:
+        # Only empty groups go (rmdir), and the runtime recreates the parent on the next create,
+        # so another engine on the same state dir is unaffected. The run dir stays: removing it
+        # would race another engine binding a socket there.
+        if idle:
+            cgroups.remove_parent(self.config.cgroup_parent)
+        if self.disk_hold is not None:  # unmounted only when no engine holds it and no sandbox has a disk
+            await asyncio.to_thread(self.disk_hold.close)
+            self.disk_hold = None
+
+    def host_ids(self) -> set[str]:
+        """Ids of the sandboxes that have anything here but the runtime's own state."""
+        cfg = self.config
+        ids = {p.name for p in (cfg.state_dir / "sandboxes").iterdir()}
+        ids |= cgroups.leftover_ids(cfg.cgroup_parent)
+        ids |= disk.ids(cfg.state_dir)  # a crashed engine's subvolumes
+        ids |= {p.name.removesuffix(".sock") for p in cfg.run_dir.glob("sb-*")}  # .sock: before 0.4
+        return ids
+
+    async def sweep(self, *, thorough: bool = False) -> None:
+        setup.reap_orphans()
+        if not thorough or self.step_runtime is None:
+            return
+        for container in await self.step_runtime.list_ids():
+            if container.startswith("build-") and not procs.running(container.split("-")[1]):
+                await self.step_runtime.delete(container)  # a build step whose builder died
+        await asyncio.to_thread(stepnet.sweep, self.config.tag)  # and that builder's network
+
+    def agent(self, handle: Handle) -> AgentClient:
+        return self.agent_of(handle.id)
+
+    def agent_of(self, sandbox_id: str) -> AgentClient:
+        return AgentClient(str(paths(self.config, sandbox_id).socket))
 
     def counters(self, handle: Handle) -> cgroups.CounterFiles:
         return cgroups.CounterFiles(self.config.cgroup_parent, handle.id)
@@ -271,7 +318,7 @@ def channel_binds(agent: Path, where: Paths) -> list[Bind]:
     return [Bind(str(agent), AGENT_PATH), Bind(str(where.channel), CHANNEL_PATH, readonly=False)]
 
 
-def _in_sandbox_cgroup(pid: int, cgroup: str) -> bool:
+def in_sandbox_cgroup(pid: int, cgroup: str) -> bool:
     """True when ``pid`` still is the sandbox's process (not a recycled pid)."""
     try:
         with open(f"/proc/{pid}/cgroup") as handle:
@@ -286,14 +333,14 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     # Killing PID 1 ourselves ends the whole pid namespace in well under a millisecond;
     # the runtime's own forced delete polls for the exit and takes ~10 ms longer.
     cgroup = f"/{config.cgroup_parent}/{sandbox_id}"
-    if pid and _in_sandbox_cgroup(pid, cgroup):
+    if pid and in_sandbox_cgroup(pid, cgroup):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     await setup.reap(pid)
     # PID 1 gone means its whole pid namespace is: the runtime has nothing left to kill.
-    await runtime.delete(sandbox_id, stopped=bool(pid) and not _in_sandbox_cgroup(pid, cgroup))
+    await runtime.delete(sandbox_id, stopped=bool(pid) and not in_sandbox_cgroup(pid, cgroup))
     # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread, the loop serves execs meanwhile.
     await on_thread(release_host, config, sandbox_id, where)
 

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from .._agent.build import agent_binary
-from .._agent.client import AgentClient, AgentUnreachable
+from .._agent.client import AgentUnreachable
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, disk, doctor, setup, stepnet
+from ..host import cgroups, doctor, procs, setup
 from ..host.offload import host_errors, on_thread
 from ..host.spawn import Finished, log_tail, run
 from ..images.rootfs import copy_upper
@@ -63,8 +63,6 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
 
     name = "runsc"
     capabilities = Capabilities(memory="live", exact_counters=False, isolated=True)
-    disk_hold: disk.Hold | None = None
-    """The btrfs holding sandboxes' disks (as the oci backend's), else each has a tmpfs."""
 
     async def prepare(self) -> None:
         if not setup.is_root():
@@ -73,13 +71,9 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         binary = shutil.which("runsc")
         if not found.ok or binary is None:
             raise HostNotReady(f"gVisor's runsc: {found.detail}: run {found.fix}, or `make setup`")
-        setup.fix_hybrid_cgroups()
-        setup.favor_dynamic_cgroups()
-        setup.become_subreaper()
+        self.prepare_host()
         setup.RUNTIME_NAMES.update(RUNSC_NAMES)
         cfg = self.config
-        (cfg.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True)
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.state = cfg.run_dir / "runsc"
         self.state.mkdir(exist_ok=True)
         if cfg.runsc_platform not in PLATFORMS:
@@ -96,28 +90,12 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         self.disk_hold = await asyncio.to_thread(quota_disk, cfg)
 
     async def close(self, *, idle: bool = True) -> None:
-        if idle:
-            cgroups.remove_parent(self.config.cgroup_parent)
-        if self.disk_hold is not None:
-            await asyncio.to_thread(self.disk_hold.close)
-            self.disk_hold = None
+        await self.close_host(idle=idle)
 
     async def list_ids(self) -> set[str]:
-        cfg = self.config
         ids = {p.name.partition("_sandbox:")[0] for p in self.state.glob("sb-*_sandbox:*")}
         ids |= {p.name.removeprefix("runsc-").removesuffix(".sock") for p in self.state.glob("runsc-sb-*.sock")}
-        ids |= {p.name for p in (cfg.state_dir / "sandboxes").iterdir()}
-        ids |= cgroups.leftover_ids(cfg.cgroup_parent)
-        ids |= {p.name for p in cfg.run_dir.glob("sb-*")}
-        return ids
-
-    async def sweep(self, *, thorough: bool = False) -> None:
-        setup.reap_orphans()
-        if thorough:
-            for container in await self.step_runtime.list_ids():
-                if container.startswith("build-") and not _pid_alive(container.split("-")[1]):
-                    await self.step_runtime.delete(container)
-            await asyncio.to_thread(stepnet.sweep, self.config.tag)
+        return ids | self.host_ids()
 
     # -- one sandbox ----------------------------------------------------------------------------
 
@@ -186,7 +164,7 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
                 await asyncio.wait_for(agent.ping(), max(deadline - time.monotonic(), 0.1))
                 return
             except (AgentUnreachable, asyncio.TimeoutError):
-                if time.monotonic() > deadline or not _pid_alive(_read_pid(bundle)):
+                if time.monotonic() > deadline or not procs.running(_read_pid(bundle)):
                     raise InfrastructureError(f"sandbox {sandbox_id}'s agent did not come up under gVisor:"
                                               f" {log_tail(bundle / 'runtime.log')}") from None
                 await asyncio.sleep(0.002)
@@ -254,9 +232,9 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             leftover.unlink(missing_ok=True)
 
     def alive(self, handle: Handle) -> bool:
-        # A restore (resume) starts a new sentry: the bundle's pid file names the current one.
-        pid = _read_pid(oci_sandbox.paths(self.config, handle.id).bundle) or handle.pid
-        return _pid_alive(pid) and _in_cgroup(pid, f"/{self.config.cgroup_parent}/{handle.id}")
+        pid = handle.pid  # the sentry: a checkpoint leaves it running, a restore's is a new handle's
+        cgroup = f"/{self.config.cgroup_parent}/{handle.id}"
+        return procs.running(pid) and oci_sandbox.in_sandbox_cgroup(pid or 0, cgroup)
 
     async def freeze(self, handle: Handle) -> None:
         with host_errors(f"freezing sandbox {handle.id} failed"):
@@ -326,36 +304,12 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             raise CheckpointFailed(f"sandbox {handle.id}'s agent did not let go of its socket: {err!r}") from None
 
-    def agent(self, handle: Handle) -> AgentClient:
-        return self.agent_of(handle.id)
-
-    def agent_of(self, sandbox_id: str) -> AgentClient:
-        return AgentClient(str(oci_sandbox.paths(self.config, sandbox_id).socket))
-
 
 def _read_pid(bundle: Path) -> int | None:
     try:
         return int((bundle / "pid").read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def _pid_alive(pid: int | str | None) -> bool:
-    if not pid:
-        return False
-    try:
-        head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
-    except OSError:
-        return False
-    return rest.split()[0] != "Z"
-
-
-def _in_cgroup(pid: int | None, cgroup: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cgroup") as handle:
-            return any(line.rstrip("\n").endswith(cgroup) for line in handle)
-    except OSError:
-        return False
 
 
 def _for_gvisor(profile: dict[str, Any]) -> dict[str, Any]:
@@ -375,8 +329,8 @@ def _for_gvisor(profile: dict[str, Any]) -> dict[str, Any]:
 
 def _hold_tmp(rootfs: Path) -> Path | None:
     """Keep gVisor from mounting a tmpfs of its own on an empty /tmp, which the host (files,
-    snapshots) cannot see: a file in it until the sandbox is up (``_let_go``). A bind mount of /tmp
-    would do as much, but this build's statx fails on a bind's root (``ls /tmp``: EINVAL)."""
+    snapshots) cannot see: a file in it until the agent answers (``bring_up`` removes it; nothing
+    else runs before). A bind of /tmp would do as much as a 9p mount of its own."""
     keep = rootfs / "tmp" / KEEP_TMP
     try:
         if not stat.S_ISDIR(os.lstat(rootfs / "tmp").st_mode) or any(os.scandir(rootfs / "tmp")):
