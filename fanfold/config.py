@@ -111,6 +111,20 @@ class EngineConfig:
     """(tenant, quota) of a server's tenants (``fanfold serve --tokens-file``); a tenant not named,
     the host's own ("") included, has no quota."""
 
+    proxy_port: int = 3128
+    """The port of the egress proxy inside every sandbox with a network policy (taken there)."""
+    net_reachable: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_NET_REACHABLE"))
+    """CIDRs of private, loopback, link-local or host addresses the egress proxy may still connect to
+    when a sandbox's policy allows them (``FANFOLD_NET_REACHABLE=10.1.0.0/16,...``); by default none."""
+    net_dns: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_NET_DNS"))
+    """DNS servers (``IP`` or ``IP:PORT``) the egress proxy resolves names with; by default the host's resolver."""
+    net_hosts: tuple[tuple[str, tuple[str, ...]], ...] = field(
+        default_factory=lambda: _env_hosts(os.environ.get("FANFOLD_NET_HOSTS", "")))
+    """Fixed answers the egress proxy gives before asking DNS, like /etc/hosts
+    (``FANFOLD_NET_HOSTS=pypi.internal=10.1.2.3,...``)."""
+    net_user: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NET_USER", "nobody") or None)
+    """The host user the egress proxy (``fanfold netd``) runs as; it needs no privilege."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
         if self.disk not in DISKS:
@@ -156,6 +170,20 @@ def _env_pools(text: str) -> tuple[tuple[str, int], ...]:
         return tuple(parse_pool(item) for item in filter(None, (part.strip() for part in text.split(","))))
     except ValueError as err:
         raise ValueError(f"FANFOLD_POOLS entries are IMAGE=SIZE separated by commas: {err}") from None
+
+
+def _env_list(name: str) -> tuple[str, ...]:
+    return tuple(filter(None, (part.strip() for part in os.environ.get(name, "").split(","))))
+
+
+def _env_hosts(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    hosts: dict[str, list[str]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, address = item.partition("=")
+        if not name or not address:
+            raise ValueError(f"FANFOLD_NET_HOSTS entries are NAME=ADDRESS separated by commas, got {item!r}")
+        hosts.setdefault(name.strip().lower(), []).append(address.strip())
+    return tuple((name, tuple(addresses)) for name, addresses in hosts.items())
 
 
 PULL_POLICIES = ("missing", "never")

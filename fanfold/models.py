@@ -146,6 +146,9 @@ class SandboxInfo:
     """Whom its commands run as unless an exec says otherwise (``name[:group]``, ``uid[:gid]``; "" is root)."""
     seccomp: str = "default"
     """Its seccomp profile: ``default``, ``unconfined`` or the path of a profile file on the host."""
+    network: Any = "none"
+    """Its network policy: ``"none"`` (loopback only), ``"open"``, or ``{"allow": [...], "deny": [...]}``
+    (``fanfold.net.policy``); traffic goes out only through the host's filtering proxy."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

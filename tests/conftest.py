@@ -26,6 +26,7 @@ import pytest
 
 from fanfold import AsyncFleet, EngineConfig, Fleet
 from fanfold.host import cgroups, disk, mounts, procs
+from outside import outside  # noqa: F401 (a session fixture: the "internet" of the network tests)
 
 STATE_DIR = Path(os.environ.get("FANFOLD_TEST_STATE_DIR", "/var/lib/fanfold-test"))
 

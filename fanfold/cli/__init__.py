@@ -20,6 +20,7 @@ import click
 from ..config import DEFAULT_SOCKET, EngineConfig, parse_pool
 from ..errors import FanfoldError, InvalidSpec
 from ..models import Persistence
+from .netopts import network_options, network_value
 
 if TYPE_CHECKING:
     from rich.tree import Tree
@@ -126,6 +127,10 @@ class FanfoldGroup(click.Group):
         "login": _LazyCommand("login", "fanfold.cli.images:login", "Log in to REGISTRY (host[:port]); pulls then use"
                               " the credentials, kept in the state dir (mode 0600)."),
         "logout": _LazyCommand("logout", "fanfold.cli.images:logout", "Forget the credentials kept for REGISTRY."),
+        "network": _LazyCommand("network", "fanfold.cli.network:network", "Show a sandbox's network policy and"
+                                " traffic through the proxy; change the policy (--allow, --deny, --network)."),
+        "port": _LazyCommand("port", "fanfold.cli.network:port", "Reach a port inside a sandbox from the host: print"
+                             " its URL (embedded: forward it until Ctrl-C)."),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -364,9 +369,10 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @_CWD
 @_USER
 @_SECCOMP
+@network_options
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, cmd) -> None:  # type: ignore[no-untyped-def]
+def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, network, allow, deny, cmd) -> None:  # type: ignore[no-untyped-def]
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
     With no CMD, runs the image's default command (its entrypoint and cmd). Our stdin goes to
@@ -374,7 +380,8 @@ def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, sec
     """
     with _fleet(ctx) as fleet:
         with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
-                          env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp)) as sandbox:
+                          env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
+                          network=network_value(network, allow, deny)) as sandbox:
             result = _exec(sandbox, cmd or _default_command(fleet, sandbox.info.image_id, image), timeout=timeout, cwd=cwd)
     _exit_with(result)
 
@@ -406,9 +413,10 @@ def _default_command(fleet: Fleet, image_id: str, asked: str) -> tuple[str, ...]
               help="Suspend it (ephemeral: destroy it) after this long without a call.")
 @_USER
 @_SECCOMP
+@network_options
 @click.pass_context
 def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  # type: ignore[no-untyped-def]
-           persistence, priority, idle_timeout, user, seccomp) -> None:
+           persistence, priority, idle_timeout, user, seccomp, network, allow, deny) -> None:
     """Create a sandbox that outlives this command; print its id.
 
     --image also takes a snapshot id or name, to start from a snapshot.
@@ -417,7 +425,7 @@ def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  #
         sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
                                env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
                                detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
-                               user=user, seccomp=_profile_path(seccomp))
+                               user=user, seccomp=_profile_path(seccomp), network=network_value(network, allow, deny))
     click.echo(sandbox.id)
 
 

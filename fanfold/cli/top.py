@@ -104,6 +104,26 @@ def _host(stats: dict) -> Panel:
     return _small("host", rows)
 
 
+def _network(stats: dict) -> Panel:
+    net = stats.get("network") or {}
+    rows = [
+        ("requests", f"{net.get('requests', 0):,}"),
+        ("denied", Text(f"{net.get('denied', 0):,}", style="yellow" if net.get("denied") else "")),
+        ("out / in", f"{_bytes(net.get('bytes_up', 0))} / {_bytes(net.get('bytes_down', 0))}"),
+        ("errors", f"{net.get('errors', 0):,}"),
+    ]
+    return _small("egress proxy", rows)
+
+
+def _bytes(count: int | None) -> str:
+    size = float(count or 0)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+    return "-"
+
+
 def _pools(stats: dict) -> RenderableType:
     pools = stats.get("pools") or []
     if not pools:
@@ -121,12 +141,15 @@ def _pools(stats: dict) -> RenderableType:
 
 def _sandboxes(stats: dict, limit: int) -> RenderableType:
     rows = sorted(stats.get("sandboxes") or [], key=lambda s: s.get("cpu_s") or 0.0, reverse=True)
-    table = Table("id", "state", "CPU s", "memory MB", "age", "rollout", title="sandboxes by CPU")
+    table = Table("id", "state", "CPU s", "memory MB", "net out/in", "denied", "age", "rollout", title="sandboxes by CPU")
     for sb in rows[:limit]:
         memory = sb.get("memory_bytes")
+        offline = sb.get("network", "none") == "none"
         table.add_row(
             sb.get("id", "?"), sb.get("state", "?"), f"{sb.get('cpu_s') or 0.0:.2f}",
-            "-" if memory is None else f"{memory / 2**20:,.1f}", _age(sb.get("age_s")), _short(sb.get("rollout_id")),
+            "-" if memory is None else f"{memory / 2**20:,.1f}",
+            "-" if offline else f"{_bytes(sb.get('net_bytes_up'))} / {_bytes(sb.get('net_bytes_down'))}",
+            "-" if offline else str(sb.get("net_denied", 0)), _age(sb.get("age_s")), _short(sb.get("rollout_id")),
         )
     more = len(rows) - limit
     return Group(table, Text(f"... and {more} more", style="dim")) if more > 0 else table
@@ -153,7 +176,7 @@ def _header(source: str) -> Text:
 def render(stats: dict, *, source: str, limit: int = 20) -> RenderableType:
     """One frame of ``fanfold top`` for a ``/v1/stats`` dict; ``limit`` caps the sandbox rows."""
     counts = _row(_states(stats), _queue(stats), _host(stats))
-    timing = _row(_latency(stats), _rates(stats))
+    timing = _row(_latency(stats), _rates(stats), _network(stats))
     return Group(_header(source), _alerts(stats), counts, timing, _pools(stats), _sandboxes(stats, limit))
 
 

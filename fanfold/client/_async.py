@@ -118,6 +118,7 @@ class AsyncFleet:
         queue_timeout: float | None = None,
         user: str | None = None,
         seccomp: str = "default",
+        network: Any = "none",
     ) -> AsyncSandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -129,13 +130,17 @@ class AsyncFleet:
         ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
         ``seccomp`` is the syscall filter: ``default``, ``unconfined`` or the path of a profile on
         the host (over HTTP only the host's own tenant may choose another than ``default``).
+        ``network`` is ``"none"`` (loopback only), ``{"allow": [...], "deny": [...]}`` (host names,
+        ``*.`` wildcards, addresses, CIDRs, each with an optional ``:port``; traffic leaves only
+        through the host's filtering proxy, which its proxy variables name) or ``"open"`` (the
+        host's own callers only).
         """
         limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
         source = image.id if isinstance(image, SnapshotInfo) else image
         info = await self._transport.create(
             source, limits=limits, env=env, labels=labels, deadline=deadline, detached=detached,
             persistence=_persistence(persistence), priority=priority, idle_timeout=idle_timeout,
-            queue_timeout=queue_timeout, user=user, seccomp=seccomp,
+            queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
         )
         return AsyncSandbox(self, info)
 
@@ -334,6 +339,21 @@ class AsyncSandbox:
     async def reset(self) -> SandboxInfo:
         """Return it to the image or snapshot it was made from: same id, fresh disk and processes."""
         return await self._life(self._transport.reset)
+
+    async def set_network(self, network: Any, *, cut: bool = False) -> SandboxInfo:
+        """A new network policy, in force at once for new connections and later execs (``cut``: open
+        connections end too); ``"none"`` closes the way out."""
+        self.info = await self._transport.set_network(self.id, network, cut=cut)
+        return self.info
+
+    async def network_stats(self) -> dict[str, Any]:
+        """Its traffic through the proxy: connections, requests, bytes up and down, denials and why."""
+        return await self._transport.network_stats(self.id)
+
+    async def expose(self, port: int) -> str:
+        """A URL that reaches ``port`` inside: ``http://127.0.0.1:N`` (any TCP) on an embedded fleet,
+        the server's ``/v1/sandboxes/ID/ports/PORT/`` route (HTTP, with the token) on a remote one."""
+        return await self._transport.expose(self.id, port)
 
     async def _life(self, verb: Callable[[str], Awaitable[SandboxInfo]]) -> SandboxInfo:
         self.info = await verb(self.id)

@@ -257,6 +257,7 @@ class HttpTransport:
         labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
         persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
         queue_timeout: float | None = None, user: str | None = None, seccomp: str = "default",
+        network: Any = "none",
     ) -> SandboxInfo:
         limits = limits or Limits()
         body = {
@@ -264,7 +265,7 @@ class HttpTransport:
             "env": env or {}, "labels": labels or {}, "deadline": deadline, "detached": detached,
             "persistence": persistence, "priority": priority, "idle_timeout": idle_timeout,
             "lease": self.lease.id if self.lease is not None and not detached and persistence == "ephemeral" else None,
-            "queue_timeout": queue_timeout, "user": user, "seccomp": seccomp,
+            "queue_timeout": queue_timeout, "user": user, "seccomp": seccomp, "network": _network(network),
         }
         info = wire.info_from_json(await self._make("/v1/sandboxes", body))
         self._track(info)
@@ -288,6 +289,21 @@ class HttpTransport:
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         return [wire.info_from_json(i) for i in await self._json("GET", "/v1/sandboxes", params=params)]
+
+    async def set_network(self, sandbox_id: str, network: Any, *, cut: bool = False) -> SandboxInfo:
+        body = {"network": _network(network), "cut": cut}
+        return wire.info_from_json(await self._json("PUT", _sandbox(sandbox_id) + "/network", json=body))
+
+    async def network_stats(self, sandbox_id: str) -> dict[str, Any]:
+        return await self._json("GET", _sandbox(sandbox_id) + "/network")
+
+    async def expose(self, sandbox_id: str, port: int) -> str:
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise InvalidRequest(f"a port is a whole number from 1 to 65535, got {port!r}")
+        made = await self._json("POST", f"{_sandbox(sandbox_id)}/ports/{port}")
+        if self._socket is not None and made.get("direct"):
+            return str(made["direct"])  # the host's own tenant, on the server's host: any TCP, no token
+        return self._base + made["path"]  # through the server, with this client's token
 
     async def kill(self, sandbox_id: str) -> None:
         await self._json("DELETE", _sandbox(sandbox_id))
@@ -476,3 +492,9 @@ def _build_request(spec: EnvSpec) -> tuple[bytes, str]:
         for name, local in sources.items():
             tar.add(local, arcname=f"context/{name}")
     return buffer.getvalue(), "application/x-tar"
+
+
+def _network(network: Any) -> Any:
+    """A policy as JSON carries it (a ``NetworkPolicy`` as its plain form)."""
+    to_wire = getattr(network, "to_wire", None)
+    return to_wire() if callable(to_wire) else network

@@ -133,6 +133,7 @@ class Fleet:
         queue_timeout: float | None = None,
         user: str | None = None,
         seccomp: str = "default",
+        network: Any = "none",
     ) -> Sandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -144,11 +145,15 @@ class Fleet:
         ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
         ``seccomp`` is the syscall filter: ``default``, ``unconfined`` or the path of a profile on
         the host (over HTTP only the host's own tenant may choose another than ``default``).
+        ``network`` is ``"none"`` (loopback only), ``{"allow": [...], "deny": [...]}`` (host names,
+        ``*.`` wildcards, addresses, CIDRs, each with an optional ``:port``; traffic leaves only
+        through the host's filtering proxy, which its proxy variables name) or ``"open"`` (the
+        host's own callers only).
         """
         inner = self._call(self._async.create(
             image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, env=env, labels=labels,
             deadline=deadline, detached=detached, persistence=persistence, priority=priority,
-            idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp,
+            idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
         ))
         return Sandbox(self, inner)
 
@@ -357,6 +362,20 @@ class Sandbox:
     def reset(self) -> SandboxInfo:
         """Return it to the image or snapshot it was made from: same id, fresh disk and processes."""
         return self._fleet._call(self._async.reset())
+
+    def set_network(self, network: Any, *, cut: bool = False) -> SandboxInfo:
+        """A new network policy, in force at once for new connections and later execs (``cut``: open
+        connections end too); ``"none"`` closes the way out."""
+        return self._fleet._call(self._async.set_network(network, cut=cut))
+
+    def network_stats(self) -> dict[str, Any]:
+        """Its traffic through the proxy: connections, requests, bytes up and down, denials and why."""
+        return self._fleet._call(self._async.network_stats())
+
+    def expose(self, port: int) -> str:
+        """A URL that reaches ``port`` inside: ``http://127.0.0.1:N`` (any TCP) on an embedded fleet,
+        the server's ``/v1/sandboxes/ID/ports/PORT/`` route (HTTP, with the token) on a remote one."""
+        return self._fleet._call(self._async.expose(port))
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class Checkpoints:
                 snap.id, limits=parent.limits, env=env, labels=parent.labels, deadline=deadline,
                 detached=parent.detached, tenant=row["tenant"], persistence=parent.persistence,
                 priority=parent.priority, idle_timeout=parent.idle_timeout, lease=_lease_of(row["owner"]),
-                user=parent.user or None, seccomp=parent.seccomp,
+                user=parent.user or None, seccomp=parent.seccomp, network=parent.network,
             ) for _ in range(count)
         ), return_exceptions=True)
         children = [c for c in made if isinstance(c, SandboxInfo)]
@@ -195,6 +195,7 @@ class Checkpoints:
         try:
             snap, _ = await self._take(row, memory=True, kind="suspend", leave_running=False)
             self.life.db.update(sandbox_id, suspended_to=snap.id, layers=dbmod.row_layers(row) + (snap.id,))
+            await self.life.network.detach(sandbox_id)
             await self.life.backend.release(sandbox_id, dbmod.row_handle(row))
         finally:
             self.life.db.update(sandbox_id, claimed_by=None)

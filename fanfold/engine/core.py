@@ -39,6 +39,7 @@ from .figures import Figures
 from .files import Files, FileStream
 from .leases import Leases
 from .lifecycle import Lifecycle, owner_token
+from .network import to_column
 from .policies import Policies
 from .pools import Pools
 from .quotas import Quotas
@@ -131,6 +132,7 @@ class Engine:
         await asyncio.gather(*list(self.life.destroying.values()), return_exceptions=True)
         await self.life.calls_done(timeout=10)
         await self.backend.sweep()
+        await self.life.network.close()
         # Host-wide state goes only with the last sandbox: a suspended one's restore needs the parent cgroups.
         await self.backend.close(idle=not self.db.rows())
         self.db.close()
@@ -207,6 +209,7 @@ class Engine:
         queue_timeout: float | None = None,
         user: str | None = None,
         seccomp: str = "default",
+        network: Any = "none",
     ) -> SandboxInfo:
         """Start a sandbox from an image or a snapshot (id or name); it is running when this returns.
 
@@ -220,6 +223,10 @@ class Engine:
         ``seccomp`` is the syscall filter its processes start under: ``default`` (Docker's default,
         tightened), ``unconfined``, or the path of an OCI seccomp profile on the host; a create from a
         memory snapshot keeps the filters its processes had.
+        ``network`` is ``"none"`` (loopback only, the default), ``{"allow": [...], "deny": [...]}`` (names,
+        ``*.`` wildcards, addresses and CIDRs, each with an optional ``:port``: traffic goes out through the
+        host's filtering proxy, which the sandbox's proxy variables name) or ``"open"`` (any public address;
+        the host's own callers only). ``set_network`` changes it while the sandbox runs.
         """
         if not self._started or self.life.closing:
             raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
@@ -231,7 +238,7 @@ class Engine:
             info, pooled = await self._create(
                 image, limits, env, labels, deadline, detached, tenant, _persistence(persistence, priority, idle_timeout),
                 self.leases.owner_for(lease, tenant), _wait(queue_timeout, self.config.queue_timeout_s), user,
-                seccomp,
+                seccomp, network,
             )
         except (InfrastructureError, CapacityExceeded) as err:
             self.telemetry.create_failed_infra("capacity" if isinstance(err, CapacityExceeded) else "infra_error")
@@ -249,9 +256,10 @@ class Engine:
             return image
         return image if image.startswith(SNAPSHOT_PREFIX) else (await self.catalog.resolve(image, tenant)).id
 
-    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait, user, seccomp) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
+    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait, user, seccomp, network) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
+        net = self.life.network.check(network, tenant)
         if seccomp not in PROFILES:  # a profile file, read off the loop
             seccomp = await asyncio.to_thread(check_seccomp, seccomp)
         if user is not None and user != "":
@@ -269,13 +277,19 @@ class Engine:
         info = SandboxInfo(
             id="", state="running", image_id=img.id, limits=limits, labels=labels, created_at=0.0, detached=detached,
             source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout, user=user or img.user,
-            seccomp=seccomp,
+            seccomp=seccomp, network="none" if net is None else net.to_wire(),
         )
         # Each quota check runs with no await before the row it counts is in: creates never overshoot.
         self.quotas.check_create(tenant, limits)
         pooled_id = self.pools.take(source, limits, tenant) if seccomp == "default" else None
         if pooled_id is not None:
             made, pooled = self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
+            if net is not None:  # a warm sandbox gets its listener now: its services run without the proxy's env
+                try:
+                    await self.life.network.attach(dbmod.row_handle(self.db.get(made.id)), net)
+                except BaseException:
+                    await asyncio.shield(self.life.destroy(made.id))
+                    raise
         else:
             async with self.admission.slot(wait, self.policies.evict_for_room):
                 self.quotas.check_create(tenant, limits)
@@ -302,6 +316,66 @@ class Engine:
         infos = [dbmod.row_info(row) for row in rows if tenant is None or row["tenant"] == tenant]
         wanted = (labels or {}).items()
         return [info for info in infos if all(info.labels.get(k) == v for k, v in wanted)]
+
+    async def set_network(self, sandbox_id: str, network: Any, *, cut: bool = False, tenant: str = "") -> SandboxInfo:
+        """Change a sandbox's network policy while it runs (a setup phase with installs, then a locked
+        one): new connections and requests follow it at once, and so do the proxy variables of later
+        execs; with ``cut``, connections already open end too. From ``"none"`` the proxy's port opens
+        inside the sandbox now; to ``"none"`` it closes."""
+        life = self.life
+        policy = life.network.check(network, tenant)
+        async with life.changing(sandbox_id, wake=False) as row:
+            life.db.update(sandbox_id, network=to_column(policy))
+            if row["state"] == "suspended":
+                pass  # attached as it resumes
+            elif policy is None:
+                await life.network.detach(sandbox_id)
+            elif life.network.holds(sandbox_id):
+                await life.network.set_policy(sandbox_id, policy, cut=cut)
+            else:
+                try:
+                    await life.network.attach(dbmod.row_handle(row), policy)
+                except BaseException:
+                    life.db.update(sandbox_id, network=row["network"])
+                    raise
+        return life.info(sandbox_id)
+
+    async def network_stats(self, sandbox_id: str) -> dict[str, Any]:
+        """What a sandbox's traffic through the proxy came to: connections, requests, bytes up and
+        down, denials and the latest denial reasons (counted since this engine attached it)."""
+        self.life.known(sandbox_id)
+        return (await self.life.network.stats()).get(sandbox_id, {})
+
+    async def expose(self, sandbox_id: str, port: int) -> str:
+        """A URL on this host's loopback (``http://127.0.0.1:PORT``) that reaches ``port`` inside the
+        sandbox, any TCP protocol; it lasts as long as the sandbox."""
+        life = self.life
+        port = _port(port, self.config.proxy_port)
+        row = life.known(sandbox_id)
+        if not life.backend.capabilities.network:
+            raise InvalidRequest(f"the {life.backend.name} backend cannot reach into sandboxes: exposed ports need"
+                                 " the oci backend with crun or runc")
+
+        def handle_now() -> Any:
+            now = life.db.get(sandbox_id)
+            if now is None or now["state"] != "running":
+                raise SandboxNotFound(f"sandbox {sandbox_id} is not running")
+            return dbmod.row_handle(now)
+
+        host_port = await life.network.expose(row["id"], port, handle_now)
+        return f"http://127.0.0.1:{host_port}"
+
+    async def connect_port(self, sandbox_id: str, port: int) -> Any:
+        """A connected, non-blocking socket to ``port`` inside the sandbox (the server's port route)."""
+        life = self.life
+        port = _port(port, self.config.proxy_port)
+        async with life.using(sandbox_id) as row:
+            try:
+                return await life.backend.connect_inside(dbmod.row_handle(row), port)
+            except NotImplementedError:
+                raise InvalidRequest(f"the {life.backend.name} backend cannot reach into sandboxes") from None
+            except InfrastructureError as err:
+                raise InvalidRequest(f"nothing answers on port {port} inside sandbox {sandbox_id}: {err}") from None
 
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
@@ -498,6 +572,14 @@ def _private_files(state_dir: Path) -> None:
     for name in ("fanfold.db", "fanfold.db-wal", "fanfold.db-shm"):
         with contextlib.suppress(FileNotFoundError):
             os.chmod(state_dir / name, 0o600)
+
+
+def _port(port: int, proxy_port: int) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidRequest(f"a port is a whole number from 1 to 65535, got {port!r}")
+    if port == proxy_port:
+        raise InvalidRequest(f"port {port} inside a sandbox is its egress proxy's, not a service of its own")
+    return port
 
 
 def _wait(queue_timeout: float | None, default: float) -> float:

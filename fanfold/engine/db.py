@@ -71,6 +71,7 @@ LATER_COLUMNS = [
     ("exec_user", "TEXT NOT NULL DEFAULT ''"),
     ("seccomp", "TEXT NOT NULL DEFAULT 'default'"),
     ("backend", "TEXT NOT NULL DEFAULT ''"),
+    ("network", "TEXT NOT NULL DEFAULT '\"none\"'"),
 ]
 
 
@@ -96,11 +97,11 @@ class Database:
         self.conn.execute(
             "INSERT INTO sandboxes (id, state, image_id, owner, detached, limits, labels, env, created_at, deadline_at,"
             " tenant, source, layers, persistence, priority, idle_timeout, active_at, claimed_by, exec_user,"
-            " seccomp, backend) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " seccomp, backend, network) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (info.id, info.state, info.image_id, owner, int(info.detached), json.dumps(info.limits.__dict__),
              json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at, tenant, info.source,
              json.dumps(list(layers)), info.persistence, info.priority, info.idle_timeout, info.created_at, claimed_by,
-             info.user, info.seccomp, backend),
+             info.user, info.seccomp, backend, json.dumps(info.network)),
         )
 
     def update(self, sandbox_id: str, **fields: object) -> None:
@@ -245,7 +246,7 @@ def row_info(row: sqlite3.Row) -> SandboxInfo:
         labels=json.loads(row["labels"]), created_at=row["created_at"], deadline_at=row["deadline_at"],
         detached=bool(row["detached"]), source=row["source"], persistence=row["persistence"],
         priority=row["priority"], idle_timeout=row["idle_timeout"], user=row["exec_user"],
-        seccomp=row["seccomp"],
+        seccomp=row["seccomp"], network=json.loads(row["network"] or '"none"'),
     )
 
 

@@ -18,6 +18,7 @@ from .api import OnOutput
 from .checks import check_strings
 from .execution import build_result, check_exec_args
 from .lifecycle import Lifecycle
+from .network import row_policy
 from .sources import base_env
 
 
@@ -60,7 +61,8 @@ class Execs:
         # the user's HOME, USER and LOGNAME, unless the image or the caller set them
         image_env = dict(img.env)
         ident = {} if who is None else {k: v for k, v in who.env().items() if k not in image_env}
-        merged = {**ident, **json.loads(row["env"]), **check_strings(env, "env")}
+        proxy = life.network.env(row_policy(row))  # the policy now in force, set at create or since
+        merged = {**ident, **proxy, **json.loads(row["env"]), **check_strings(env, "env")}
         alone = not self._in_exec.get(sandbox_id)
         self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1
         handle = dbmod.row_handle(row)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import admission
 from . import db as dbmod
@@ -28,10 +29,13 @@ class Figures:
             for row in rows:
                 cpu_s, memory = self.life.backend.usage(dbmod.row_handle(row))
                 labels = dbmod.row_info(row).labels
+                net = self.life.network.figures.get(row["id"], {})
                 listed.append({
                     "id": row["id"], "state": row["state"], "cpu_s": round(cpu_s, 3), "memory_bytes": memory,
                     "age_s": round(dbmod.now() - row["created_at"], 1), "rollout_id": labels.get("rollout_id"),
-                    "source": row["source"],
+                    "source": row["source"], "network": json.loads(row["network"] or '"none"'),
+                    "net_bytes_up": net.get("bytes_up", 0), "net_bytes_down": net.get("bytes_down", 0),
+                    "net_requests": net.get("requests", 0), "net_denied": net.get("denied", 0),
                 })
         tasks, most_tasks = admission.kernel_tasks()
         return {
@@ -43,6 +47,7 @@ class Figures:
                      "kernel_tasks_max": most_tasks, "shortage": self.life.admission.shortage(),
                      "leases": self.life.db.count_leases()},
             **self.life.telemetry.summary(),
+            "network": self.life.network.totals(),
             "sandboxes": listed,
         }
 
@@ -60,3 +65,24 @@ class Figures:
         yield ready
         yield GaugeMetricFamily("fanfold_memory_available_bytes", "Host memory available (MemAvailable).",
                                 value=admission.memory_available_mb() << 20)
+        yield from network_counters(self.life.network.totals())
+
+
+NETWORK_COUNTERS = (
+    ("requests", "fanfold_network_requests", "Requests sandboxes sent through the egress proxy (CONNECTs and plain HTTP)."),
+    ("denied", "fanfold_network_denied", "Requests and connections the egress proxy refused by policy."),
+    ("connections", "fanfold_network_connections", "Connections sandboxes opened to the egress proxy."),
+    ("errors", "fanfold_network_errors", "Malformed requests and failed lookups or upstreams at the egress proxy."),
+)
+
+
+def network_counters(totals: dict[str, int]) -> Iterable[CounterMetricFamily]:
+    """The egress proxy's totals over every sandbox (per-sandbox figures are in ``stats``)."""
+    for key, name, text in NETWORK_COUNTERS:
+        yield CounterMetricFamily(name, text, value=totals.get(key, 0))
+    moved = CounterMetricFamily("fanfold_network_bytes", "Bytes through the egress proxy and exposed ports.",
+                                labels=["direction"])
+    for key, direction in (("bytes_up", "out"), ("bytes_down", "in"), ("exposed_in", "exposed_in"),
+                           ("exposed_out", "exposed_out")):
+        moved.add_metric([direction], totals.get(key, 0))
+    yield moved

@@ -29,6 +29,7 @@ from ..runtime import Backend, Handle, SandboxSpec
 from . import db as dbmod
 from .admission import Admission
 from .gate import Gate
+from .network import Network, row_policy
 from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
 from .sources import Sources, base_env
@@ -67,6 +68,7 @@ class Lifecycle:
     ) -> None:
         self.config, self.db, self.backend, self.sources, self.snaps = config, db, backend, sources, snaps
         self.admission, self.telemetry, self.owner = admission, telemetry, owner
+        self.network = Network(config, backend)
         self.closing = False
         self.forget: Callable[[str], None] = lambda sandbox_id: None
         """Told of every sandbox destroyed (the pools drop it from their ready lists)."""
@@ -147,6 +149,7 @@ class Lifecycle:
                 async with gate.call():
                     row = self.known(sandbox_id)
                     if row["state"] == "running":
+                        await self._serve_network(row)
                         self.db.touch(sandbox_id)
                         try:
                             yield row
@@ -160,6 +163,14 @@ class Lifecycle:
             self._calls -= 1
             if not self._calls:
                 self._no_calls.set()
+
+    async def _serve_network(self, row: Any) -> None:
+        """Attach a sandbox with a policy that an earlier engine made (the CLI's ``create``): its
+        proxy died with that engine."""
+        if row["network"] != '"none"' and not self.network.holds(row["id"]):
+            policy = row_policy(row)
+            if policy is not None:
+                await self.network.attach(dbmod.row_handle(row), policy)
 
     async def calls_done(self, timeout: float) -> None:
         """Wait (up to ``timeout`` s) until no call holds a sandbox: a closing engine's
@@ -220,6 +231,7 @@ class Lifecycle:
             sandbox_id, state="running", owner=owner, tenant=tenant, labels=json.dumps(info.labels), env=json.dumps(env),
             created_at=now, active_at=now, deadline_at=info.deadline_at, detached=int(info.detached),
             persistence=info.persistence, priority=info.priority, idle_timeout=info.idle_timeout, exec_user=info.user,
+            network=json.dumps(info.network),
         )
         if deadline:
             self.arm_deadline(sandbox_id, deadline)
@@ -260,9 +272,12 @@ class Lifecycle:
     async def bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None,
                             seccomp: str = "default") -> int | None:
         """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given)."""
+        row = self.db.get(sandbox_id)
+        policy = None if row is None else row_policy(row)
         spec = SandboxSpec(
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
-            env=tuple(base_env(img, sandbox_id, {})), services=img.services, restore=restore, seccomp=seccomp,
+            env=tuple(base_env(img, sandbox_id, self.network.env(policy))), services=img.services, restore=restore,
+            seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy),
         )
         handle = await self.backend.bring_up(spec)
         if img.services and (restore is None or self.backend.capabilities.memory != "live"):
@@ -304,6 +319,7 @@ class Lifecycle:
                     pid = await self.bring_up_from(
                         sandbox_id, img, dbmod.row_info(row).limits, self.snaps.memory_dir(snapshot_id), row["seccomp"])
                 except BaseException:
+                    await asyncio.shield(self.network.detach(sandbox_id))
                     await asyncio.shield(self.backend.release(sandbox_id))
                     raise
             self.db.update(sandbox_id, state="running", pid=pid, suspended_to=None)
@@ -328,6 +344,8 @@ class Lifecycle:
         row = self.db.get(sandbox_id)
         if row is not None:
             self.db.update(sandbox_id, state="destroying", claimed_by=self.owner)
+        self.network.unexpose(sandbox_id)
+        await self.network.detach(sandbox_id)
         await self.backend.release(sandbox_id, dbmod.row_handle(row) if row is not None else None)
         self.db.delete(sandbox_id)
         self._gates.pop(sandbox_id, None)

@@ -108,6 +108,7 @@ class Reaper:
                 log.warning("fanfold reaper: %s", err)
         await self.policies.apply()
         self.pools.maintain()
+        await life.network.refresh()
 
     def _owners_alive(self, owners: set[str]) -> dict[str, bool]:
         """Whether each owner still wants its rows: detached, a live lease, or a live engine

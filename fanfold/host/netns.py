@@ -21,21 +21,22 @@ def _on_a_thread(work: Callable[[], int | None], what: str) -> int | None:
     """Run ``work`` on a short-lived thread of its own, since a thread may switch network
     namespace alone; it ends there, so nothing else of ours ever runs in that namespace.
     ``work`` signals failure with OSError."""
-    result: dict[str, int | str | None] = {}
+    result: dict[str, int | OSError | None] = {}
 
     def run() -> None:
         try:
             result["value"] = work()
         except OSError as err:
-            result["error"] = err.strerror or str(err)
+            result["error"] = err
 
     thread = threading.Thread(target=run, name="fanfold-netns")
     thread.start()
     thread.join()
-    if "error" in result:
-        raise InfrastructureError(f"{what} failed: {result['error']}")
+    error = result.get("error")
+    if isinstance(error, OSError):  # the cause stays attached: callers tell EADDRINUSE from the rest
+        raise InfrastructureError(f"{what} failed: {error.strerror or error}") from error
     value = result.get("value")
-    return None if value is None else int(value)
+    return None if isinstance(value, OSError) or value is None else int(value)
 
 
 def _check(rc: int) -> None:
@@ -72,11 +73,7 @@ def raise_lo(pid: int) -> None:
     """Bring lo up in the network namespace of ``pid``."""
 
     def work() -> None:
-        target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _check(_libc.setns(target, CLONE_NEWNET))
-        finally:
-            os.close(target)
+        _enter(pid)
         _lo_up()
 
     _on_a_thread(work, f"bringing lo up in sandbox process {pid}'s network")
@@ -95,6 +92,58 @@ def has_inet_sockets(pid: int) -> bool:
         except FileNotFoundError:
             continue
     return False
+
+
+def _enter(pid: int) -> None:
+    target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(_libc.setns(target, CLONE_NEWNET))
+    finally:
+        os.close(target)
+
+
+def listen_in(pid: int, port: int) -> socket.socket:
+    """A TCP listener on 127.0.0.1:``port`` inside the network namespace of ``pid``, served from here:
+    a socket keeps the namespace it was made in, whichever thread later accepts on it. No
+    SO_REUSEPORT, so nothing in the sandbox can bind beside it."""
+    made: list[socket.socket] = []
+
+    def work() -> None:
+        _enter(pid)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        made.append(sock)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1024)
+        sock.setblocking(False)
+
+    try:
+        _on_a_thread(work, f"opening port {port} in sandbox process {pid}'s network")
+    except BaseException:
+        for sock in made:
+            sock.close()
+        raise
+    return made[0]
+
+
+def connect_in(pid: int, port: int, timeout: float = 5.0) -> socket.socket:
+    """A TCP connection to 127.0.0.1:``port`` inside the network namespace of ``pid``."""
+    made: list[socket.socket] = []
+
+    def work() -> None:
+        _enter(pid)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        made.append(sock)
+        sock.settimeout(timeout)
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+
+    try:
+        _on_a_thread(work, f"connecting to port {port} in sandbox process {pid}'s network")
+    except BaseException:
+        for sock in made:
+            sock.close()
+        raise
+    return made[0]
 
 
 def netns_inode(pid: int) -> int:

@@ -18,7 +18,8 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+import socket
+from typing import TYPE_CHECKING, Awaitable, Callable, ClassVar, Literal, Protocol
 
 from .._agent.client import AgentClient, ExecUser, OnChunk, RawExec
 from ..models import Limits
@@ -49,6 +50,10 @@ class SandboxSpec:
     seccomp: str = "default"
     """The seccomp profile its processes start under (``runtime.seccomp``); a restore keeps the
     checkpoint's own filters."""
+    before_run: Callable[[Handle], Awaitable[None]] | None = None
+    """Awaited once the sandbox's processes exist but before any of them runs code of the sandbox's
+    (services not yet started, restored processes still frozen): the engine opens what must be in
+    place first, such as the egress proxy's listener (``listen_inside``)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ class Capabilities:
     """OOM kills and pids-limit hits are observed (not always 0)."""
     isolated: bool
     """Commands see only the sandbox (own root, pid and network namespaces, limits enforced)."""
+    network: bool = False
+    """``listen_inside`` and ``connect_inside`` work: network policies and exposed ports."""
 
 
 class CounterReader(Protocol):
@@ -173,6 +180,15 @@ class Backend(ABC):
     @abstractmethod
     def agent(self, handle: Handle) -> AgentClient:
         """A client of the sandbox's agent."""
+
+    async def listen_inside(self, handle: Handle, port: int) -> socket.socket:
+        """A non-blocking listener on 127.0.0.1:``port`` inside the sandbox's network, accepted on
+        from the host (``capabilities.network``); InfrastructureError when the port is taken there."""
+        raise NotImplementedError(f"the {self.name} backend has no sandbox networks")
+
+    async def connect_inside(self, handle: Handle, port: int) -> socket.socket:
+        """A non-blocking connection from the host to 127.0.0.1:``port`` inside the sandbox."""
+        raise NotImplementedError(f"the {self.name} backend has no sandbox networks")
 
     # -- given: the agent protocol --------------------------------------------------------------
 

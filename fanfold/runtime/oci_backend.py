@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import shutil
+import socket
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -21,7 +22,7 @@ from .._agent.build import agent_binary
 from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
 from ..host import cgroups, disk, idmap, mounts, netns, procs, setup
-from ..host.offload import host_errors
+from ..host.offload import host_errors, on_thread
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
 from .base import Backend, Capabilities, Handle, SandboxSpec
@@ -35,7 +36,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     """Sandboxes as OCI containers; memory checkpoints with CRIU."""
 
     name = "oci"
-    capabilities = Capabilities(memory="live", exact_counters=True, isolated=True)
+    capabilities = Capabilities(memory="live", exact_counters=True, isolated=True, network=True)
     users: idmap.Namespaces
     """User namespaces for the idmaps of sandboxes' layers, one per uid range."""
     userns: bool = False
@@ -81,6 +82,14 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             pid = await oci_sandbox.provision(self.config, self.store, self.runtime, self.agent_path, spec,
                                               quota=self.quota, users=self.users if self.userns else None)
         return Handle(spec.id, pid)
+
+    async def listen_inside(self, handle: Handle, port: int) -> socket.socket:
+        assert handle.pid is not None
+        return await on_thread(netns.listen_in, handle.pid, port, discard=socket.socket.close)
+
+    async def connect_inside(self, handle: Handle, port: int) -> socket.socket:
+        assert handle.pid is not None
+        return await on_thread(netns.connect_in, handle.pid, port, discard=socket.socket.close)
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
         with host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):

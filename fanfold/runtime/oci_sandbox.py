@@ -176,6 +176,8 @@ async def provision(
         if await asyncio.wait_for(read_once(ours.fileno()), 30) != b"r":
             raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {log_tail(where.bundle / 'runtime.log')}")
         set_immutable(where.channel, True)
+        if spec.before_run is not None:
+            await spec.before_run(Handle(sandbox_id, pid))
     return pid
 
 
@@ -228,6 +230,8 @@ async def restore(
     # restored processes run only once thawed, after their channel dir (CRIU bound the agent's
     # socket in it again) is locked.
     set_immutable(where.channel, True)
+    if spec.before_run is not None:
+        await spec.before_run(Handle(sandbox_id, pid))
     cgroups.thaw(config.cgroup_parent, sandbox_id)
     done = await run(["nsenter", "-t", str(pid), "-u", "hostname", sandbox_id], timeout=30)
     if done.returncode != 0:

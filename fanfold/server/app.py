@@ -19,7 +19,7 @@ from .. import __version__
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, NotFound
-from . import files, host, images, rollouts, sandboxes, snapshots
+from . import files, host, images, network, rollouts, sandboxes, snapshots
 from .auth import Tenants
 from .creates import CreateRegistry
 from .deps import ClientGone, tenant
@@ -30,6 +30,8 @@ log = logging.getLogger("fanfold.server")
 MAX_JSON_BODY = 96 * 1024 * 1024
 """Largest JSON request body (64 MiB of exec stdin, base64); file contents and build contexts stream."""
 _FILE_CONTENT = re.compile(r"^/v1/sandboxes/[^/]+/files/content$")
+_PORT_ROUTE = re.compile(r"^/v1/sandboxes/[^/]+/ports/[0-9]+/")
+"""Bodies sent to a sandbox's service stream through, whatever their size."""
 _OPEN_PATHS = ("/v1/health",)
 
 DESCRIPTION = """Isolated sandboxes for RL rollouts, on one host.
@@ -65,7 +67,7 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     _add_error_handlers(app)
     app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
     for router in (sandboxes.router, snapshots.router, files.router, images.router, images.registries, host.router,
-                   rollouts.router):
+                   rollouts.router, network.router):
         app.include_router(router)
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])
@@ -136,7 +138,7 @@ class Gate:
             await error_response(err)(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        streamed = (scope["method"] == "PUT" and _FILE_CONTENT.match(scope["path"])) or (
+        streamed = (scope["method"] == "PUT" and _FILE_CONTENT.match(scope["path"])) or _PORT_ROUTE.match(scope["path"]) or (
             scope["method"] == "POST" and scope["path"] in ("/v1/images", "/v1/images/import")
             and headers.get(b"content-type", b"").startswith(b"application/x-tar")
         )

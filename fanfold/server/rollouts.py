@@ -43,7 +43,7 @@ from .rollout_store import RolloutStore
 from .sandboxes import ERRORS, RequestID
 from .schemas import (
     ROLLOUT_ID, ErrorBody, FunctionCall, FunctionCallOutput, RolloutBody, RolloutForkBody, RolloutForkRequest,
-    RolloutRequest, ToolErrorBody, ToolsBody,
+    RolloutRequest, ToolErrorBody, ToolsBody, network_value,
 )
 from .status import error_response
 
@@ -174,7 +174,7 @@ class Rollouts:
             "rollout_id": row["id"], "image": params["image"], "snapshot": params["snapshot"],
             "limits": params["limits"], "labels": params["labels"], "created_at": row["created_at"],
             "deadline_at": row["deadline_at"], "sandbox_id": row["sandbox_id"], "state": await self._state(row),
-            "forked_from": row["forked_from"],
+            "forked_from": row["forked_from"], "network": params.get("network", "none"),
         }
 
     async def _state(self, row: Any) -> str:
@@ -194,6 +194,9 @@ class Rollouts:
             "limits": request.limits.model_dump() if request.limits else None, "env": request.env,
             "labels": request.labels, "deadline": request.deadline,
         }
+        if request.network != "none":  # checked now, not at the first tool call; rollouts without one keep their old params
+            params["network"] = network_value(request.network)
+            self.engine.life.network.check(params["network"], tenant)
         rollout_id = request.rollout_id or "ro-" + secrets.token_hex(8)
         self.store.prune(time.time() - KEEP_ENDED_S)
         while True:
@@ -220,6 +223,7 @@ class Rollouts:
                 info = await self.engine.create(
                     params["snapshot"] or params["image"], limits=limits, env=params["env"], tenant=tenant, lease=lease,
                     labels={**params["labels"], "rollout_id": rollout_id}, deadline=row["deadline_at"] - time.time(),
+                    network=params.get("network", "none"),
                 )
             except BaseException:
                 await asyncio.shield(self._end_lease(lease, tenant))

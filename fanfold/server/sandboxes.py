@@ -14,7 +14,9 @@ from ..models import Limits
 from ..wire import b64, fork_to_json, info_to_json, result_to_json, unb64
 from .creates import Made
 from .deps import NDJSON, check_source, engine, host_only, ndjson_events, owned_sandbox, tenant, until_disconnect
-from .schemas import CreateRequest, ErrorBody, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody
+from .schemas import (
+    CreateRequest, ErrorBody, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody, network_value,
+)
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -41,7 +43,7 @@ async def create(
         body.image, limits=limits, env=body.env, labels=body.labels, deadline=body.deadline,
         detached=body.detached, persistence=body.persistence, priority=body.priority,
         idle_timeout=body.idle_timeout, tenant=caller, lease=body.lease, queue_timeout=body.queue_timeout,
-        user=body.user, seccomp=body.seccomp,
+        user=body.user, seccomp=body.seccomp, network=network_value(body.network),
     ))
     return info_to_json(info)
 

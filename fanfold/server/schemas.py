@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
 
 from ..engine.api import MAX_FORK
 
@@ -14,6 +14,40 @@ IDLE_TIMEOUT_MAX = 30 * 86400
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+NetworkName = Literal["none", "open"]
+NETWORK_HELP = (
+    "none: loopback only; open: any public address (the host's own tenant only); or allow/deny rules: the"
+    " sandbox's traffic leaves only through the host's filtering proxy, which its proxy variables name.")
+
+
+class NetworkRules(_Body):
+    allow: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] = Field(
+        default_factory=list, max_length=1024, description=(
+            "Host names (pypi.org), wildcards (*.example.com: names below it), addresses and CIDRs (10.0.0.0/8),"
+            " each with an optional :PORT. Private, loopback and link-local addresses stay out of reach unless"
+            " the operator made them reachable."))
+    deny: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] = Field(
+        default_factory=list, max_length=1024, description="Rules as in allow; deny wins.")
+    open: StrictBool = Field(False, description="Any public address but what deny names (the host's own tenant only).")
+
+
+def network_value(body: NetworkName | NetworkRules) -> Any:
+    """A policy as the engine takes it (``open`` only when set, so the same policy reads the same everywhere)."""
+    return body if isinstance(body, str) else body.model_dump(exclude_defaults=True)
+
+
+class NetworkRequest(_Body):
+    network: NetworkName | NetworkRules = Field(description=NETWORK_HELP)
+    cut: bool = Field(False, description="End the connections already open too (else only new ones follow it).")
+
+
+class PortBody(BaseModel):
+    port: int
+    path: str = Field(description="This server's route to the port: any HTTP method, with the caller's token.")
+    direct: str | None = Field(None, description=(
+        "For the host's own tenant: a URL on the server host's loopback reaching the port (any TCP protocol)."))
 
 
 class CreateRequest(_Body):
@@ -42,6 +76,7 @@ class CreateRequest(_Body):
     seccomp: str = Field("default", min_length=1, max_length=4096, description=(
         "The syscall filter: default, unconfined or the path of an OCI seccomp profile on the host;"
         " only the host's own tenant may choose another than default."))
+    network: NetworkName | NetworkRules = Field("none", description=NETWORK_HELP)
 
 
 class LeaseRequest(_Body):
@@ -108,6 +143,7 @@ class SandboxBody(BaseModel):
     idle_timeout: float | None
     user: str = Field("", description="Whom its commands run as unless an exec says otherwise (\"\": root).")
     seccomp: str = Field("default", description="Its syscall filter: default, unconfined or a profile file's path.")
+    network: Any = Field("none", description="Its network policy: none, open, or {allow, deny} rules.")
 
 
 class ExecRequest(_Body):
@@ -247,6 +283,7 @@ class RolloutRequest(_Body):
     deadline: float = Field(3600, gt=0, le=ROLLOUT_DEADLINE_MAX, description=(
         "Seconds from now after which the rollout ends and its sandboxes are destroyed."))
     labels: dict[LabelName, str] = Field(default_factory=dict, description="Put on its sandbox, with rollout_id.")
+    network: NetworkName | NetworkRules = Field("none", description=NETWORK_HELP)
 
     @model_validator(mode="after")
     def _one_source(self) -> RolloutRequest:
@@ -264,6 +301,7 @@ class RolloutBody(BaseModel):
     created_at: float
     deadline_at: float
     sandbox_id: str | None = Field(description="Made on the first tool call or fork; null until then.")
+    network: Any = Field("none", description="Its sandbox's network policy.")
     state: RolloutState = Field(description=(
         "pending (no sandbox yet), the sandbox's state, expired (deadline passed) or gone (its sandbox was"
         " destroyed: deleted, crashed, or the server shut down)."))

@@ -1,0 +1,292 @@
+"""Sandboxes' networks: each with a policy gets a listener inside its own network namespace, which
+this engine's ``fanfold netd`` serves as a filtering proxy; the sandbox itself keeps loopback only.
+
+The engine holds every listener (so a netd that dies is replaced and given them all again) and
+opens it before any code of the sandbox runs: at create before its services start, at restore
+(fork, resume, reset) before its processes thaw. A listener belongs to one sandbox, so netd
+tells sandboxes apart by the listener a connection came in on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import socket
+from typing import Any, Awaitable, Callable
+
+from ..config import EngineConfig
+from ..errors import InfrastructureError, InvalidRequest
+from ..net.netd import Netd, NetdDied
+from ..net.policy import NetworkPolicy
+from ..runtime import Backend, Handle
+
+log = logging.getLogger("fanfold.engine")
+NONE = '"none"'
+"""A row's network column when the sandbox has no network."""
+
+
+def proxy_env(port: int) -> dict[str, str]:
+    """What points a sandbox's tools at the proxy: curl, pip, git, apt and requests read the
+    lowercase forms, others the uppercase; npm its own keys."""
+    url = f"http://127.0.0.1:{port}"
+    env = {}
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "npm_config_proxy",
+                 "npm_config_https_proxy"):
+        env[name] = url
+    env["no_proxy"] = env["NO_PROXY"] = "localhost,127.0.0.1,::1"
+    return env
+
+
+def row_policy(row: Any) -> NetworkPolicy | None:
+    text = row["network"]
+    return None if not text or text == NONE else NetworkPolicy.from_wire(json.loads(text))
+
+
+def to_column(policy: NetworkPolicy | None) -> str:
+    return NONE if policy is None else json.dumps(policy.to_wire())
+
+
+class Network:
+    """This engine's netd, and the listener of each sandbox it serves."""
+
+    def __init__(self, config: EngineConfig, backend: Backend) -> None:
+        self.config, self.backend = config, backend
+        self.port = config.proxy_port
+        self.netd: Netd | None = None
+        self.listeners: dict[str, socket.socket] = {}
+        self.policies: dict[str, NetworkPolicy] = {}
+        self.exposed: dict[tuple[str, int], Exposure] = {}
+        self.closing = False
+        self.figures: dict[str, dict[str, Any]] = {}
+        """Each attached sandbox's counters as netd last reported them (``refresh``)."""
+        self._totals: dict[str, int] = {}
+        self._totals_before: dict[str, int] = {}
+        """What netds replaced before the running one had counted."""
+        self._starting = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
+
+    def check(self, value: Any, tenant: str) -> NetworkPolicy | None:
+        """A create's ``network=`` as a policy; InvalidRequest when it is malformed or not allowed."""
+        policy = NetworkPolicy.parse(value)
+        if policy is None:
+            return None
+        if policy.open and tenant:
+            raise InvalidRequest("network=\"open\" is for the host's own callers: list what the sandbox may reach"
+                                 " with {\"allow\": [...]}")
+        if not self.backend.capabilities.network:
+            raise InvalidRequest(f"the {self.backend.name} backend gives sandboxes no network: network policies need"
+                                 " the oci backend with crun or runc (FANFOLD_RUNTIME)")
+        return policy
+
+    def env(self, policy: NetworkPolicy | None) -> dict[str, str]:
+        return {} if policy is None else proxy_env(self.port)
+
+    def before_run(self, sandbox_id: str, policy: NetworkPolicy | None) -> Callable[[Handle], Awaitable[None]] | None:
+        """The bring-up hook that attaches the sandbox before its code runs, when it has a policy."""
+        if policy is None:
+            return None
+
+        async def attach(handle: Handle) -> None:
+            await self.attach(handle, policy)
+
+        return attach
+
+    def holds(self, sandbox_id: str) -> bool:
+        return sandbox_id in self.listeners
+
+    async def attach(self, handle: Handle, policy: NetworkPolicy) -> None:
+        """Open the sandbox's listener and hand it to netd (a restored sandbox's replaces its old one)."""
+        await self._running()  # first: a netd started now must not be given this listener twice
+        try:
+            listener = await self.backend.listen_inside(handle, self.port)
+        except InfrastructureError as err:
+            if isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.EADDRINUSE:
+                raise InvalidRequest(f"port {self.port} is taken inside sandbox {handle.id}: a process there listens"
+                                     " on it; stop it (the egress proxy needs the port) and try again") from None
+            raise
+        old = self.listeners.pop(handle.id, None)
+        self.listeners[handle.id], self.policies[handle.id] = listener, policy
+        if old is not None:
+            old.close()
+        try:
+            await self._request({"op": "attach", "id": handle.id, "policy": policy.to_wire()}, [listener.fileno()])
+        except BaseException:
+            await self.detach(handle.id)
+            raise
+
+    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy, *, cut: bool = False) -> None:
+        """A new policy for an attached sandbox: new connections and requests follow it at once;
+        with ``cut``, open connections end too."""
+        self.policies[sandbox_id] = policy
+        await self._request({"op": "policy", "id": sandbox_id, "policy": policy.to_wire(), "cut": cut})
+
+    async def detach(self, sandbox_id: str) -> None:
+        """Close the sandbox's listener (its port is free again) and its open connections."""
+        listener = self.listeners.pop(sandbox_id, None)
+        self.policies.pop(sandbox_id, None)
+        if listener is None:
+            return
+        listener.close()
+        if self.netd is not None and self.netd.running:
+            try:
+                await self.netd.request({"op": "detach", "id": sandbox_id})
+            except (NetdDied, InfrastructureError):
+                pass  # a netd that died took its copy with it
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        """Per attached sandbox: connections, requests, bytes up and down, denials."""
+        if self.netd is None:
+            return {}
+        reply = await self._request({"op": "stats"})
+        self.figures, self._totals = dict(reply.get("sandboxes", {})), dict(reply.get("totals", {}))
+        return self.figures
+
+    async def refresh(self) -> None:
+        """Read netd's counters for ``figures`` and ``totals`` (the reaper does, once a second)."""
+        if self.netd is not None and self.netd.running:
+            await self.stats()
+
+    def totals(self) -> dict[str, int]:
+        """Counters over every sandbox since this engine started (replaced netds' included)."""
+        names = set(self._totals) | set(self._totals_before)
+        return {name: self._totals.get(name, 0) + self._totals_before.get(name, 0) for name in names}
+
+    async def splice(self, sandbox_id: str, outside: socket.socket, inside: socket.socket) -> None:
+        """Have netd pass bytes between a host connection and one into the sandbox (exposed ports)."""
+        await self._request({"op": "splice", "id": sandbox_id}, [outside.fileno(), inside.fileno()])
+
+    async def expose(self, sandbox_id: str, port: int, handle_now: Callable[[], Handle]) -> int:
+        """A port on the host's loopback whose connections reach ``port`` inside the sandbox (made
+        on each connection, so it outlives a suspend and resume); the same one when asked again."""
+        exposure = self.exposed.get((sandbox_id, port))
+        if exposure is None:
+            exposure = self.exposed[(sandbox_id, port)] = Exposure(self, sandbox_id, port, handle_now)
+        return exposure.host_port
+
+    def unexpose(self, sandbox_id: str) -> None:
+        """Close the sandbox's exposed ports (it is being destroyed)."""
+        for key in [key for key in self.exposed if key[0] == sandbox_id]:
+            self.exposed.pop(key).close()
+
+    async def close(self) -> None:
+        self.closing = True
+        if self._watch is not None:
+            self._watch.cancel()
+        for exposure in self.exposed.values():
+            exposure.close()
+        self.exposed.clear()
+        for listener in self.listeners.values():
+            listener.close()
+        self.listeners.clear()
+        self.policies.clear()
+        if self.netd is not None:
+            await self.netd.stop()
+            self.netd = None
+
+    # -- netd -----------------------------------------------------------------------------------
+
+    async def _request(self, message: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+        netd = await self._running()
+        try:
+            return await netd.request(message, fds)
+        except NetdDied:
+            await self._replace(netd)
+            return await (await self._running()).request(message, fds)
+
+    async def _running(self) -> Netd:
+        async with self._starting:
+            if self.netd is None or not self.netd.running:
+                if self.netd is not None:
+                    await self.netd.stop()
+                self.netd = Netd(self._settings(), self.config.state_dir / "netd.log", self.config.net_user)
+                await self.netd.start()
+                for sandbox_id, listener in list(self.listeners.items()):  # a replaced netd gets them all again
+                    await self.netd.request({"op": "attach", "id": sandbox_id,
+                                             "policy": self.policies[sandbox_id].to_wire()}, [listener.fileno()])
+                self._watch = asyncio.ensure_future(self._replace_when_dead(self.netd))
+            return self.netd
+
+    async def _replace_when_dead(self, netd: Netd) -> None:
+        """A netd that dies (killed, a bug) is replaced at once: the sandboxes' listeners are ours,
+        so their connections only wait in the backlog meanwhile."""
+        assert netd.process is not None
+        loop, pid = asyncio.get_running_loop(), netd.process.pid
+        pidfd = os.pidfd_open(pid)
+        try:
+            ended = loop.create_future()
+            loop.add_reader(pidfd, lambda: ended.done() or ended.set_result(None))
+            try:
+                await ended
+            finally:
+                loop.remove_reader(pidfd)
+        finally:
+            os.close(pidfd)
+        if self.closing or self.netd is not netd:
+            return
+        log.warning("fanfold netd (pid %d) ended; starting another", pid)
+        await self._replace(netd)
+        try:
+            await self._running()
+        except InfrastructureError as err:
+            log.error("could not start a new netd: %s; the next network call tries again", err)
+
+    async def _replace(self, dead: Netd) -> None:
+        async with self._starting:
+            if self.netd is dead:
+                await dead.stop()
+                self._totals_before, self._totals = self.totals(), {}
+
+    def _settings(self) -> dict[str, Any]:
+        cfg = self.config
+        return {"reachable": list(cfg.net_reachable), "hosts": {k: list(v) for k, v in cfg.net_hosts},
+                "nameservers": list(cfg.net_dns)}
+
+
+class Exposure:
+    """A listener on the host's loopback for one sandbox port; netd carries the bytes."""
+
+    def __init__(self, network: Network, sandbox_id: str, port: int, handle_now: Callable[[], Handle]) -> None:
+        self.network, self.sandbox_id, self.port, self.handle_now = network, sandbox_id, port, handle_now
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.listener.bind(("127.0.0.1", 0))
+            self.listener.listen(256)
+            self.listener.setblocking(False)
+        except OSError:
+            self.listener.close()
+            raise
+        self.host_port: int = self.listener.getsockname()[1]
+        self.task = asyncio.ensure_future(self._accept())
+        self.passing: set[asyncio.Task[None]] = set()
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self.listener)
+            except OSError:
+                return  # closed
+            task = asyncio.ensure_future(self._pass(conn))
+            self.passing.add(task)
+            task.add_done_callback(self.passing.discard)
+
+    async def _pass(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                inside = await self.network.backend.connect_inside(self.handle_now(), self.port)
+            except Exception:  # nothing listens there, or the sandbox is not running: the client sees a close
+                return
+            with inside:
+                try:
+                    await self.network.splice(self.sandbox_id, conn, inside)
+                except InfrastructureError:
+                    return
+
+    def close(self) -> None:
+        self.task.cancel()
+        for task in self.passing:
+            task.cancel()
+        self.listener.close()

@@ -1,0 +1,217 @@
+"""``fanfold netd``: the egress proxy process of one engine.
+
+The engine starts it (``netd.Netd``) as an unprivileged user and talks to it over a SOCK_SEQPACKET
+socket: one JSON message per packet, file descriptors alongside. Each sandbox with a network policy
+is attached with a listener the engine opened inside the sandbox's network namespace; netd knows a
+sandbox by the listener a connection came in on, so no header, address or credential can pass for
+another. It holds no rights over namespaces, and it ends when the engine's end of the socket closes.
+
+Messages (each answered with ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``):
+``attach {id, policy}`` + the listener; ``policy {id, policy, cut}``; ``detach {id}``;
+``splice {id}`` + two connected sockets (an exposed port: bytes pass both ways);
+``stats {}``; ``ping {}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+from functools import partial
+from typing import Any
+
+from .policy import NetworkPolicy, Reachable
+from .proxy import NetStats, Proxy, SandboxNet
+from .resolve import Resolver
+
+TOTALS = ("connections", "requests", "bytes_up", "bytes_down", "denied", "errors", "exposed_in", "exposed_out")
+MAX_MESSAGE = 1 << 20
+MAX_FDS = 4
+
+
+class Daemon:
+    """The sandboxes attached to this netd, and the proxy serving them."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.sandboxes: dict[str, SandboxNet] = {}
+        self.servers: dict[str, asyncio.Server] = {}
+        self.splices: set[asyncio.Task[None]] = set()
+        self.retired = NetStats()
+        """What detached sandboxes' counters came to: totals only ever grow."""
+
+    async def serve(self, control: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        control.setblocking(False)
+        while True:
+            data, fds = await _receive(loop, control)
+            if not data:
+                return  # the engine is gone: so is everything it attached
+            try:
+                reply = await self.handle(json.loads(data), fds)
+            except Exception as err:  # a bad message must not end netd: the engine hears why
+                for fd in fds:
+                    os.close(fd)
+                reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            await loop.sock_sendall(control, json.dumps(reply).encode())
+
+    async def handle(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        op = message.get("op")
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        if op == "attach":
+            (fd,) = fds
+            await self.attach(message["id"], NetworkPolicy.from_wire(message["policy"]), fd)
+            return {"ok": True}
+        if op == "policy":
+            net = self.sandboxes[message["id"]]
+            net.policy = _policy(message["policy"])
+            if message.get("cut"):
+                self.proxy.cut(net)
+            return {"ok": True}
+        if op == "detach":
+            self.detach(message["id"])
+            return {"ok": True}
+        if op == "splice":
+            outside, inside = fds
+            net = self.sandboxes.get(message["id"])
+            task = asyncio.ensure_future(_splice(outside, inside, self.retired if net is None else net.stats))
+            self.splices.add(task)
+            task.add_done_callback(self.splices.discard)
+            return {"ok": True}
+        if op == "stats":
+            return {"ok": True, "sandboxes": {i: net.stats.to_dict() for i, net in self.sandboxes.items()},
+                    "totals": self.totals()}
+        raise ValueError(f"unknown op {op!r}")
+
+    async def attach(self, sandbox_id: str, policy: NetworkPolicy | None, fd: int) -> None:
+        listener = socket.socket(fileno=fd)
+        listener.setblocking(False)
+        old = self.sandboxes.get(sandbox_id)
+        if old is not None:  # a restored sandbox (resume): a new namespace, the same counters
+            self.servers.pop(sandbox_id).close()
+            self.proxy.cut(old)
+        net = SandboxNet(id=sandbox_id, policy=_policy(policy), stats=old.stats if old else NetStats(), open=set())
+        self.sandboxes[sandbox_id] = net
+        self.servers[sandbox_id] = await asyncio.start_server(partial(self._connection, net), sock=listener)
+
+    async def _connection(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        net.open.add(task)
+        try:
+            await self.proxy.handle(reader, writer, net)
+        finally:
+            net.open.discard(task)
+
+    def detach(self, sandbox_id: str) -> None:
+        server = self.servers.pop(sandbox_id, None)
+        if server is not None:
+            server.close()
+        net = self.sandboxes.pop(sandbox_id, None)
+        if net is not None:
+            self.proxy.cut(net)
+            for name in TOTALS:
+                setattr(self.retired, name, getattr(self.retired, name) + getattr(net.stats, name))
+
+    def totals(self) -> dict[str, int]:
+        """Every counter summed over the sandboxes attached now and before."""
+        live = [net.stats for net in self.sandboxes.values()]
+        return {name: getattr(self.retired, name) + sum(getattr(s, name) for s in live) for name in TOTALS}
+
+
+def _policy(wire: Any) -> NetworkPolicy:
+    """The policy netd enforces; "none" leaves a listener that refuses every request."""
+    return (wire if isinstance(wire, NetworkPolicy) else NetworkPolicy.from_wire(wire)) or NetworkPolicy()
+
+
+async def _receive(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[bytes, list[int]]:
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+            return data, fds
+        except BlockingIOError:
+            ready = loop.create_future()
+            loop.add_reader(sock, ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(sock)
+        except ConnectionResetError:
+            return b"", []
+
+
+async def _splice(outside: int, inside: int, stats: NetStats) -> None:
+    """Pass bytes both ways between an exposed port's host connection and the sandbox's service."""
+    host_side, sandbox_side = socket.socket(fileno=outside), socket.socket(fileno=inside)
+    try:
+        host_r, host_w = await asyncio.open_connection(sock=host_side)
+        box_r, box_w = await asyncio.open_connection(sock=sandbox_side)
+    except OSError:
+        host_side.close()
+        sandbox_side.close()
+        return
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inbound: bool) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                if inbound:
+                    stats.exposed_in += len(data)
+                else:
+                    stats.exposed_out += len(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+        except OSError:
+            writer.close()
+
+    try:
+        await asyncio.gather(pump(host_r, box_w, True), pump(box_r, host_w, False))
+    finally:
+        host_w.close()
+        box_w.close()
+
+
+def _preload() -> None:
+    """Import now what would otherwise load on first use: once netd runs as its own user, the
+    interpreter's library may be out of its reach."""
+    import importlib
+
+    for name in ("encodings.idna", "encodings.punycode", "stringprep", "dns.rdtypes.IN.A", "dns.rdtypes.IN.AAAA",
+                 "dns.rdtypes.ANY.CNAME", "dns.rdtypes.ANY.SOA", "dns.message", "dns.query", "dns._asyncio_backend",
+                 "asyncio.unix_events", "ssl"):
+        importlib.import_module(name)
+    "fanfold.test".encode("idna")
+    socket.getaddrinfo("localhost", None)  # loads the resolver's NSS modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fanfold netd", description=__doc__.splitlines()[0])
+    parser.add_argument("--control", type=int, required=True, help="the fd of the engine's control socket")
+    parser.add_argument("--settings", default="{}", help="JSON: reachable, hosts, nameservers, connect_timeout")
+    parser.add_argument("--user", default=None, metavar="UID:GID", help="drop to this user once started")
+    args = parser.parse_args(argv)
+    settings = json.loads(args.settings)
+    resolver = Resolver(hosts=settings.get("hosts") or {}, nameservers=settings.get("nameservers") or ())
+    proxy = Proxy(resolver, Reachable(settings.get("reachable") or ()),
+                  connect_timeout=float(settings.get("connect_timeout", 10.0)))
+    control = socket.socket(fileno=args.control)
+    if args.user:
+        _preload()
+        uid, _, gid = args.user.partition(":")
+        os.setgroups([])
+        os.setgid(int(gid))
+        os.setuid(int(uid))
+    try:
+        asyncio.run(Daemon(proxy).serve(control))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
