@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
         BuildFailed, CapacityExceeded, CheckpointFailed, CommandFailed, ExecTimeout, FanfoldError,
         FileNotFoundInSandbox, HostNotReady, ImageCorrupt, ImageInUse, ImageNotFound, InfrastructureError, InvalidPath,
         InvalidRequest, InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, QuotaExceeded,
-        RegistryDenied, RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
+        RecordingNotFound, RegistryDenied, RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
         ToolError, Unauthorized,
     )
     from .images import Image
@@ -49,7 +49,7 @@ _EXPORTS = {
         "BuildFailed", "CapacityExceeded", "CheckpointFailed", "CommandFailed", "ExecTimeout", "FanfoldError",
         "FileNotFoundInSandbox", "HostNotReady", "ImageCorrupt", "ImageInUse", "ImageNotFound", "InfrastructureError",
         "InvalidPath", "InvalidRequest", "InvalidSpec", "LeaseNotFound", "LimitExceeded", "NotFound",
-        "PolicyUnavailable", "QuotaExceeded", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
+        "PolicyUnavailable", "QuotaExceeded", "RecordingNotFound", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
         "ToolError", "Unauthorized",
     ),
     ".images": ("Image",),
@@ -103,6 +103,7 @@ __all__ = [
     "PolicyUnavailable",
     "PoolInfo",
     "QuotaExceeded",
+    "RecordingNotFound",
     "RegistryDenied",
     "RegistryUnavailable",
     "Retryable",

@@ -124,6 +124,11 @@ class EngineConfig:
     (``FANFOLD_NET_HOSTS=pypi.internal=10.1.2.3,...``)."""
     net_user: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NET_USER", "nobody") or None)
     """The host user the egress proxy (``fanfold netd``) runs as; it needs no privilege."""
+    net_ca_file: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NET_CA_FILE") or None)
+    """A CA bundle the egress proxy trusts, besides the system's, when it terminates TLS (record, replay,
+    cache) and connects on to the real server (an internal registry's CA)."""
+    net_cache_mb: int = field(default_factory=lambda: _env_int("FANFOLD_NET_CACHE_MB", 4096))
+    """Most disk the shared download cache (``network={"cache": True}``) takes; the least recently used go first."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())

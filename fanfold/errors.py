@@ -12,6 +12,7 @@
     │   ├── SandboxNotFound
     │   ├── SnapshotNotFound
     │   ├── LeaseNotFound       the lease expired (its sandboxes were reaped) or never existed
+    │   ├── RecordingNotFound   no network recording of that name (for the caller's tenant)
     │   └── FileNotFoundInSandbox
     ├── SandboxGone             the sandbox was destroyed (deadline, kill, crash)
     ├── SnapshotInUse           a snapshot that sandboxes or later snapshots still need
@@ -96,6 +97,12 @@ class LeaseNotFound(NotFound):
     """No live lease with that id: it expired unrenewed (its sandboxes were reaped) or never existed."""
 
     kind = "lease_not_found"
+
+
+class RecordingNotFound(NotFound):
+    """No network recording of that name: record one first (``network={"record": NAME, ...}``)."""
+
+    kind = "recording_not_found"
 
 
 class SandboxNotFound(NotFound):

@@ -16,7 +16,8 @@ from conftest import STATE_DIR, Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-EXAMPLES = ["quickstart.py", "async_fleet.py", "snapshots.py", "own_image.py", "pool.py", "rl_fanout.py", "remote.py"]
+EXAMPLES = ["quickstart.py", "async_fleet.py", "snapshots.py", "own_image.py", "pool.py", "network.py", "rl_fanout.py",
+            "remote.py"]
 
 
 def run_example(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -46,6 +47,11 @@ def test_async_fleet_streams_output_then_the_result(tmp_path):
     assert out.startswith("stderr ")  # each chunk as it came, wherever the pipe happened to cut it
     text = out.replace("stderr ", "")
     assert "FAIL: test_add" in text and text.endswith("FAILED (failures=1)\nOutcome.EXITED 1\n")
+
+
+def test_network_example_allows_denies_locks_and_exposes(tmp_path):
+    lines = run_example("network.py", cwd=tmp_path).stdout.splitlines()
+    assert lines == ["200", "403", "no route", "1", "hello from inside"]
 
 
 def test_own_image_imports_a_task_image_and_runs_as_its_user(tmp_path):

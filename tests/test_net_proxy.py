@@ -86,6 +86,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             for piece in (b"one ", b"two ", b"three"):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             self.wfile.write(b"0\r\n\r\n")
+        elif self.path == "/then-close":  # keep-alive by its headers, but closed after the response
+            self._send(200, b"closed after this")
+            self.close_connection = True
+        elif self.path == "/until-close":  # no length, no chunks: the body ends when the connection does
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"all of it")
+            self.close_connection = True
         elif self.path == "/upgrade" and self.headers.get("Upgrade") == "echo":
             self.send_response(101)
             self.send_header("Connection", "Upgrade")
@@ -98,6 +106,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:  # what the upstream saw: the request line and the headers
             seen = f"{self.command} {self.path}\n" + "".join(f"{k.lower()}: {v}\n" for k, v in self.headers.items())
             self._send(200, seen.encode())
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
 
     def do_POST(self) -> None:
         sha, size = hashlib.sha256(), 0
@@ -118,6 +131,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._send(200, f"{size} {sha.hexdigest()}".encode())
 
 
+class QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # clients that go away mid-response are part of the tests
+
+
 @dataclass
 class Servers:
     http: int
@@ -135,8 +153,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
                     "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=allowed.test",
                     "-addext", "subjectAltName=DNS:allowed.test,DNS:a.wild.test"],
                    check=True, capture_output=True)
-    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    tls = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    plain = QuietServer(("127.0.0.1", 0), Handler)
+    tls = QuietServer(("127.0.0.1", 0), Handler)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     tls.socket = context.wrap_socket(tls.socket, server_side=True)
@@ -346,11 +364,13 @@ async def test_first_allowed_address_is_used(servers: Servers) -> None:
 
 async def test_host_header_must_match_the_url(servers: Servers) -> None:
     async with running({"allow": ["allowed.test", "other.test"]}) as run:
-        reply = await get(run, f"http://allowed.test:{servers.http}/x", headers=[("Host", f"other.test:{servers.http}")])
+        url = f"http://allowed.test:{servers.http}/x"
+        reply = await get(run, url, headers=[("Host", f"other.test:{servers.http}")])
         assert reply.status == 400 and b"Host header" in reply.body
         reply = await get(run, f"http://allowed.test:{servers.http}/x", headers=[("Host", "allowed.test")])
         assert reply.status == 400  # port 80 is not the URL's port
-        ok = await get(run, f"http://ALLOWED.test.:{servers.http}/x", headers=[("Host", f"allowed.TEST:{servers.http}")])
+        ok = await get(run, f"http://ALLOWED.test.:{servers.http}/x",
+                       headers=[("Host", f"allowed.TEST:{servers.http}")])
         assert ok.status == 200
 
 
@@ -370,6 +390,15 @@ async def test_origin_form_and_malformed_requests_get_400(servers: Servers) -> N
             assert answer.startswith(b"HTTP/1.1 400 "), (bad, answer)
         await run.settle()
         assert run.stats.errors == 7 and run.stats.denied == 0
+
+
+async def test_http_1_0_request_without_host_gets_one(servers: Servers) -> None:
+    async with running({"allow": ["allowed.test"]}) as run:
+        reader, writer = await run.open()
+        writer.write(b"GET http://allowed.test:%d/seen HTTP/1.0\r\n\r\n" % servers.http)
+        answer = await read_all(reader)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"host: allowed.test:%d" % servers.http in answer
 
 
 async def test_unknown_name_and_dead_upstream_get_502(servers: Servers) -> None:
@@ -399,6 +428,15 @@ async def test_policy_change_applies_to_the_next_request_on_a_kept_connection(se
         assert (run.stats.connections, run.stats.requests, run.stats.denied) == (1, 4, 1)
 
 
+async def test_an_upstream_closed_while_idle_is_replaced(servers: Servers) -> None:
+    async with running({"allow": ["allowed.test"]}) as run:
+        async with client(run) as conn:
+            for _ in range(3):
+                reply = await conn.request("GET", f"http://allowed.test:{servers.http}/then-close")
+                assert (reply.status, reply.body) == (200, b"closed after this")
+        assert run.stats.errors == 0
+
+
 async def test_large_bodies_stream_both_ways(servers: Servers) -> None:
     async with running({"allow": ["allowed.test"]}) as run:
         async with client(run) as conn:
@@ -413,6 +451,13 @@ async def test_large_bodies_stream_both_ways(servers: Servers) -> None:
             sized = await conn.request("POST", f"{url}/upload", headers=[("Host", url[7:]), ("Content-Length", "5")],
                                        body=[b"hel", b"lo"])
             assert sized.body.decode() == f"5 {hashlib.sha256(b'hello').hexdigest()}"
+            head = await conn.request("HEAD", f"{url}/x")  # a length but no body: the next request still frames
+            assert head.status == 200 and head.headers["content-length"] == "1000" and head.body == b""
+            until_close = await conn.request("GET", f"{url}/until-close")
+            assert until_close.body == b"all of it" and until_close.headers["transfer-encoding"] == "chunked"
+            expect = await conn.request("POST", f"{url}/upload", headers=[("Host", url[7:]), ("Content-Length", "2"),
+                                                                        ("Expect", "100-continue")], body=[b"hi"])
+            assert expect.status == 200 and expect.body.startswith(b"2 ")
         assert run.stats.bytes_down >= BIG and run.stats.bytes_up >= 3 * 1024 * 1024
 
 
@@ -484,7 +529,7 @@ async def test_connect_denied_and_special_addresses(servers: Servers) -> None:
             head, reader, writer = await connect(run, f"{target}:{servers.https}")
             body = await read_all(reader)
             writer.close()
-            assert head.startswith(b"HTTP/1.1 403 ") and b"x-fanfold-denied: " in head.lower()
+            assert head.startswith(b"HTTP/1.1 403 Forbidden\r\n") and b"x-fanfold-denied: " in head.lower()
             assert why in body.decode()
         assert run.stats.denied == 2
         assert run.stats.recent_denials[0].startswith(f"CONNECT other.test:{servers.https}: no allow rule")
@@ -523,6 +568,11 @@ async def test_no_socket_is_left_open(servers: Servers) -> None:
             writer.write(b"\x16\x03\x01\x00\x05hello")  # a TLS record that holds no ClientHello: refused
             await read_all(reader)
             writer.close()
+        _, reader, writer = await connect(run, f"allowed.test:{servers.echo}")
+        writer.write(b"x")
+        await reader.readexactly(1)
+        assert proxy_sockets(run.port, servers) == 2  # what is counted: the client's and the upstream's
+        writer.close()
         reader, writer = await run.open()
         writer.write(b"GET http://allowed.test:%d/big/%d HTTP/1.1\r\nHost: allowed.test:%d\r\n\r\n"
                      % (servers.http, BIG, servers.http))

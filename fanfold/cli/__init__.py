@@ -129,6 +129,8 @@ class FanfoldGroup(click.Group):
         "logout": _LazyCommand("logout", "fanfold.cli.images:logout", "Forget the credentials kept for REGISTRY."),
         "network": _LazyCommand("network", "fanfold.cli.network:network", "Show a sandbox's network policy and"
                                 " traffic through the proxy; change the policy (--allow, --deny, --network)."),
+        "recordings": _LazyCommand("recordings", "fanfold.cli.network:recordings", "List network recordings (made"
+                                   " with network={\"record\": NAME}); --rm deletes some."),
         "port": _LazyCommand("port", "fanfold.cli.network:port", "Reach a port inside a sandbox from the host: print"
                              " its URL (embedded: forward it until Ctrl-C)."),
     }

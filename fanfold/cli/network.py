@@ -64,3 +64,26 @@ def port(ctx: click.Context, sandbox_id: str, port: int) -> None:
             return
         console.print(f"forwarding {url} to port {port} of {sandbox_id}; Ctrl-C to stop", highlight=False)
         threading.Event().wait()
+
+
+@click.command()
+@click.option("--rm", "remove", multiple=True, metavar="NAME", help="Delete this recording (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of recordings.")
+@click.pass_context
+def recordings(ctx: click.Context, remove: tuple[str, ...], as_json: bool) -> None:
+    """List network recordings (made with network={"record": NAME}); --rm deletes some.
+
+    A recording holds every request and response of the rollouts that recorded into it; a sandbox
+    made with network={"replay": NAME} gets the same answers with no outside access.
+    """
+    with _fleet(ctx) as fleet:
+        for name in remove:
+            fleet.delete_recording(name)
+        found = fleet.recordings()
+    if as_json:
+        click.echo(json.dumps(found))
+        return
+    if not found:
+        console.print("no recordings", highlight=False)
+    for item in found:
+        console.print(f"{item['name']}\t{item['exchanges']} exchanges\t{item['bytes']:,} bytes", highlight=False)

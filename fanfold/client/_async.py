@@ -189,6 +189,14 @@ class AsyncFleet:
         return AsyncRollouts(rollout_fn, concurrency=concurrency, retries=retries, deadline=deadline,
                              backoff=backoff, progress=progress, max_pending=max_pending)
 
+    async def recordings(self) -> list[dict[str, Any]]:
+        """Network recordings (``network={"record": NAME, ...}``): name, exchanges, bytes, created."""
+        return await self._transport.recordings()
+
+    async def delete_recording(self, name: str) -> None:
+        """Delete a recording that no sandbox records into or replays from now."""
+        await self._transport.delete_recording(name)
+
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on an existing sandbox."""
         return AsyncSandbox(self, await self._transport.get(sandbox_id))

@@ -297,6 +297,12 @@ class HttpTransport:
     async def network_stats(self, sandbox_id: str) -> dict[str, Any]:
         return await self._json("GET", _sandbox(sandbox_id) + "/network")
 
+    async def recordings(self) -> list[dict[str, Any]]:
+        return await self._json("GET", "/v1/recordings")
+
+    async def delete_recording(self, name: str) -> None:
+        await self._json("DELETE", f"/v1/recordings/{quote(name, safe='')}")
+
     async def expose(self, sandbox_id: str, port: int) -> str:
         if isinstance(port, bool) or not isinstance(port, int):
             raise InvalidRequest(f"a port is a whole number from 1 to 65535, got {port!r}")

@@ -202,6 +202,14 @@ class Fleet:
                                                 deadline=deadline, backoff=backoff, progress=progress,
                                                 max_pending=max_pending))
 
+    def recordings(self) -> list[dict[str, Any]]:
+        """Network recordings (``network={"record": NAME, ...}``): name, exchanges, bytes, created."""
+        return self._call(self._async.recordings())
+
+    def delete_recording(self, name: str) -> None:
+        """Delete a recording that no sandbox records into or replays from now."""
+        self._call(self._async.delete_recording(name))
+
     def get(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox."""
         return Sandbox(self, self._call(self._async.get(sandbox_id)))

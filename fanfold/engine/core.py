@@ -377,6 +377,14 @@ class Engine:
             except InfrastructureError as err:
                 raise InvalidRequest(f"nothing answers on port {port} inside sandbox {sandbox_id}: {err}") from None
 
+    async def recordings(self, *, tenant: str = "") -> list[dict[str, Any]]:
+        """Network recordings (``network={"record": NAME, ...}``) of ``tenant``: name, exchanges, bytes, created."""
+        return await asyncio.to_thread(self.life.network.recordings, tenant)
+
+    async def delete_recording(self, name: str, *, tenant: str = "") -> None:
+        """Delete a recording that no sandbox records into or replays from now."""
+        await asyncio.to_thread(self.life.network.delete_recording, tenant, name)
+
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
         row = self.life.visible(sandbox_id)

@@ -14,29 +14,44 @@ import errno
 import json
 import logging
 import os
+import pwd
+import shutil
 import socket
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from ..config import EngineConfig
-from ..errors import InfrastructureError, InvalidRequest
+from ..errors import FanfoldError, InfrastructureError, InvalidRequest, RecordingNotFound
+from ..host import safefs
+from ..net.ca import FleetCA
 from ..net.netd import Netd, NetdDied
 from ..net.policy import NetworkPolicy
 from ..runtime import Backend, Handle
 
 log = logging.getLogger("fanfold.engine")
 NONE = '"none"'
+CA_BUNDLE = "/etc/fanfold/ca-bundle.pem"
+"""Where a sandbox whose TLS the proxy terminates finds the CAs it trusts: its own and the fleet's."""
+FLEET_CA = "/etc/fanfold/fleet-ca.pem"
+SYSTEM_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem")
 """A row's network column when the sandbox has no network."""
 
 
-def proxy_env(port: int) -> dict[str, str]:
+def proxy_env(port: int, terminates: bool = False) -> dict[str, str]:
     """What points a sandbox's tools at the proxy: curl, pip, git, apt and requests read the
-    lowercase forms, others the uppercase; npm its own keys."""
+    lowercase forms, others the uppercase; npm its own keys. When the proxy terminates TLS, what
+    makes OpenSSL, Python, pip, requests, curl, git and Node trust the fleet's CA."""
     url = f"http://127.0.0.1:{port}"
     env = {}
     for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "npm_config_proxy",
                  "npm_config_https_proxy"):
         env[name] = url
     env["no_proxy"] = env["NO_PROXY"] = "localhost,127.0.0.1,::1"
+    if terminates:
+        for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO",
+                     "npm_config_cafile"):
+            env[name] = CA_BUNDLE
+        env["NODE_EXTRA_CA_CERTS"] = FLEET_CA
     return env
 
 
@@ -58,6 +73,8 @@ class Network:
         self.netd: Netd | None = None
         self.listeners: dict[str, socket.socket] = {}
         self.policies: dict[str, NetworkPolicy] = {}
+        self.scopes: dict[str, str] = {}
+        self.ca: FleetCA | None = None
         self.exposed: dict[tuple[str, int], Exposure] = {}
         self.closing = False
         self.figures: dict[str, dict[str, Any]] = {}
@@ -73,6 +90,9 @@ class Network:
         policy = NetworkPolicy.parse(value)
         if policy is None:
             return None
+        if policy.replay and not (self.recording_dir(tenant, policy.replay) / "index.jsonl").is_file():
+            raise RecordingNotFound(f"no recording {policy.replay!r}: record one with network={{\"record\":"
+                                    f" {policy.replay!r}, \"allow\": [...]}} first (fleet.recordings() lists them)")
         if policy.open and tenant:
             raise InvalidRequest("network=\"open\" is for the host's own callers: list what the sandbox may reach"
                                  " with {\"allow\": [...]}")
@@ -82,24 +102,60 @@ class Network:
         return policy
 
     def env(self, policy: NetworkPolicy | None) -> dict[str, str]:
-        return {} if policy is None else proxy_env(self.port)
+        return {} if policy is None else proxy_env(self.port, policy.terminates)
 
-    def before_run(self, sandbox_id: str, policy: NetworkPolicy | None) -> Callable[[Handle], Awaitable[None]] | None:
+    def before_run(self, sandbox_id: str, policy: NetworkPolicy | None,
+                   scope: str = "") -> Callable[[Handle], Awaitable[None]] | None:
         """The bring-up hook that attaches the sandbox before its code runs, when it has a policy."""
         if policy is None:
             return None
 
         async def attach(handle: Handle) -> None:
-            await self.attach(handle, policy)
+            await self.attach(handle, policy, scope)
 
         return attach
+
+    # -- recordings -----------------------------------------------------------------------------
+
+    def recording_dir(self, tenant: str, name: str) -> Path:
+        return self.config.state_dir / "net" / "recordings" / (tenant or "_host") / name
+
+    def recordings(self, tenant: str) -> list[dict[str, Any]]:
+        """The tenant's recordings: name, exchanges, bytes of bodies, when made."""
+        found = []
+        where = self.recording_dir(tenant, "x").parent
+        for entry in sorted(where.iterdir()) if where.is_dir() else []:
+            index = entry / "index.jsonl"
+            if not index.is_file():
+                continue
+            with open(index, "rb") as handle:
+                exchanges = max(sum(1 for _ in handle) - 1, 0)  # the first line is the format's
+            blobs = entry / "blobs"
+            size = sum(p.stat().st_size for p in blobs.iterdir()) if blobs.is_dir() else 0
+            found.append({"name": entry.name, "exchanges": exchanges, "bytes": size, "created": index.stat().st_ctime})
+        return found
+
+    def delete_recording(self, tenant: str, name: str) -> None:
+        """Delete a recording no attached sandbox records into or replays from."""
+        policy = NetworkPolicy.parse({"replay": name})
+        assert policy is not None and policy.replay == name  # a checked name: no path tricks
+        where = self.recording_dir(tenant, name)
+        if not where.is_dir():
+            raise RecordingNotFound(f"no recording {name!r}")
+        for sandbox_id, held in self.policies.items():
+            if self.scopes.get(sandbox_id, "") == tenant and name in (held.record, held.replay):
+                raise InvalidRequest(f"sandbox {sandbox_id} uses recording {name!r}: change its network or kill it first")
+        shutil.rmtree(where)
 
     def holds(self, sandbox_id: str) -> bool:
         return sandbox_id in self.listeners
 
-    async def attach(self, handle: Handle, policy: NetworkPolicy) -> None:
-        """Open the sandbox's listener and hand it to netd (a restored sandbox's replaces its old one)."""
+    async def attach(self, handle: Handle, policy: NetworkPolicy, scope: str = "") -> None:
+        """Open the sandbox's listener and hand it to netd (a restored sandbox's replaces its old one).
+        ``scope`` (the tenant) is where its recordings live."""
         await self._running()  # first: a netd started now must not be given this listener twice
+        if policy.terminates:
+            await asyncio.to_thread(self._trust_fleet_ca, handle.id)
         try:
             listener = await self.backend.listen_inside(handle, self.port)
         except InfrastructureError as err:
@@ -108,11 +164,12 @@ class Network:
                                      " on it; stop it (the egress proxy needs the port) and try again") from None
             raise
         old = self.listeners.pop(handle.id, None)
-        self.listeners[handle.id], self.policies[handle.id] = listener, policy
+        self.listeners[handle.id], self.policies[handle.id], self.scopes[handle.id] = listener, policy, scope
         if old is not None:
             old.close()
         try:
-            await self._request({"op": "attach", "id": handle.id, "policy": policy.to_wire()}, [listener.fileno()])
+            await self._request({"op": "attach", "id": handle.id, "policy": policy.to_wire(), "scope": scope},
+                                [listener.fileno()])
         except BaseException:
             await self.detach(handle.id)
             raise
@@ -120,6 +177,8 @@ class Network:
     async def set_policy(self, sandbox_id: str, policy: NetworkPolicy, *, cut: bool = False) -> None:
         """A new policy for an attached sandbox: new connections and requests follow it at once;
         with ``cut``, open connections end too."""
+        if policy.terminates and not self.policies[sandbox_id].terminates:
+            await asyncio.to_thread(self._trust_fleet_ca, sandbox_id)
         self.policies[sandbox_id] = policy
         await self._request({"op": "policy", "id": sandbox_id, "policy": policy.to_wire(), "cut": cut})
 
@@ -127,6 +186,7 @@ class Network:
         """Close the sandbox's listener (its port is free again) and its open connections."""
         listener = self.listeners.pop(sandbox_id, None)
         self.policies.pop(sandbox_id, None)
+        self.scopes.pop(sandbox_id, None)
         if listener is None:
             return
         listener.close()
@@ -201,11 +261,15 @@ class Network:
             if self.netd is None or not self.netd.running:
                 if self.netd is not None:
                     await self.netd.stop()
+                self.ca = self.ca or await asyncio.to_thread(FleetCA.load_or_create, self.config.state_dir / "net-ca")
+                await asyncio.to_thread(self._net_dir)
                 self.netd = Netd(self._settings(), self.config.state_dir / "netd.log", self.config.net_user)
                 await self.netd.start()
+                # The CA's key never touches netd's argv or files: it comes over the control socket.
+                await self.netd.request({"op": "ca", "cert": self.ca.cert_pem.decode(), "key": self.ca.key_pem.decode()})
                 for sandbox_id, listener in list(self.listeners.items()):  # a replaced netd gets them all again
-                    await self.netd.request({"op": "attach", "id": sandbox_id,
-                                             "policy": self.policies[sandbox_id].to_wire()}, [listener.fileno()])
+                    await self.netd.request({"op": "attach", "id": sandbox_id, "policy": self.policies[sandbox_id].to_wire(),
+                                             "scope": self.scopes.get(sandbox_id, "")}, [listener.fileno()])
                 self._watch = asyncio.ensure_future(self._replace_when_dead(self.netd))
             return self.netd
 
@@ -242,7 +306,38 @@ class Network:
     def _settings(self) -> dict[str, Any]:
         cfg = self.config
         return {"reachable": list(cfg.net_reachable), "hosts": {k: list(v) for k, v in cfg.net_hosts},
-                "nameservers": list(cfg.net_dns)}
+                "nameservers": list(cfg.net_dns), "net_dir": str(cfg.state_dir / "net"),
+                "upstream_ca": cfg.net_ca_file, "cache_mb": cfg.net_cache_mb}
+
+    def _net_dir(self) -> None:
+        """``<state>/net`` (recordings, the cache): netd's own, and no one else's."""
+        where = self.config.state_dir / "net"
+        where.mkdir(mode=0o700, exist_ok=True)
+        if self.config.net_user and os.geteuid() == 0:
+            entry = pwd.getpwnam(self.config.net_user)
+            if where.stat().st_uid != entry.pw_uid:
+                for path in [where, *where.rglob("*")]:
+                    os.lchown(path, entry.pw_uid, entry.pw_gid)
+
+    def _trust_fleet_ca(self, sandbox_id: str) -> None:
+        """Write the sandbox's CA bundle (its own CAs and the fleet's) where its TLS variables point."""
+        assert self.ca is not None
+        root = self.backend.root(sandbox_id)
+        fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            own = b""
+            for path in SYSTEM_BUNDLES:
+                try:
+                    own = safefs.read(fd, path, limit=16 << 20)
+                    break
+                except FanfoldError:
+                    continue
+            with self.backend.as_root(sandbox_id):
+                safefs.makedirs(fd, "/etc/fanfold")
+                safefs.write(fd, FLEET_CA, self.ca.cert_pem)
+                safefs.write(fd, CA_BUNDLE, own.rstrip(b"\n") + b"\n" + self.ca.cert_pem)
+        finally:
+            os.close(fd)
 
 
 class Exposure:

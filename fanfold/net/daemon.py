@@ -40,6 +40,7 @@ class Daemon:
         self.sandboxes: dict[str, SandboxNet] = {}
         self.servers: dict[str, asyncio.Server] = {}
         self.splices: set[asyncio.Task[None]] = set()
+        self.ca: tuple[bytes, bytes] | None = None
         self.retired = NetStats()
         """What detached sandboxes' counters came to: totals only ever grow."""
 
@@ -62,6 +63,9 @@ class Daemon:
         op = message.get("op")
         if op == "ping":
             return {"ok": True, "pid": os.getpid()}
+        if op == "ca":  # the fleet's CA, for the sandboxes whose TLS is terminated
+            self.ca = (message["cert"].encode(), message["key"].encode())
+            return {"ok": True}
         if op == "attach":
             (fd,) = fds
             await self.attach(message["id"], NetworkPolicy.from_wire(message["policy"]), fd)

@@ -127,6 +127,19 @@ def _split_port(text: str) -> tuple[str, int | None]:
     return inside, int(number)
 
 
+KEYS = ("allow", "deny", "open", "record", "replay", "live", "cache")
+_RECORDING = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def _name(value: Any, key: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _RECORDING.match(value) or ".." in value:
+        raise InvalidRequest(f"network {key!r} names a recording: a letter or digit, then up to 127 letters, digits"
+                             f" and _.-; got {value!r}")
+    return value
+
+
 def _rules(value: Any, key: str) -> tuple[Rule, ...]:
     if value is None:
         return ()
@@ -145,6 +158,19 @@ class NetworkPolicy:
     deny: tuple[Rule, ...] = ()
     open: bool = False
     """Any public address (the host's own tenant only)."""
+    record: str | None = None
+    """Store every request and response under this name (TLS terminated with the fleet's CA)."""
+    replay: str | None = None
+    """Answer from this recording, with no outside access; a request not in it is a 502."""
+    live: bool = False
+    """With ``replay``: a request not in the recording goes out under the allow rules instead."""
+    cache: bool = False
+    """Serve immutable downloads (wheels, npm tarballs, .debs) from the host's shared cache."""
+
+    @property
+    def terminates(self) -> bool:
+        """Whether the proxy terminates this sandbox's TLS (and so the sandbox must trust the fleet's CA)."""
+        return bool(self.record or self.replay or self.cache)
 
     @classmethod
     def parse(cls, value: Any) -> NetworkPolicy | None:
@@ -159,20 +185,35 @@ class NetworkPolicy:
         if not isinstance(value, dict):
             raise InvalidRequest(f"network={value!r} is not a network policy: use \"none\", \"open\" or"
                                  " {\"allow\": [rules], \"deny\": [rules]}")
-        unknown = sorted(set(value) - {"allow", "deny", "open"})
+        unknown = sorted(set(value) - set(KEYS))
         if unknown:
             raise InvalidRequest(f"network policy has unknown keys {', '.join(map(repr, unknown))}: it takes"
-                                 " 'allow', 'deny' and 'open'")
-        if not isinstance(value.get("open", False), bool):
-            raise InvalidRequest(f"network 'open' is true or false, got {value['open']!r}")
+                                 f" {', '.join(map(repr, KEYS))}")
+        for key in ("open", "live", "cache"):
+            if not isinstance(value.get(key, False), bool):
+                raise InvalidRequest(f"network {key!r} is true or false, got {value[key]!r}")
+        record, replay = _name(value.get("record"), "record"), _name(value.get("replay"), "replay")
+        if record and replay:
+            raise InvalidRequest("a network policy records or replays, not both: replay the recording in a later rollout")
+        if value.get("live") and not replay:
+            raise InvalidRequest("network 'live' lets a replay's misses go out: it needs 'replay'")
         return cls(allow=_rules(value.get("allow"), "allow"), deny=_rules(value.get("deny"), "deny"),
-                   open=bool(value.get("open", False)))
+                   open=bool(value.get("open", False)), record=record, replay=replay, live=bool(value.get("live")),
+                   cache=bool(value.get("cache")))
 
     def to_wire(self) -> str | dict[str, Any]:
-        if self.open and not self.deny:
+        if self.open and not self.deny and not self.terminates:
             return "open"
         wire: dict[str, Any] = {"allow": [r.text for r in self.allow], "deny": [r.text for r in self.deny]}
-        return {**wire, "open": True} if self.open else wire
+        if self.open:
+            wire["open"] = True
+        for key in ("record", "replay"):
+            if getattr(self, key):
+                wire[key] = getattr(self, key)
+        for key in ("live", "cache"):
+            if getattr(self, key):
+                wire[key] = True
+        return wire
 
     @classmethod
     def from_wire(cls, value: Any) -> NetworkPolicy | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import http
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ CLOSE_TIMEOUT = 10.0
 RECENT_DENIALS = 20
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authorization", b"proxy-authenticate",
                         b"proxy-connection", b"te", b"trailer", b"upgrade", b"expect"})
+FRAMING = frozenset({b"host", b"content-length", b"transfer-encoding"})
 USE_THE_PROXY = ("This is fanfold's egress proxy: send requests through it with the proxy variables"
                  " (HTTP_PROXY/HTTPS_PROXY), not to it as a server.\n")
 
@@ -113,7 +115,7 @@ class Proxy:
     async def _serve(self, session: _Session) -> None:
         try:
             await session.run()
-        except (OSError, h11.ProtocolError, MalformedHello, TimeoutError):
+        except (OSError, h11.ProtocolError, MalformedHello, TimeoutError, _ClientGone):
             session.stats.errors += 1
         except Exception:  # a bug here must cost one connection, not netd
             log.exception("proxy connection of sandbox %s failed", session.sandbox.id)
@@ -130,6 +132,10 @@ class Proxy:
 
 class _BadRequest(Exception):
     """A request the proxy answers with 400; the message says why."""
+
+
+class _ClientGone(Exception):
+    """The client went away in the middle of a request: nothing is left to answer."""
 
 
 class _Refused(Exception):
@@ -243,7 +249,8 @@ class _Session:
         if close or self.closing or self.http.their_state not in (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL):
             fields.append(("connection", "close"))
         self.writer.write(b"".join(self.http.send(event) for event in (
-            h11.Response(status_code=status, headers=fields), h11.Data(data=body), h11.EndOfMessage())))
+            h11.Response(status_code=status, headers=fields, reason=http.HTTPStatus(status).phrase.encode()),
+            h11.Data(data=body), h11.EndOfMessage())))
         await self.writer.drain()
 
     async def _deny(self, what: str, reason: str) -> None:
@@ -317,7 +324,8 @@ class _Session:
         if sni is None:
             return None  # no name to check: the address was
         if as_address(upstream.host) is None:
-            return None if sni == upstream.host else f"TLS server name {sni} differs from the CONNECT host {upstream.host}"
+            same = sni == upstream.host
+            return None if same else f"TLS server name {sni} differs from the CONNECT host {upstream.host}"
         return policy.decide(sni, upstream.port, upstream.address, self.proxy.reachable)
 
     async def _splice(self, upstream: _Upstream, first_up: bytes, first_down: bytes, check_hello: Any = None) -> None:
@@ -377,34 +385,40 @@ class _Session:
         host, port, path = _absolute(target)
         _check_host_header(request, host, port)
         what = f"{request.method.decode('latin-1')} http://{_joined(host, port)}{path[:200]}"
-        upstream = await self._upstream_for(what, host, port)
         upgrade = _upgrade(request.headers)
-        headers = _forwardable(request.headers, host, port, upgrade)
+        head = h11.Request(method=request.method, target=path.encode(),
+                           headers=_forwardable(request.headers, host, port, upgrade))
+        upstream, reused = await self._upstream_for(what, host, port)
+        body_sent = None
         try:
-            self._send_up(upstream, h11.Request(method=request.method, target=path.encode(), headers=headers))
+            self._send_up(upstream, head)
             if self.http.they_are_waiting_for_100_continue:
                 self.writer.write(self.http.send(h11.InformationalResponse(status_code=100, headers=[])))
-            await self._stream_request_body(upstream)
-            response = await self._upstream_event(upstream)
-            while isinstance(response, h11.InformationalResponse) and response.status_code != 101:
-                self.writer.write(self.http.send(response))  # 1xx other than 100-continue's and 101: passed on
-                response = await self._upstream_event(upstream)
+            body_sent = await self._stream_request_body(upstream)
+            response = await self._response_head(upstream)
         except (OSError, h11.RemoteProtocolError, h11.LocalProtocolError) as err:
             self._drop_upstream()
-            await self._fail(what, f"the upstream broke off: {err}")
-        if not isinstance(response, (h11.Response, h11.InformationalResponse)):
-            self._drop_upstream()
-            await self._fail(what, "the upstream closed without answering")
+            if not (reused and body_sent == 0):
+                await self._fail(what, f"the upstream broke off: {err}")
+            # a kept-alive upstream that closed while idle: once more on a new connection
+            upstream = self.upstream = await self._open(what, host, port, self._policy())
+            try:
+                self._send_up(upstream, head)
+                self._send_up(upstream, h11.EndOfMessage())
+                response = await self._response_head(upstream)
+            except (OSError, h11.RemoteProtocolError, h11.LocalProtocolError) as err:
+                self._drop_upstream()
+                await self._fail(what, f"the upstream broke off: {err}")
         if response.status_code == 101 and upgrade:
             headers = _forwardable(response.headers, None, 0, _upgrade(response.headers) or upgrade)
-            self.writer.write(self.http.send(h11.InformationalResponse(status_code=101, reason=response.reason,
-                                                                       headers=headers)))
+            self._send_down(h11.InformationalResponse(status_code=101, reason=response.reason, headers=headers))
             await self._splice(upstream, bytes(self.http.trailing_data[0]), bytes(upstream.http.trailing_data[0]))
             return
         await self._stream_response(upstream, response)
 
-    async def _upstream_for(self, what: str, host: str, port: int) -> _Upstream:
-        """The kept-alive upstream, when it is to the same place and the current policy still allows it."""
+    async def _upstream_for(self, what: str, host: str, port: int) -> tuple[_Upstream, bool]:
+        """The upstream for a request, and whether it is the kept-alive one (to the same place, idle,
+        and still allowed by the current policy) rather than a new connection."""
         policy = self._policy()
         kept = self.upstream
         if kept is not None and (kept.host, kept.port) == (host, port) and kept.http.our_state is h11.IDLE \
@@ -412,10 +426,10 @@ class _Session:
             if (reason := policy.decide(host, port, kept.address, self.proxy.reachable)) is not None:
                 self._drop_upstream()
                 await self._deny(what, reason)
-            return kept
+            return kept, True
         self._drop_upstream()
         self.upstream = await self._open(what, host, port, policy)
-        return self.upstream
+        return self.upstream, False
 
     def _send_up(self, upstream: _Upstream, event: Any) -> None:
         data = upstream.http.send(event)
@@ -423,7 +437,15 @@ class _Session:
             upstream.writer.write(data)
             self.stats.bytes_up += len(data)
 
-    async def _stream_request_body(self, upstream: _Upstream) -> None:
+    def _send_down(self, event: Any) -> None:
+        data = self.http.send(event)
+        if data:
+            self.writer.write(data)
+            self.stats.bytes_down += len(data)
+
+    async def _stream_request_body(self, upstream: _Upstream) -> int:
+        """Pass the client's request body on; how many body bytes that was."""
+        sent = 0
         while True:
             try:
                 event = await self._client_event()
@@ -432,13 +454,25 @@ class _Session:
                 raise _BadRequest(f"malformed request body: {err}") from None
             if isinstance(event, h11.Data):
                 self._send_up(upstream, event)
+                sent += len(event.data)
                 await upstream.writer.drain()
             elif isinstance(event, h11.EndOfMessage):
                 self._send_up(upstream, h11.EndOfMessage())
                 await upstream.writer.drain()
-                return
+                return sent
             else:  # the client went away mid-body
-                raise ConnectionResetError("the client closed inside its request body")
+                raise _ClientGone("the client closed inside its request body")
+
+    async def _response_head(self, upstream: _Upstream) -> h11.Response | h11.InformationalResponse:
+        """The upstream's response head (or its 101), passing other 1xx responses on to the client."""
+        while True:
+            event = await self._upstream_event(upstream)
+            if isinstance(event, h11.Response) or (isinstance(event, h11.InformationalResponse)
+                                                   and event.status_code == 101):
+                return event
+            if not isinstance(event, h11.InformationalResponse):
+                raise ConnectionResetError("the upstream closed without answering")
+            self._send_down(event)
 
     async def _upstream_event(self, upstream: _Upstream) -> Any:
         while (event := upstream.http.next_event()) is h11.NEED_DATA:
@@ -446,18 +480,15 @@ class _Session:
         return event
 
     async def _stream_response(self, upstream: _Upstream, response: h11.Response) -> None:
-        head = h11.Response(status_code=response.status_code, reason=response.reason,
-                            headers=_forwardable(response.headers, None, 0, None))
-        self.writer.write(self.http.send(head))
+        self._send_down(h11.Response(status_code=response.status_code, reason=response.reason,
+                                     headers=_forwardable(response.headers, None, 0, None)))
         while True:
             event = await self._upstream_event(upstream)  # errors now break the client connection
             if isinstance(event, h11.Data):
-                data = self.http.send(event)
-                self.stats.bytes_down += len(event.data)
-                self.writer.write(data)
+                self._send_down(event)
                 await self.writer.drain()
             elif isinstance(event, h11.EndOfMessage):
-                self.writer.write(self.http.send(h11.EndOfMessage()))
+                self._send_down(h11.EndOfMessage())
                 break
             else:
                 raise ConnectionResetError("the upstream closed inside its response")
@@ -499,7 +530,8 @@ def _authority(text: str, *, default_port: int | None) -> tuple[str, int]:
     else:
         raise _BadRequest(f"{text[:200]!r} has a bad port")
     host = normal_host(host)
-    if not host or not (as_address(host) is not None or all(c.isalnum() or c in "-._" for c in host) and host.isascii()):
+    name_like = host.isascii() and all(c.isalnum() or c in "-._" for c in host)
+    if not host or not (name_like or as_address(host) is not None):
         raise _BadRequest(f"{text[:200]!r} names no valid host")
     return host, port
 
@@ -538,6 +570,7 @@ def _forwardable(headers: Any, host: str | None, port: int, upgrade: bytes | Non
     """``headers`` without hop-by-hop ones (those the Connection header lists too); a Host added when a
     request has none; Connection/Upgrade put back for an upgrade."""
     listed = {t.strip().lower() for name, value in headers if name == b"connection" for t in value.split(b",")}
+    listed -= FRAMING  # a Connection header cannot take away what frames the message
     kept = [(name, value) for name, value in headers.raw_items()
             if name.lower() not in HOP_BY_HOP and name.lower() not in listed]
     if host is not None and not any(name.lower() == b"host" for name, _ in kept):

@@ -33,8 +33,8 @@ class Resolver:
     def __init__(
         self, *, hosts: Mapping[str, Sequence[str]] | None = None, nameservers: Sequence[str] = ()
     ) -> None:
-        self._hosts = {normal_host(name): [_address(a) for a in ([addresses] if isinstance(addresses, str) else addresses)]
-                       for name, addresses in (hosts or {}).items()}
+        self._hosts = {normal_host(name): [_address(a) for a in ([found] if isinstance(found, str) else found)]
+                       for name, found in (hosts or {}).items()}
         self._dns = _dns_resolver(nameservers) if nameservers else None
 
     async def resolve(self, host: str) -> list[Address]:
@@ -80,8 +80,8 @@ class Resolver:
         except dns.resolver.NXDOMAIN:
             raise LookupFailed(f"{name} does not exist (NXDOMAIN)") from None
         except dns.exception.Timeout:
-            raise LookupFailed(f"{name} did not resolve: no answer from the DNS servers in {LOOKUP_TIMEOUT:g} s") from None
-        except dns.exception.DNSException as error:
+            raise LookupFailed(f"{name} did not resolve: no DNS answer in {LOOKUP_TIMEOUT:g} s") from None
+        except (dns.exception.DNSException, OSError) as error:
             raise LookupFailed(f"{name} did not resolve: {error}") from None
         return [_address(record.address) for record in answer]
 

@@ -38,8 +38,11 @@ class EpisodeRun:
         """Reset ``env`` and open the episode's record."""
         prompt, _ = await env.reset(seed=seed, options=options)
         image_id, snapshot_id = _source_ids(env.image)
+        about: dict[str, Any] = {"env": env.name}
+        if env.network != "none":  # its recording's name among it: a replay re-runs the episode's traffic exactly
+            about["network"] = env.sandbox.info.network if env.sandbox is not None else env.network
         episode = Episode(task=env.task_name(), seed=seed, rollout_id=rollout_id, image_id=image_id,
-                          snapshot_id=snapshot_id, metadata={"env": env.name, **(metadata or {})})
+                          snapshot_id=snapshot_id, metadata={**about, **(metadata or {})})
         if store is not None:  # SQLite writes off the event loop: other rollouts' tools run meanwhile
             await asyncio.to_thread(store.begin, episode)
         messages = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": prompt}]

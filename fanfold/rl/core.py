@@ -110,7 +110,9 @@ class AsyncSandboxEnv:
     and implement ``env_spec``, ``begin`` and ``call``.
 
     ``fleet`` runs the sandboxes; ``image`` is the golden image or snapshot to start from
-    (default: ``env_spec()`` built on first reset); ``limits`` go to ``fleet.create``.
+    (default: ``env_spec()`` built on first reset); ``limits`` go to ``fleet.create``, and so does
+    ``network`` (its policy; ``{"allow": [...], "record": NAME}`` records the episode's traffic, and the
+    episode's metadata keeps the policy, so ``{"replay": NAME}`` re-runs it with the same answers).
     """
 
     name: ClassVar[str] = "sandbox"
@@ -120,10 +122,11 @@ class AsyncSandboxEnv:
 
     def __init__(
         self, fleet: AsyncFleet, *, image: Image | SnapshotInfo | str | None = None, max_steps: int | None = None,
-        limits: dict[str, Any] | None = None, labels: dict[str, str] | None = None,
+        limits: dict[str, Any] | None = None, labels: dict[str, str] | None = None, network: Any = "none",
     ) -> None:
         self.fleet = fleet
         self.image = image
+        self.network = network
         self.limits = {"memory_mb": 256, "pids": 128, **(limits or {})}
         self.labels = labels or {}
         if max_steps is not None:
@@ -179,8 +182,9 @@ class AsyncSandboxEnv:
             self.image = await self.prepare(self.fleet)
         old, self.sandbox = self.sandbox, None
         labels = {"env": self.name, **self.labels}
-        made, killed = await asyncio.gather(self.fleet.create(self.image, labels=labels, **self.limits), _kill(old),
-                                            return_exceptions=True)
+        made, killed = await asyncio.gather(
+            self.fleet.create(self.image, labels=labels, network=self.network, **self.limits), _kill(old),
+            return_exceptions=True)
         if isinstance(made, BaseException):
             raise made
         self.sandbox = made  # owned before any error below, so close() still destroys it

@@ -67,7 +67,7 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     _add_error_handlers(app)
     app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
     for router in (sandboxes.router, snapshots.router, files.router, images.router, images.registries, host.router,
-                   rollouts.router, network.router):
+                   rollouts.router, network.router, network.recordings_router):
         app.include_router(router)
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])

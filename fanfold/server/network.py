@@ -19,6 +19,7 @@ from .sandboxes import ERRORS
 from .schemas import NetworkRequest, PortBody, SandboxBody, network_value
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["network"])
+recordings_router = APIRouter(prefix="/v1/recordings", tags=["network"])
 PortNumber = Path(ge=1, le=65535, description="A TCP port inside the sandbox.")
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
               b"transfer-encoding", b"upgrade", b"host", b"authorization", b"content-length"}
@@ -26,6 +27,19 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-autho
 RESPONSE_HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"proxy-authenticate", b"trailer",
                        b"upgrade"}
 CHUNK = 65536
+
+
+@recordings_router.get("", responses=ERRORS)
+async def recordings(request: Request, caller: str = Depends(tenant)) -> list[dict[str, Any]]:
+    """The caller's network recordings: name, exchanges, bytes of bodies, when made."""
+    return await engine(request).recordings(tenant=caller)
+
+
+@recordings_router.delete("/{name}", status_code=204, responses=ERRORS)
+async def delete_recording(request: Request, name: str, caller: str = Depends(tenant)) -> Response:
+    """Delete one of the caller's recordings that no sandbox records into or replays from now."""
+    await engine(request).delete_recording(name, tenant=caller)
+    return Response(status_code=204)
 
 
 @router.put("/{sandbox_id}/network", response_model=SandboxBody, responses=ERRORS)

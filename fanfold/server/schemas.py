@@ -31,6 +31,11 @@ class NetworkRules(_Body):
     deny: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] = Field(
         default_factory=list, max_length=1024, description="Rules as in allow; deny wins.")
     open: StrictBool = Field(False, description="Any public address but what deny names (the host's own tenant only).")
+    record: str | None = Field(None, description=(
+        "Store every request and response under this name (the sandbox then trusts the fleet's CA)."))
+    replay: str | None = Field(None, description="Answer from this recording, with no outside access.")
+    live: StrictBool = Field(False, description="With replay: a request not in the recording goes out instead.")
+    cache: StrictBool = Field(False, description="Serve immutable downloads from the host's shared cache.")
 
 
 def network_value(body: NetworkName | NetworkRules) -> Any:
