@@ -17,8 +17,11 @@ EXTRAS = {
     "rl": ("gymnasium", "numpy", "aiohttp"),
     "parquet": ("pyarrow",),
     "report": ("matplotlib",),
+    "net": ("dns", "cryptography"),
 }
-"""The packages each extra brings, as pyproject's ``[project.optional-dependencies]`` lists them."""
+"""The packages each extra brings, as pyproject's ``[project.optional-dependencies]`` lists them (by module name)."""
+DISTRIBUTIONS = {"dns": "dnspython"}
+"""Modules whose distribution on PyPI has another name."""
 
 
 class MissingExtra(FanfoldError, ImportError):
@@ -43,5 +46,5 @@ def _import(name: str, extra: str, feature: str) -> ModuleType:
         # missing deep inside an installed package is a broken install, so let it show.
         if exc.name is None or exc.name.partition(".")[0] != name:
             raise
-        raise MissingExtra(f"{feature} needs {name}, which is not installed: "
+        raise MissingExtra(f"{feature} needs {DISTRIBUTIONS.get(name, name)}, which is not installed: "
                            f"pip install 'fanfold[{extra}]'") from None

@@ -113,6 +113,8 @@ class EngineConfig:
 
     proxy_port: int = 3128
     """The port of the egress proxy inside every sandbox with a network policy (taken there)."""
+    capture_port: int = 3129
+    """Inside a sandbox with transparent capture, the port its TCP connections are redirected to (taken there)."""
     net_reachable: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_NET_REACHABLE"))
     """CIDRs of private, loopback, link-local or host addresses the egress proxy may still connect to
     when a sandbox's policy allows them (``FANFOLD_NET_REACHABLE=10.1.0.0/16,...``); by default none."""

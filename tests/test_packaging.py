@@ -12,7 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from fanfold._extras import EXTRAS
+from fanfold._extras import DISTRIBUTIONS, EXTRAS
 
 from conftest import STATE_DIR
 
@@ -43,7 +43,7 @@ def test_core_dependencies_are_the_sdk_and_cli_only_and_extras_match_the_code():
     assert requirement_names(project["dependencies"]) == {"click", "rich", "h11", "prometheus-client", "dockerfile"}
     extras = project["optional-dependencies"]
     for extra, modules in EXTRAS.items():
-        assert set(modules) <= requirement_names(extras[extra]), extra
+        assert {DISTRIBUTIONS.get(m, m) for m in modules} <= requirement_names(extras[extra]), extra
     (everything,) = extras["all"]
     assert set(everything.removeprefix("fanfold[").removesuffix("]").split(",")) == set(EXTRAS)
     assert "pandas" in requirement_names(extras["test"])

@@ -286,7 +286,7 @@ class Engine:
             made, pooled = self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
             if net is not None:  # a warm sandbox gets its listener now: its services run without the proxy's env
                 try:
-                    await self.life.network.attach(dbmod.row_handle(self.db.get(made.id)), net)
+                    await self.life.network.attach(dbmod.row_handle(self.db.get(made.id)), net, tenant)
                 except BaseException:
                     await asyncio.shield(self.life.destroy(made.id))
                     raise
@@ -330,11 +330,14 @@ class Engine:
                 pass  # attached as it resumes
             elif policy is None:
                 await life.network.detach(sandbox_id)
-            elif life.network.holds(sandbox_id):
+            elif life.network.holds(sandbox_id) and policy.transparent == life.network.policies[sandbox_id].transparent:
                 await life.network.set_policy(sandbox_id, policy, cut=cut)
+            elif life.network.holds(sandbox_id):  # capture on or off: its sockets change, so it is attached anew
+                await life.network.detach(sandbox_id)
+                await life.network.attach(dbmod.row_handle(row), policy, row["tenant"])
             else:
                 try:
-                    await life.network.attach(dbmod.row_handle(row), policy)
+                    await life.network.attach(dbmod.row_handle(row), policy, row["tenant"])
                 except BaseException:
                     life.db.update(sandbox_id, network=row["network"])
                     raise

@@ -170,7 +170,7 @@ class Lifecycle:
         if row["network"] != '"none"' and not self.network.holds(row["id"]):
             policy = row_policy(row)
             if policy is not None:
-                await self.network.attach(dbmod.row_handle(row), policy)
+                await self.network.attach(dbmod.row_handle(row), policy, row["tenant"])
 
     async def calls_done(self, timeout: float) -> None:
         """Wait (up to ``timeout`` s) until no call holds a sandbox: a closing engine's
@@ -277,7 +277,7 @@ class Lifecycle:
         spec = SandboxSpec(
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
             env=tuple(base_env(img, sandbox_id, self.network.env(policy))), services=img.services, restore=restore,
-            seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy),
+            seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy, "" if row is None else row["tenant"]),
         )
         handle = await self.backend.bring_up(spec)
         if img.services and (restore is None or self.backend.capabilities.memory != "live"):

@@ -20,16 +20,18 @@ import socket
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+from .._extras import require
 from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError, InvalidRequest, RecordingNotFound
 from ..host import safefs
-from ..net.ca import FleetCA
 from ..net.netd import Netd, NetdDied
 from ..net.policy import NetworkPolicy
 from ..runtime import Backend, Handle
 
 log = logging.getLogger("fanfold.engine")
 NONE = '"none"'
+DNS_PORT = 53
+"""Inside a sandbox with transparent capture, where its DNS queries are answered (by netd)."""
 CA_BUNDLE = "/etc/fanfold/ca-bundle.pem"
 """Where a sandbox whose TLS the proxy terminates finds the CAs it trusts: its own and the fleet's."""
 FLEET_CA = "/etc/fanfold/fleet-ca.pem"
@@ -71,10 +73,12 @@ class Network:
         self.config, self.backend = config, backend
         self.port = config.proxy_port
         self.netd: Netd | None = None
-        self.listeners: dict[str, socket.socket] = {}
+        self.listeners: dict[str, list[socket.socket]] = {}
+        """Per attached sandbox: the proxy's listener, and with transparent capture its TCP listener and DNS socket."""
         self.policies: dict[str, NetworkPolicy] = {}
         self.scopes: dict[str, str] = {}
-        self.ca: FleetCA | None = None
+        self.ca: Any = None
+        """The fleet's CA (``net.ca.FleetCA``), loaded as netd first starts."""
         self.exposed: dict[tuple[str, int], Exposure] = {}
         self.closing = False
         self.figures: dict[str, dict[str, Any]] = {}
@@ -163,13 +167,21 @@ class Network:
                 raise InvalidRequest(f"port {self.port} is taken inside sandbox {handle.id}: a process there listens"
                                      " on it; stop it (the egress proxy needs the port) and try again") from None
             raise
-        old = self.listeners.pop(handle.id, None)
-        self.listeners[handle.id], self.policies[handle.id], self.scopes[handle.id] = listener, policy, scope
-        if old is not None:
+        held = [listener]
+        if policy.transparent:
+            try:
+                held += await self.backend.capture_inside(handle, self.config.capture_port, DNS_PORT)
+            except BaseException as err:
+                listener.close()
+                if isinstance(err, NotImplementedError):
+                    raise InvalidRequest(str(err)) from None
+                raise
+        for old in self.listeners.pop(handle.id, []):
             old.close()
+        self.listeners[handle.id], self.policies[handle.id], self.scopes[handle.id] = held, policy, scope
         try:
             await self._request({"op": "attach", "id": handle.id, "policy": policy.to_wire(), "scope": scope},
-                                [listener.fileno()])
+                                [sock.fileno() for sock in held])
         except BaseException:
             await self.detach(handle.id)
             raise
@@ -184,12 +196,13 @@ class Network:
 
     async def detach(self, sandbox_id: str) -> None:
         """Close the sandbox's listener (its port is free again) and its open connections."""
-        listener = self.listeners.pop(sandbox_id, None)
+        held = self.listeners.pop(sandbox_id, None)
         self.policies.pop(sandbox_id, None)
         self.scopes.pop(sandbox_id, None)
-        if listener is None:
+        if held is None:
             return
-        listener.close()
+        for sock in held:
+            sock.close()
         if self.netd is not None and self.netd.running:
             try:
                 await self.netd.request({"op": "detach", "id": sandbox_id})
@@ -238,8 +251,9 @@ class Network:
         for exposure in self.exposed.values():
             exposure.close()
         self.exposed.clear()
-        for listener in self.listeners.values():
-            listener.close()
+        for held in self.listeners.values():
+            for sock in held:
+                sock.close()
         self.listeners.clear()
         self.policies.clear()
         if self.netd is not None:
@@ -261,15 +275,18 @@ class Network:
             if self.netd is None or not self.netd.running:
                 if self.netd is not None:
                     await self.netd.stop()
+                require("net", "network policies (fanfold netd)")
+                from ..net.ca import FleetCA
+
                 self.ca = self.ca or await asyncio.to_thread(FleetCA.load_or_create, self.config.state_dir / "net-ca")
                 await asyncio.to_thread(self._net_dir)
                 self.netd = Netd(self._settings(), self.config.state_dir / "netd.log", self.config.net_user)
                 await self.netd.start()
                 # The CA's key never touches netd's argv or files: it comes over the control socket.
                 await self.netd.request({"op": "ca", "cert": self.ca.cert_pem.decode(), "key": self.ca.key_pem.decode()})
-                for sandbox_id, listener in list(self.listeners.items()):  # a replaced netd gets them all again
+                for sandbox_id, held in list(self.listeners.items()):  # a replaced netd gets them all again
                     await self.netd.request({"op": "attach", "id": sandbox_id, "policy": self.policies[sandbox_id].to_wire(),
-                                             "scope": self.scopes.get(sandbox_id, "")}, [listener.fileno()])
+                                             "scope": self.scopes.get(sandbox_id, "")}, [s.fileno() for s in held])
                 self._watch = asyncio.ensure_future(self._replace_when_dead(self.netd))
             return self.netd
 

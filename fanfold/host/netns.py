@@ -7,6 +7,7 @@ import fcntl
 import os
 import socket
 import struct
+import subprocess
 import threading
 from typing import Callable
 
@@ -144,6 +145,65 @@ def connect_in(pid: int, port: int, timeout: float = 5.0) -> socket.socket:
             sock.close()
         raise
     return made[0]
+
+
+CAPTURE_SCRIPT = """
+ip link show ffcap0 >/dev/null 2>&1 || {{
+  ip link add ffcap0 type veth peer name ffcap1 && ip addr add 10.255.255.1/30 dev ffcap0 &&
+  ip link set ffcap0 up && ip link set ffcap1 up && ip route add default via 10.255.255.2 dev ffcap0; }} || exit 1
+nft delete table ip fanfold_capture 2>/dev/null
+nft -f - <<'RULES'
+table ip fanfold_capture {{
+  chain nat_out {{
+    type nat hook output priority -100; policy accept;
+    udp dport 53 redirect to :{dns}
+    ip daddr 127.0.0.0/8 return
+    meta l4proto tcp redirect to :{tcp}
+  }}
+  chain filter_out {{
+    type filter hook output priority 0; policy accept;
+    ip daddr 127.0.0.0/8 accept
+    reject
+  }}
+}}
+RULES
+"""
+"""Both ends of the veth stay in the sandbox's namespace: the route only gives packets somewhere to
+go, so that the output hook can send TCP to netd's capture listener and DNS to its answerer; nothing is
+forwarded anywhere (the namespace forwards nothing), and whatever else leaves is rejected at once."""
+
+
+def capture_in(pid: int, tcp_port: int, dns_port: int) -> tuple[socket.socket, socket.socket]:
+    """Transparent capture in the network namespace of ``pid``: a TCP listener on 127.0.0.1:``tcp_port``
+    that every outgoing TCP connection is redirected to, and a UDP socket on 127.0.0.1:``dns_port`` that
+    gets every DNS query (``CAPTURE_SCRIPT``). Idempotent: again after a policy change, the rules are made anew."""
+    made: list[socket.socket] = []
+
+    def work() -> None:
+        _enter(pid)
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        made.append(tcp)
+        tcp.bind(("127.0.0.1", tcp_port))
+        tcp.listen(1024)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        made.append(udp)
+        udp.bind(("127.0.0.1", dns_port))
+        for sock in made:
+            sock.setblocking(False)
+
+    try:
+        _on_a_thread(work, f"opening the capture ports in sandbox process {pid}'s network")
+        done = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "sh", "-c",
+                               CAPTURE_SCRIPT.format(tcp=tcp_port, dns=dns_port)],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise InfrastructureError(f"setting up transparent capture in sandbox process {pid}'s network failed:"
+                                      f" {(done.stderr or done.stdout).strip()[-400:]}")
+    except BaseException:
+        for sock in made:
+            sock.close()
+        raise
+    return made[0], made[1]
 
 
 def netns_inode(pid: int) -> int:

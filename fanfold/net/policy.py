@@ -127,7 +127,7 @@ def _split_port(text: str) -> tuple[str, int | None]:
     return inside, int(number)
 
 
-KEYS = ("allow", "deny", "open", "record", "replay", "live", "cache")
+KEYS = ("allow", "deny", "open", "record", "replay", "live", "cache", "transparent")
 _RECORDING = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -166,6 +166,8 @@ class NetworkPolicy:
     """With ``replay``: a request not in the recording goes out under the allow rules instead."""
     cache: bool = False
     """Serve immutable downloads (wheels, npm tarballs, .debs) from the host's shared cache."""
+    transparent: bool = False
+    """Capture TCP and DNS of tools that ignore the proxy variables too (crun only; filtering, no recording)."""
 
     @property
     def terminates(self) -> bool:
@@ -189,20 +191,23 @@ class NetworkPolicy:
         if unknown:
             raise InvalidRequest(f"network policy has unknown keys {', '.join(map(repr, unknown))}: it takes"
                                  f" {', '.join(map(repr, KEYS))}")
-        for key in ("open", "live", "cache"):
+        for key in ("open", "live", "cache", "transparent"):
             if not isinstance(value.get(key, False), bool):
                 raise InvalidRequest(f"network {key!r} is true or false, got {value[key]!r}")
         record, replay = _name(value.get("record"), "record"), _name(value.get("replay"), "replay")
         if record and replay:
             raise InvalidRequest("a network policy records or replays, not both: replay the recording in a later rollout")
+        if value.get("transparent") and (record or replay):
+            raise InvalidRequest("transparent capture filters traffic but records and replays none: record or replay"
+                                 " through the proxy variables, without 'transparent'")
         if value.get("live") and not replay:
             raise InvalidRequest("network 'live' lets a replay's misses go out: it needs 'replay'")
         return cls(allow=_rules(value.get("allow"), "allow"), deny=_rules(value.get("deny"), "deny"),
                    open=bool(value.get("open", False)), record=record, replay=replay, live=bool(value.get("live")),
-                   cache=bool(value.get("cache")))
+                   cache=bool(value.get("cache")), transparent=bool(value.get("transparent")))
 
     def to_wire(self) -> str | dict[str, Any]:
-        if self.open and not self.deny and not self.terminates:
+        if self.open and not self.deny and not self.terminates and not self.transparent:
             return "open"
         wire: dict[str, Any] = {"allow": [r.text for r in self.allow], "deny": [r.text for r in self.deny]}
         if self.open:
@@ -210,7 +215,7 @@ class NetworkPolicy:
         for key in ("record", "replay"):
             if getattr(self, key):
                 wire[key] = getattr(self, key)
-        for key in ("live", "cache"):
+        for key in ("live", "cache", "transparent"):
             if getattr(self, key):
                 wire[key] = True
         return wire

@@ -186,6 +186,11 @@ class Backend(ABC):
         from the host (``capabilities.network``); InfrastructureError when the port is taken there."""
         raise NotImplementedError(f"the {self.name} backend has no sandbox networks")
 
+    async def capture_inside(self, handle: Handle, tcp_port: int, dns_port: int) -> tuple[socket.socket, socket.socket]:
+        """Transparent capture: every TCP connection out of the sandbox to a listener on 127.0.0.1:``tcp_port``
+        inside it, every DNS query to a UDP socket on ``dns_port``; both returned, non-blocking."""
+        raise NotImplementedError(f"the {self.name} backend cannot capture a sandbox's traffic")
+
     async def connect_inside(self, handle: Handle, port: int) -> socket.socket:
         """A non-blocking connection from the host to 127.0.0.1:``port`` inside the sandbox."""
         raise NotImplementedError(f"the {self.name} backend has no sandbox networks")

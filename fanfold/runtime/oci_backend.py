@@ -87,6 +87,10 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         assert handle.pid is not None
         return await on_thread(netns.listen_in, handle.pid, port, discard=socket.socket.close)
 
+    async def capture_inside(self, handle: Handle, tcp_port: int, dns_port: int) -> tuple[socket.socket, socket.socket]:
+        assert handle.pid is not None
+        return await on_thread(netns.capture_in, handle.pid, tcp_port, dns_port, discard=_close_both)
+
     async def connect_inside(self, handle: Handle, port: int) -> socket.socket:
         assert handle.pid is not None
         return await on_thread(netns.connect_in, handle.pid, port, discard=socket.socket.close)
@@ -236,3 +240,8 @@ def quota_disk(cfg: EngineConfig) -> disk.Hold | None:
     except HostNotReady as err:
         log.warning("sandbox disks fall back to tmpfs, charged to each sandbox's memory limit: %s", err)
         return None
+
+
+def _close_both(pair: tuple[socket.socket, socket.socket]) -> None:
+    for sock in pair:
+        sock.close()

@@ -27,6 +27,7 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-autho
 RESPONSE_HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"proxy-authenticate", b"trailer",
                        b"upgrade"}
 CHUNK = 65536
+PORT_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 @recordings_router.get("", responses=ERRORS)
@@ -71,8 +72,6 @@ async def expose(request: Request, port: int = PortNumber, sandbox_id: str = Dep
     return {"port": port, "path": f"/v1/sandboxes/{sandbox_id}/ports/{port}/", "direct": direct}
 
 
-@router.api_route("/{sandbox_id}/ports/{port}/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE",
-                                                                     "OPTIONS"], responses=ERRORS)
 async def to_port(request: Request, path: str, port: int = PortNumber,
                   sandbox_id: str = Depends(owned_sandbox)) -> Response:
     """Pass an HTTP request to the service on ``port`` inside the sandbox and stream its answer back
@@ -89,6 +88,11 @@ async def to_port(request: Request, path: str, port: int = PortNumber,
     except BaseException:
         writer.close()
         raise
+
+
+for _method in PORT_METHODS:  # one operation each: OpenAPI ids must be unique
+    router.add_api_route("/{sandbox_id}/ports/{port}/{path:path}", to_port, methods=[_method], responses=ERRORS,
+                         name=f"to_port_{_method.lower()}", operation_id=f"to_port_{_method.lower()}")
 
 
 async def _forward(request: Request, path: str, port: int, reader: asyncio.StreamReader,
