@@ -26,9 +26,9 @@ import pytest
 
 from fanfold import AsyncFleet, EngineConfig, Fleet
 from fanfold.host import cgroups, disk, mounts, procs
-from outside import outside  # noqa: F401 (a session fixture: the "internet" of the network tests)
 
 STATE_DIR = Path(os.environ.get("FANFOLD_TEST_STATE_DIR", "/var/lib/fanfold-test"))
+pytest_plugins = ["outside"]  # the session fixture ``outside``: the "internet" of the network tests
 
 # Every process this test run starts inherits this mark (a name start_server's FANFOLD_ filter keeps),
 # even one that outlives the child that started it, so the end of the run can find what is left.

@@ -72,7 +72,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
     try:
         client = AgentClient(str(socket))
         await _until(socket.exists, "the socket", agent)
-        assert await client.ping() == "fanfold-agent 3"
+        assert await client.ping() == "fanfold-agent 4"
         assert not log.exists()  # held: nothing ran
         await client.release_services()
         assert await client.wait_ready() == "ok" and log.read_text() == "ran\n"
@@ -80,7 +80,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
         assert log.read_text() == "ran\n"
 
         os.kill(agent.pid, signal.SIGUSR2)  # listening: ignored
-        assert await client.ping() == "fanfold-agent 3"
+        assert await client.ping() == "fanfold-agent 4"
         await client.drop_listener("c0ffee")
         fds = [os.readlink(f"/proc/{agent.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{agent.pid}/fd")]
         assert not any(link.startswith("socket:") for link in fds)  # no listener, no connection left
@@ -89,7 +89,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
         socket.unlink()  # the stale socket file: the agent may not find its dir writable (gVisor's is locked)
         os.kill(agent.pid, signal.SIGUSR2)
         await _until(socket.exists, "the rebound socket", agent)
-        assert await client.ping() == "fanfold-agent 3"
+        assert await client.ping() == "fanfold-agent 4"
         assert await client.token() == "c0ffee"  # what a rebound agent proves itself by
         result = await client.exec(["/bin/echo", "back"], env=[], cwd="/", timeout_ms=5000, max_output=100)
         assert bytes(result.stdout) == b"back\n"

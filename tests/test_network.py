@@ -43,6 +43,7 @@ def fetch(sandbox, url: str, *args: str) -> tuple[int, str, dict[str, str]]:
 
 
 def test_allowed_names_pass_and_the_rest_are_refused_with_the_reason(fleet, outside):
+    seen = len(outside.requests())
     with fleet.create(network={"allow": ["www.outside.test", "*.example", "api.outside.test:8080"],
                                "deny": ["bad.example"]}) as box:
         assert box.info.network == {"allow": ["www.outside.test", "*.example", "api.outside.test:8080"],
@@ -58,7 +59,7 @@ def test_allowed_names_pass_and_the_rest_are_refused_with_the_reason(fleet, outs
         stats = box.network_stats()
         assert stats["requests"] >= 5 and stats["denied"] == 2 and stats["bytes_down"] > 0
         assert any("bad.example" in reason for reason in stats["recent_denials"])
-    hosts = [r["host"] for r in outside.requests()]
+    hosts = [r["host"] for r in outside.requests()[seen:]]
     assert "bad.example" not in hosts and "api.outside.test" not in hosts  # refused before any connection
 
 
@@ -385,3 +386,45 @@ def test_traffic_shows_in_stats_and_metrics(net_config, outside):
             await engine.close()
 
     asyncio.run(run())
+
+
+RAW_HOST = """
+import socket, sys
+s = socket.create_connection(("203.0.113.2", 80), timeout=10)
+s.sendall(("GET /hello HTTP/1.1\\r\\nHost: %s\\r\\nConnection: close\\r\\n\\r\\n" % sys.argv[1]).encode())
+data = b""
+while chunk := s.recv(65536):
+    data += chunk
+print(data.decode().split("\\r\\n\\r\\n", 1)[-1] or "closed")
+"""
+
+
+def test_transparent_capture_filters_tools_that_ignore_proxy_variables(fleet, outside):
+    with fleet.create(network={"allow": ["www.outside.test"], "transparent": True}) as box:
+        asked = len(outside.queries())
+        direct = box.exec(f"{CURL} --noproxy '*' http://www.outside.test/hello")
+        assert direct.ok and direct.text == "hello from www.outside.test", direct.stderr
+        box.files.write("/tmp/ca.pem", outside.ca_pem.read_bytes())
+        tls = box.exec(f"{CURL} --noproxy '*' --cacert /tmp/ca.pem https://www.outside.test/hello")
+        assert tls.ok and tls.text == "hello from www.outside.test", tls.stderr  # passed through: the outside's cert
+        denied = box.exec(f"{CURL} --noproxy '*' http://api.outside.test/hello")
+        assert denied.exit_code == 6  # the name does not resolve: its query never left
+        fronted = box.exec(["python3", "-c", RAW_HOST, "api.outside.test"])  # an allowed address, a denied name
+        assert fronted.text.strip() == "closed", fronted.text
+        assert box.exec(["python3", "-c", RAW_HOST, "www.outside.test"]).text.strip() == "hello from www.outside.test"
+        other_udp = box.exec(["python3", "-c", "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM);"
+                              " s.sendto(b'x', ('203.0.113.2', 123))"])
+        assert b"Operation not permitted" in other_udp.stderr
+        assert box.exec(f"{CURL} http://www.outside.test/hello").text == "hello from www.outside.test"  # the proxy too
+        stats = box.network_stats()
+        assert stats["denied"] >= 2 and any("api.outside.test" in r for r in stats["recent_denials"])
+        assert not [q for q in outside.queries()[asked:] if "api" in q["name"]]
+        fork = box.fork(1)
+        with fork:
+            again = fork.children[0].exec(f"{CURL} --noproxy '*' http://www.outside.test/hello")
+            assert again.text == "hello from www.outside.test", again.stderr
+        box.set_network({"allow": ["api.outside.test"], "transparent": True})
+        assert box.exec(f"{CURL} --noproxy '*' http://api.outside.test/hello").text == "hello from api.outside.test"
+        box.set_network({"allow": ["api.outside.test"]})  # capture off: tools without the proxy variables get nothing
+        assert box.exec(f"{CURL} --noproxy '*' http://api.outside.test/hello").exit_code != 0
+        assert box.exec(f"{CURL} http://api.outside.test/hello").text == "hello from api.outside.test"

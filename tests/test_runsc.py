@@ -520,14 +520,3 @@ async def test_destroy_leaves_no_process_state_file_cgroup_or_mount(rfleet, rcon
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
     assert runsc_leftovers(rconfig, sandbox.id) == {}
 
-
-@bounded
-async def test_network_policies_and_ports_are_refused_clearly_until_gvisor_has_them(rfleet):
-    with pytest.raises(InvalidRequest, match="runsc backend gives sandboxes no network"):
-        await rfleet.create(network={"allow": ["pypi.org"]})
-    async with await rfleet.create() as sandbox:
-        with pytest.raises(InvalidRequest, match="network policies need"):
-            await sandbox.set_network({"allow": ["pypi.org"]})
-        with pytest.raises(InvalidRequest, match="cannot reach into sandboxes"):
-            await sandbox.expose(8000)
-        assert (await sandbox.refresh()).network == "none"

@@ -2,9 +2,10 @@
  * fanfold-agent: PID 1 of a fanfold sandbox. Wire protocol: PROTOCOL.md.
  *
  * One single-threaded poll() loop over: a signalfd (SIGCHLD), the listening
- * socket (fd 3, or --listen PATH for testing), host connections, and the pipes
- * of running commands. Everything is non-blocking and every buffer is bounded,
- * so a slow host or a noisy command can never grow the agent's memory.
+ * socket (fd 3, or --listen PATH for testing), host connections, the pipes
+ * of running commands, and the relays of gVisor's sandbox networks (listeners
+ * inside, spliced connections). Everything is non-blocking and every buffer is
+ * bounded, so a slow host or a noisy command can never grow the agent's memory.
  *
  * Build: cc -static -O2 -Wall -Wextra -o fanfold-agent agent.c
  */
@@ -13,6 +14,7 @@
 #include <grp.h>
 #include <fcntl.h>
 #include <net/if.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -41,6 +43,8 @@ extern char **environ;
 #define DRAIN_US 100000       /* forward leftovers this long after the child exits */
 #define DEFAULT_LIMIT 16777216ULL
 #define MAX_GROUPS 256        /* supplementary groups one `u` frame may name */
+#define SPLICE_BUF (64 * 1024) /* per direction of a spliced connection */
+#define RELAY_BACKLOG 1024
 
 enum { K_NEW, K_PING, K_WAIT, K_EXEC };
 enum { S_SETUP, S_RUN, S_DRAIN, S_DONE };
@@ -86,6 +90,32 @@ struct service {
 
 static struct conn *conns;
 static struct service *svcs;
+/* `l`: a TCP listener on 127.0.0.1:port inside, each connection spliced to the unix socket at path
+ * (a host socket under gVisor). Held from a `q` until the next `l` of its port: no new connection
+ * to the host may appear between a `q` and the checkpoint it prepares. */
+struct relay {
+	struct relay *next;
+	int port, fd, held, pi;
+	char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+};
+
+/* Bytes passed both ways between two sockets: fd[0] came to us (a connection to a relay's
+ * listener, or the host's `o` request), fd[1] is the one we connected. */
+struct splice {
+	struct splice *next;
+	int fd[2], pi[2];
+	int port;       /* the relay's port, 0 for an `o` */
+	int connecting; /* fd[1]'s connect is in flight */
+	int answer;     /* `o`: tell the host how the connect went, before any byte */
+	int eof[2];     /* fd[i] said end of file: once buf[i] is written, fd[1-i] is shut for writing */
+	int shut[2];    /* fd[i] is shut for writing */
+	int dead;
+	char *buf[2];   /* read from fd[i], to be written to fd[1-i] */
+	size_t len[2], off[2];
+};
+
+static struct relay *relays;
+static struct splice *splices;
 static int nsvc, next_svc, ready, listen_fd = -1, sig_fd = -1;
 static int held;                  /* --hold: services wait for the host's `g` */
 static int rebinds;               /* --hold: a runtime without fd passing (gVisor) may have us drop
@@ -466,6 +496,9 @@ static void parse_user(struct conn *c, char *pl)
 
 static void drop_listener(void);
 static void release_services(void);
+static void relay_listen(struct conn *c, char *pl);
+static void relay_stop(int port);
+static void open_port(struct conn *c, const char *pl);
 
 /* Takes ownership of pl (NUL-terminated, n bytes). */
 static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
@@ -473,7 +506,7 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 	if (c->kind == K_NEW) {
 		if (t == 'h') {
 			c->kind = K_PING;
-			put(c, 'h', "fanfold-agent 3");
+			put(c, 'h', "fanfold-agent 4");
 			c->close_after = 1;
 		} else if (t == 'q' || t == 'g') {
 			c->kind = K_PING;
@@ -495,6 +528,19 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 				put(c, 'w', ready_msg);
 				c->close_after = 1;
 			}
+		} else if (t == 'l' || t == 'L') {
+			/* first frame `l`: a relay (an exec's `l`, its output limit, never comes first) */
+			c->kind = K_PING;
+			if (t == 'l')
+				relay_listen(c, pl);
+			else {
+				relay_stop(atoi(pl));
+				put(c, 'L', "ok");
+			}
+			c->close_after = 1;
+		} else if (t == 'o') {
+			c->kind = K_PING;
+			open_port(c, pl); /* the connection is the splice's now */
 		} else if (t && strchr("aectlsux", t)) {
 			c->kind = K_EXEC;
 		} else {
@@ -586,7 +632,7 @@ static void conn_read(struct conn *c)
 
 static void free_conn(struct conn *c)
 {
-	close(c->fd);
+	xclose(&c->fd);
 	xclose(&c->fds[0]);
 	xclose(&c->fds[1]);
 	drop_stdin(c);
@@ -626,6 +672,290 @@ static void do_accept(void)
 		c->limit = DEFAULT_LIMIT;
 		c->next = conns;
 		conns = c;
+	}
+}
+
+/* ---- relays: sandbox networks under gVisor ------------------------------ */
+
+static const char *errno_name(int e)
+{
+	static char num[16];
+	switch (e) {
+	case EADDRINUSE: return "EADDRINUSE";
+	case EADDRNOTAVAIL: return "EADDRNOTAVAIL";
+	case ECONNREFUSED: return "ECONNREFUSED";
+	case ECONNRESET: return "ECONNRESET";
+	case ETIMEDOUT: return "ETIMEDOUT";
+	case ENOENT: return "ENOENT";
+	case EACCES: return "EACCES";
+	case EINVAL: return "EINVAL";
+	case EMFILE: return "EMFILE";
+	case ENFILE: return "ENFILE";
+	case ENOMEM: return "ENOMEM";
+	case ENOBUFS: return "ENOBUFS";
+	case EAGAIN: return "EAGAIN";
+	}
+	snprintf(num, sizeof num, "%d", e);
+	return num;
+}
+
+static void splice_close(struct splice *s)
+{
+	xclose(&s->fd[0]);
+	xclose(&s->fd[1]);
+	s->dead = 1;
+}
+
+static struct splice *splice_new(int fd0, int fd1, int port)
+{
+	struct splice *s = calloc(1, sizeof *s);
+	if (s && (!(s->buf[0] = malloc(SPLICE_BUF)) || !(s->buf[1] = malloc(SPLICE_BUF)))) {
+		free(s->buf[0]);
+		free(s);
+		s = NULL;
+	}
+	if (!s) {
+		close(fd0);
+		close(fd1);
+		return NULL;
+	}
+	s->fd[0] = fd0;
+	s->fd[1] = fd1;
+	s->pi[0] = s->pi[1] = -1; /* made this round: not polled yet */
+	s->port = port;
+	s->next = splices;
+	splices = s;
+	return s;
+}
+
+/* The connect of fd[1] finished with error e (0: connected). */
+static void splice_connected(struct splice *s, int e)
+{
+	s->connecting = 0;
+	if (s->answer) {
+		/* the frame goes before any byte of the service's: buf[1] is still empty */
+		char text[32];
+		size_t n = (size_t)snprintf(text, sizeof text, e ? "fail %s" : "ok", errno_name(e));
+		put_hdr(s->buf[1], 'o', n);
+		memcpy(s->buf[1] + 5, text, n);
+		s->len[1] = 5 + n;
+		if (e) { /* the host reads the answer, then the end of file */
+			xclose(&s->fd[1]);
+			s->eof[1] = 1;
+			s->eof[0] = s->shut[1] = 1;
+		}
+		return;
+	}
+	if (e)
+		splice_close(s);
+}
+
+/* A non-blocking connect of a new socket to sa; *fd is -1 when there is none to wait for. */
+static int connect_to(int family, const struct sockaddr *sa, socklen_t len, int *fd)
+{
+	int e = 0;
+	if ((*fd = socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) < 0)
+		return errno;
+	if (connect(*fd, sa, len) == 0)
+		return 0;
+	if (errno == EINPROGRESS)
+		return EINPROGRESS;
+	e = errno; /* a unix socket's full backlog is EAGAIN: refused like the rest */
+	xclose(fd);
+	return e;
+}
+
+/* `o PORT`: connect to 127.0.0.1:PORT inside; the rest of the host's connection is spliced to it. */
+static void open_port(struct conn *c, const char *pl)
+{
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	int port = atoi(pl), inside = -1, e = EINVAL;
+	struct splice *s;
+
+	if (port > 0 && port < 65536) {
+		sa.sin_port = htons(port);
+		e = connect_to(AF_INET, (struct sockaddr *)&sa, sizeof sa, &inside);
+	}
+	s = splice_new(c->fd, inside, 0);
+	c->fd = -1;
+	c->dead = 1;
+	if (!s)
+		return;
+	s->answer = 1;
+	if (e == EINPROGRESS)
+		s->connecting = 1;
+	else
+		splice_connected(s, e);
+}
+
+static struct relay *relay_of(int port)
+{
+	for (struct relay *r = relays; r; r = r->next)
+		if (r->port == port)
+			return r;
+	return NULL;
+}
+
+/* `l PORT PATH`: listen on 127.0.0.1:PORT (or keep listening there: a restored sandbox, another
+ * engine) and relay each connection to PATH. */
+static void relay_listen(struct conn *c, char *pl)
+{
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	char *space = strchr(pl, ' ');
+	int port = atoi(pl), one = 1, fd;
+	struct relay *r;
+
+	if (!space || port <= 0 || port > 65535 || space[1] != '/' || strlen(space + 1) >= sizeof r->path) {
+		put(c, 'l', "fail EINVAL");
+		return;
+	}
+	if (!(r = relay_of(port))) {
+		sa.sin_port = htons(port);
+		/* SO_REUSEADDR passes connections in TIME_WAIT, never a listener; no SO_REUSEPORT, so
+		 * nothing in the sandbox can listen beside us */
+		if ((fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) < 0 ||
+		    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0 ||
+		    bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, RELAY_BACKLOG) < 0 ||
+		    !(r = calloc(1, sizeof *r))) {
+			putf(c, 'l', "fail %s", errno_name(errno));
+			if (fd >= 0)
+				close(fd);
+			return;
+		}
+		r->fd = fd;
+		r->port = port;
+		r->next = relays;
+		relays = r;
+	}
+	snprintf(r->path, sizeof r->path, "%s", space + 1);
+	r->held = 0;
+	put(c, 'l', "ok");
+}
+
+/* Close the relayed connections of port (0: every splice, `o` ones included). */
+static void splices_close(int port)
+{
+	for (struct splice *s = splices; s; s = s->next)
+		if (!port || s->port == port)
+			splice_close(s);
+}
+
+/* `L PORT`: stop listening there; its connections end. */
+static void relay_stop(int port)
+{
+	struct relay **pp, *r;
+	for (pp = &relays; (r = *pp); pp = &r->next)
+		if (r->port == port) {
+			*pp = r->next;
+			close(r->fd);
+			free(r);
+			break;
+		}
+	if (port > 0)
+		splices_close(port);
+}
+
+/* `q`: every connection to the host ends (gVisor cannot save one), and no new one is made until
+ * the host says `l` again; the listeners inside stay (netstack saves them). */
+static void relays_hold(void)
+{
+	splices_close(0);
+	for (struct relay *r = relays; r; r = r->next)
+		r->held = 1;
+}
+
+static void relay_accept(struct relay *r)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int fd, host, e;
+	struct splice *s;
+
+	strcpy(sa.sun_path, r->path);
+	while (!r->held) {
+		if ((fd = accept4(r->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) < 0) {
+			if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS)
+				accept_resume = now_us() + DRAIN_US;
+			return;
+		}
+		e = connect_to(AF_UNIX, (struct sockaddr *)&sa, sizeof sa, &host);
+		if (e && e != EINPROGRESS) {
+			close(fd); /* the host is not listening: the client sees the connection close */
+			continue;
+		}
+		if ((s = splice_new(fd, host, r->port)))
+			s->connecting = e == EINPROGRESS;
+	}
+}
+
+static short splice_events(struct splice *s, int i)
+{
+	short ev = 0;
+	if (s->fd[i] < 0)
+		return 0;
+	if (i == 1 && s->connecting)
+		return POLLOUT;
+	if (!s->connecting && !s->eof[i] && s->len[i] < SPLICE_BUF)
+		ev |= POLLIN;
+	if (s->len[1 - i] > s->off[1 - i])
+		ev |= POLLOUT;
+	return ev;
+}
+
+static void splice_io(struct splice *s, int i, short revents)
+{
+	ssize_t n;
+	if (i == 1 && s->connecting) {
+		int e = 0;
+		socklen_t len = sizeof e;
+		if (getsockopt(s->fd[1], SOL_SOCKET, SO_ERROR, &e, &len) < 0)
+			e = errno;
+		splice_connected(s, e);
+		return;
+	}
+	if ((revents & (POLLIN | POLLHUP | POLLERR)) && !s->eof[i] && s->len[i] < SPLICE_BUF) {
+		n = read(s->fd[i], s->buf[i] + s->len[i], SPLICE_BUF - s->len[i]);
+		if (n > 0)
+			s->len[i] += n;
+		else if (n == 0)
+			s->eof[i] = 1;
+		else if (errno != EAGAIN && errno != EINTR)
+			return splice_close(s);
+	}
+	if ((revents & (POLLOUT | POLLERR)) && s->len[1 - i] > s->off[1 - i]) {
+		n = write(s->fd[i], s->buf[1 - i] + s->off[1 - i], s->len[1 - i] - s->off[1 - i]);
+		if (n < 0 && errno != EAGAIN && errno != EINTR)
+			return splice_close(s);
+		if (n > 0 && (s->off[1 - i] += n) == s->len[1 - i])
+			s->off[1 - i] = s->len[1 - i] = 0;
+	}
+}
+
+/* Pass each end of file on once what came before it is written; done when both ways are. */
+static void splice_settle(struct splice *s)
+{
+	for (int i = 0; i < 2 && !s->dead; i++)
+		if (s->eof[i] && s->len[i] == s->off[i] && !s->shut[1 - i]) {
+			s->shut[1 - i] = 1;
+			if (s->fd[1 - i] >= 0)
+				shutdown(s->fd[1 - i], SHUT_WR);
+		}
+	if (s->shut[0] && s->shut[1] && s->len[0] == s->off[0] && s->len[1] == s->off[1])
+		splice_close(s);
+}
+
+static void splices_reap(void)
+{
+	struct splice **pp, *s;
+	for (pp = &splices; (s = *pp);) {
+		if (s->dead) {
+			*pp = s->next;
+			free(s->buf[0]);
+			free(s->buf[1]);
+			free(s);
+			accept_resume = 0;
+		} else {
+			pp = &s->next;
+		}
 	}
 }
 
@@ -764,6 +1094,7 @@ static int listen_on(const char *path)
  * cannot checkpoint a socket bound on the host). The gate holds every other request back. */
 static void drop_listener(void)
 {
+	relays_hold();
 	if (rebinds && listen_fd >= 0 && listen_path) {
 		close(listen_fd);
 		listen_fd = -1;
@@ -911,14 +1242,20 @@ int main(int argc, char **argv)
 
 	for (;;) {
 		size_t n = 0, cnt = 0;
+		struct relay *r;
+		struct splice *s;
 		int pi_listen = -1, timeout = -1;
 		int64_t now = now_us(), next = INT64_MAX;
 		struct conn *c, **pp;
 
 		for (c = conns; c; c = c->next)
+			cnt += 4;
+		for (r = relays; r; r = r->next)
 			cnt++;
-		if (pcap < 2 + 4 * cnt) {
-			pcap = 2 * (2 + 4 * cnt);
+		for (s = splices; s; s = s->next)
+			cnt += 2;
+		if (pcap < 2 + cnt) {
+			pcap = 2 * (2 + cnt);
 			if (!(pfd = realloc(pfd, pcap * sizeof *pfd)))
 				abort();
 		}
@@ -931,6 +1268,25 @@ int main(int argc, char **argv)
 		} else {
 			next = accept_resume;
 		}
+		for (r = relays; r; r = r->next) {
+			r->pi = -1;
+			if (r->held)
+				continue;
+			if (now >= accept_resume) {
+				r->pi = n;
+				pfd[n++] = (struct pollfd){ r->fd, POLLIN, 0 };
+			} else if (accept_resume < next) {
+				next = accept_resume;
+			}
+		}
+		for (s = splices; s; s = s->next)
+			for (int i = 0; i < 2; i++) {
+				/* one that wants nothing is not polled: a hang-up would only spin us */
+				short ev = splice_events(s, i);
+				s->pi[i] = ev ? (int)n : -1;
+				if (ev)
+					pfd[n++] = (struct pollfd){ s->fd[i], ev, 0 };
+			}
 		for (c = conns; c; c = c->next) {
 			/* always polled: POLLHUP tells us the host went away */
 			c->pi_sock = n;
@@ -964,6 +1320,16 @@ int main(int argc, char **argv)
 			reap();
 		if (pi_listen >= 0 && pfd[pi_listen].revents)
 			do_accept();
+		for (r = relays; r; r = r->next)
+			if (r->pi >= 0 && pfd[r->pi].revents)
+				relay_accept(r);
+		for (s = splices; s; s = s->next) {
+			for (int i = 0; i < 2; i++)
+				if (!s->dead && s->pi[i] >= 0 && pfd[s->pi[i]].revents)
+					splice_io(s, i, pfd[s->pi[i]].revents);
+			if (!s->dead)
+				splice_settle(s);
+		}
 		for (c = conns; c; c = c->next) {
 			if (c->dead || c->pi_sock < 0)
 				continue; /* accepted this round: not polled yet */
@@ -995,6 +1361,7 @@ int main(int argc, char **argv)
 				finish(c);
 			flush(c);
 		}
+		splices_reap();
 		for (pp = &conns; (c = *pp);) {
 			if (c->dead) {
 				*pp = c->next;

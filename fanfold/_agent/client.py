@@ -8,6 +8,7 @@ is capped here whatever the agent claims to have capped.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
 import socket
@@ -21,9 +22,10 @@ _MAX_FRAME = 1 << 20
 OnChunk = Callable[[str, bytes], Awaitable[None] | None]
 
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """What this client speaks: version 2 added the ``u`` frame (run the command as a user), version 3
-the ``q`` and ``g`` requests (a runtime without fd passing: gVisor)."""
+the ``q`` and ``g`` requests (a runtime without fd passing: gVisor), version 4 the relays of gVisor's
+sandbox networks (``l``, ``L``, ``o``)."""
 USER_FRAME_VERSION = 2
 
 
@@ -130,6 +132,41 @@ class AgentClient:
         """Let an agent started with ``--hold`` start its services (``g``)."""
         await self._request(b"g", _OK)
 
+    async def relay(self, port: int, path: str) -> None:
+        """Have the agent listen on 127.0.0.1:``port`` inside the sandbox, if it does not already, and
+        pass each connection to the unix socket at ``path`` (``l``); OSError (EADDRINUSE: a process
+        of the sandbox listens there) when it cannot."""
+        _raise_failure(await self._request(b"l", _OK_OR_FAIL, payload=f"{port} {path}".encode()), f"port {port}")
+
+    async def stop_relay(self, port: int) -> None:
+        """Have the agent stop listening on ``port`` and end that relay's connections (``L``)."""
+        await self._request(b"L", _OK, payload=str(port).encode())
+
+    async def open_port(self, port: int) -> socket.socket:
+        """A connection to 127.0.0.1:``port`` inside the sandbox, through the agent (``o``): the
+        socket, non-blocking, carries the service's bytes once the agent answered; OSError (such as
+        ECONNREFUSED) when nothing listens there."""
+        sock = await self._connect_raw()
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.sock_sendall(sock, _frame(b"o", str(port).encode()))
+            # Read exactly the answer: what follows it is the service's, which the caller reads.
+            kind, size = _HEADER.unpack(await _recv_exactly(loop, sock, _HEADER.size))
+            text = (await _recv_exactly(loop, sock, size)).decode(errors="replace") if size <= 64 else ""
+            if chr(kind) != "o" or not _OK_OR_FAIL.fullmatch(text):
+                raise AgentProtocolError(f"agent answered 'o' with {chr(kind)!r} {text[:80]!r}")
+            _raise_failure(text, f"port {port}")
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    async def _connect_raw(self) -> socket.socket:
+        try:
+            return await _connect_socket(self.socket_path)
+        except OSError as err:
+            raise AgentUnreachable(f"cannot reach the agent at {self.socket_path}: {err}") from None
+
     async def wait_ready(self) -> str:
         """``ok``, or ``fail NAME CODE`` for the first oneshot service that failed."""
         return await self._request(b"w", _READY)
@@ -223,6 +260,7 @@ class AgentClient:
 
 _NUMBER = re.compile(r"[0-9]{1,10}")
 _OK = re.compile("ok")
+_OK_OR_FAIL = re.compile(r"ok|fail (E[A-Z0-9]{1,20}|[0-9]{1,5})")
 _TOKEN = re.compile("[0-9a-f]{1,64}")
 _TOKEN_OR_NONE = re.compile("[0-9a-f]{0,64}")
 _PING = re.compile(r"fanfold-agent [0-9]{1,4}")
@@ -239,6 +277,28 @@ def _status(payload: bytes) -> dict[str, int]:
     if not all(key in status for key in _STATUS_KEYS):
         raise AgentProtocolError(f"agent sent a malformed exit status {payload[:120]!r}")
     return status
+
+
+def _raise_failure(answer: str, what: str) -> None:
+    """An ``l`` or ``o`` answer of ``fail ERRNO`` as the OSError it names."""
+    if answer == "ok":
+        return
+    name = answer.removeprefix("fail ")
+    code = int(name) if name.isdigit() else getattr(errno, name, errno.EIO)
+    raise OSError(code, f"{what} inside the sandbox: {os.strerror(code)}")
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    try:
+        while len(data) < size:
+            chunk = await loop.sock_recv(sock, size - len(data))
+            if not chunk:
+                raise AgentUnreachable("agent connection closed before its answer")
+            data += chunk
+    except ConnectionError as err:
+        raise AgentUnreachable(f"agent connection closed: {err}") from None
+    return bytes(data)
 
 
 async def _connect_socket(path: str) -> socket.socket:

@@ -103,6 +103,9 @@ class Network:
         if not self.backend.capabilities.network:
             raise InvalidRequest(f"the {self.backend.name} backend gives sandboxes no network: network policies need"
                                  " the oci backend with crun or runc (FANFOLD_RUNTIME)")
+        if policy.transparent and type(self.backend).capture_inside is Backend.capture_inside:
+            raise InvalidRequest(f"the {self.backend.name} backend cannot capture traffic transparently: leave out"
+                                 " 'transparent' (tools then reach the proxy through its variables)")
         return policy
 
     def env(self, policy: NetworkPolicy | None) -> dict[str, str]:

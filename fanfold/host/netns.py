@@ -148,11 +148,16 @@ def connect_in(pid: int, port: int, timeout: float = 5.0) -> socket.socket:
 
 
 CAPTURE_SCRIPT = """
-ip link show ffcap0 >/dev/null 2>&1 || {{
-  ip link add ffcap0 type veth peer name ffcap1 && ip addr add 10.255.255.1/30 dev ffcap0 &&
-  ip link set ffcap0 up && ip link set ffcap1 up && ip route add default via 10.255.255.2 dev ffcap0; }} || exit 1
-nft delete table ip fanfold_capture 2>/dev/null
-nft -f - <<'RULES'
+ip link show ffcap0 >/dev/null 2>&1 || ip -batch - <<'LINKS' || exit 1
+link add ffcap0 type veth peer name ffcap1
+addr add 10.255.255.1/30 dev ffcap0
+link set ffcap0 up
+link set ffcap1 up
+route add default via 10.255.255.2 dev ffcap0
+LINKS
+exec nft -f - <<'RULES'
+table ip fanfold_capture
+delete table ip fanfold_capture
 table ip fanfold_capture {{
   chain nat_out {{
     type nat hook output priority -100; policy accept;
@@ -163,6 +168,7 @@ table ip fanfold_capture {{
   chain filter_out {{
     type filter hook output priority 0; policy accept;
     ip daddr 127.0.0.0/8 accept
+    ct state established,related accept
     reject
   }}
 }}

@@ -1,8 +1,11 @@
 """The fleet's CA: the certificate authority whose leaves the egress proxy shows a sandbox whose TLS it
-terminates (record, replay, cache). Only such sandboxes trust it; everyone else's TLS stays end to end."""
+terminates (record, replay, cache). Only such sandboxes trust it; everyone else's TLS stays end to end.
+Also the leaves (``Leaves``: a context per host, minted on first use) and the server side of that TLS
+(``TLSServerStream``)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import datetime
 import ipaddress
@@ -18,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 CA_YEARS = 10
+READ_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -140,3 +144,86 @@ class Leaves:
         finally:
             os.close(fd)
         return context
+
+
+class TLSServerStream:
+    """The plaintext side of TLS that the proxy terminates, over a client connection's streams
+    (``ssl.MemoryBIO``: the ClientHello, already read by the proxy to check its name, is fed in first).
+    It reads and writes as an ``asyncio`` reader and writer would."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: ssl.SSLContext,
+                 first: bytes) -> None:
+        self.raw_reader, self.raw_writer = reader, writer
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        self.incoming.write(first)
+
+    @property
+    def transport(self) -> asyncio.BaseTransport:
+        return self.raw_writer.transport
+
+    async def handshake(self, timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    self.tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    self._flush()
+                    await self.raw_writer.drain()
+                    if not await self._fill():
+                        raise ConnectionResetError("the client closed inside the TLS handshake") from None
+        self._flush()
+
+    async def _fill(self) -> bool:
+        data = await self.raw_reader.read(READ_SIZE)
+        if not data:
+            self.incoming.write_eof()
+            return False
+        self.incoming.write(data)
+        return True
+
+    def _flush(self) -> None:
+        if data := self.outgoing.read():
+            self.raw_writer.write(data)
+
+    async def read(self, size: int) -> bytes:
+        ended = False
+        while True:
+            try:
+                data = self.tls.read(size)
+            except ssl.SSLWantReadError:
+                self._flush()
+                if ended:
+                    return b""
+                ended = not await self._fill()  # at the end, the next read says how it ended
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""  # closed, with or without close_notify
+            else:
+                self._flush()
+                return data
+
+    def write(self, data: bytes) -> None:
+        self.tls.write(data)
+        self._flush()
+
+    async def drain(self) -> None:
+        await self.raw_writer.drain()
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.raw_writer.is_closing():
+            try:
+                self.tls.unwrap()  # close_notify; the client's is not waited for
+            except ssl.SSLError:
+                pass
+            self._flush()
+        self.raw_writer.close()
+
+    async def wait_closed(self) -> None:
+        await self.raw_writer.wait_closed()

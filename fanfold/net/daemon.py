@@ -7,7 +7,9 @@ sandbox by the listener a connection came in on, so no header, address or creden
 another. It holds no rights over namespaces, and it ends when the engine's end of the socket closes.
 
 Messages (each answered with ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``):
-``attach {id, policy}`` + the listener; ``policy {id, policy, cut}``; ``detach {id}``;
+``ca {cert, key}`` (the fleet's CA, for sandboxes whose TLS is terminated);
+``attach {id, policy, scope}`` + the listener (``scope``: the tenant whose recordings it uses,
+``<net_dir>/recordings/<scope or _host>/<name>/``); ``policy {id, policy, cut}``; ``detach {id}``;
 ``splice {id}`` + two connected sockets (an exposed port: bytes pass both ways);
 ``stats {}``; ``ping {}``.
 """
@@ -21,13 +23,23 @@ import os
 import socket
 import sys
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+from .ca import FleetCA, Leaves
+from .cache import Cache
 from .policy import NetworkPolicy, Reachable
-from .proxy import NetStats, Proxy, SandboxNet
+from .proxy import NetStats, Proxy, SandboxNet, upstream_context
+from .record import Recordings
 from .resolve import Resolver
+from . import transparent
+from .transparent import DnsAnswerer
 
-TOTALS = ("connections", "requests", "bytes_up", "bytes_down", "denied", "errors", "exposed_in", "exposed_out")
+TOTALS = ("connections", "requests", "bytes_up", "bytes_down", "denied", "errors", "exposed_in", "exposed_out",
+          "cache_hits", "cache_misses", "cache_bytes", "recorded", "replayed", "replay_misses")
+LEAVES = 1024
+"""Hosts whose leaf certificates (and TLS contexts) netd keeps; more are minted again when used."""
+DEFAULT_CACHE_MB = 4096
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 4
 
@@ -38,7 +50,8 @@ class Daemon:
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
         self.sandboxes: dict[str, SandboxNet] = {}
-        self.servers: dict[str, asyncio.Server] = {}
+        self.servers: dict[str, list[Any]] = {}
+        """Per sandbox: its proxy listener's server, and with capture the captured TCP's and the DNS answerer."""
         self.splices: set[asyncio.Task[None]] = set()
         self.ca: tuple[bytes, bytes] | None = None
         self.retired = NetStats()
@@ -65,10 +78,12 @@ class Daemon:
             return {"ok": True, "pid": os.getpid()}
         if op == "ca":  # the fleet's CA, for the sandboxes whose TLS is terminated
             self.ca = (message["cert"].encode(), message["key"].encode())
+            self.proxy.leaves = Leaves(FleetCA(*self.ca), LEAVES).context
             return {"ok": True}
         if op == "attach":
-            (fd,) = fds
-            await self.attach(message["id"], NetworkPolicy.from_wire(message["policy"]), fd)
+            fd, *capture = fds
+            await self.attach(message["id"], NetworkPolicy.from_wire(message["policy"]), fd, message.get("scope") or "",
+                              capture)
             return {"ok": True}
         if op == "policy":
             net = self.sandboxes[message["id"]]
@@ -91,16 +106,47 @@ class Daemon:
                     "totals": self.totals()}
         raise ValueError(f"unknown op {op!r}")
 
-    async def attach(self, sandbox_id: str, policy: NetworkPolicy | None, fd: int) -> None:
+    async def attach(self, sandbox_id: str, policy: NetworkPolicy | None, fd: int, scope: str = "",
+                     capture: list[int] | tuple[int, ...] = ()) -> None:
+        """Serve the sandbox's proxy listener (``fd``); with ``capture`` (a TCP listener and a UDP socket
+        inside it, ``transparent``), its redirected connections and DNS queries too."""
         listener = socket.socket(fileno=fd)
         listener.setblocking(False)
+        captured = [socket.socket(fileno=f) for f in capture]
         old = self.sandboxes.get(sandbox_id)
         if old is not None:  # a restored sandbox (resume): a new namespace, the same counters
-            self.servers.pop(sandbox_id).close()
+            self._close_servers(sandbox_id)
             self.proxy.cut(old)
-        net = SandboxNet(id=sandbox_id, policy=_policy(policy), stats=old.stats if old else NetStats(), open=set())
+        net = SandboxNet(id=sandbox_id, policy=_policy(policy), stats=old.stats if old else NetStats(), open=set(),
+                         scope=scope)
+        if old is not None and old.scope == scope:
+            net.replayed = old.replayed  # a replay goes on where it was
         self.sandboxes[sandbox_id] = net
-        self.servers[sandbox_id] = await asyncio.start_server(partial(self._connection, net), sock=listener)
+        servers: list[Any] = [await asyncio.start_server(partial(self._connection, net), sock=listener)]
+        self.servers[sandbox_id] = servers
+        if captured:
+            tcp, udp = captured
+            tcp.setblocking(False)
+            udp.setblocking(False)
+            servers.append(await asyncio.start_server(partial(self._captured, net), sock=tcp))
+            _, answerer = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: DnsAnswerer(self.proxy, net), sock=udp)
+            servers.append(answerer)
+
+    def _close_servers(self, sandbox_id: str) -> None:
+        for server in self.servers.pop(sandbox_id, []):
+            server.close()
+
+    async def _captured(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        net.open.add(task)
+        try:
+            await transparent.serve(self.proxy, net, reader, writer)
+        except asyncio.CancelledError:
+            pass  # cut: the connection is closed on the way out
+        finally:
+            net.open.discard(task)
 
     async def _connection(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -112,9 +158,7 @@ class Daemon:
             net.open.discard(task)
 
     def detach(self, sandbox_id: str) -> None:
-        server = self.servers.pop(sandbox_id, None)
-        if server is not None:
-            server.close()
+        self._close_servers(sandbox_id)
         net = self.sandboxes.pop(sandbox_id, None)
         if net is not None:
             self.proxy.cut(net)
@@ -187,7 +231,7 @@ def _preload() -> None:
 
     for name in ("encodings.idna", "encodings.punycode", "stringprep", "dns.rdtypes.IN.A", "dns.rdtypes.IN.AAAA",
                  "dns.rdtypes.ANY.CNAME", "dns.rdtypes.ANY.SOA", "dns.message", "dns.query", "dns._asyncio_backend",
-                 "asyncio.unix_events", "ssl"):
+                 "asyncio.unix_events", "ssl", "concurrent.futures.thread"):
         importlib.import_module(name)
     "fanfold.test".encode("idna")
     socket.getaddrinfo("localhost", None)  # loads the resolver's NSS modules
@@ -196,13 +240,15 @@ def _preload() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fanfold netd", description=__doc__.splitlines()[0])
     parser.add_argument("--control", type=int, required=True, help="the fd of the engine's control socket")
-    parser.add_argument("--settings", default="{}", help="JSON: reachable, hosts, nameservers, connect_timeout")
+    parser.add_argument("--settings", default="{}", help="JSON: reachable, hosts, nameservers, connect_timeout,"
+                        " net_dir, upstream_ca, cache_mb")
     parser.add_argument("--user", default=None, metavar="UID:GID", help="drop to this user once started")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)
     resolver = Resolver(hosts=settings.get("hosts") or {}, nameservers=settings.get("nameservers") or ())
     proxy = Proxy(resolver, Reachable(settings.get("reachable") or ()),
-                  connect_timeout=float(settings.get("connect_timeout", 10.0)))
+                  connect_timeout=float(settings.get("connect_timeout", 10.0)),
+                  upstream_tls=upstream_context(settings.get("upstream_ca")))  # files root may read, before the drop
     control = socket.socket(fileno=args.control)
     if args.user:
         _preload()
@@ -210,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         os.setgroups([])
         os.setgid(int(gid))
         os.setuid(int(uid))
+    if settings.get("net_dir"):  # netd's own directory: what it makes there is its user's
+        net_dir = Path(settings["net_dir"])
+        proxy.recordings = Recordings(net_dir / "recordings")
+        proxy.cache = Cache(net_dir / "cache", int(float(settings.get("cache_mb") or DEFAULT_CACHE_MB) * (1 << 20)))
     try:
         asyncio.run(Daemon(proxy).serve(control))
     except KeyboardInterrupt:

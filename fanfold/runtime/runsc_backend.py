@@ -16,6 +16,11 @@ overlay off so that writes land on the sandbox's disk. What differs (``docs/desi
   sees one process). So ``exact_counters`` is False.
 - No user namespace of fanfold's: the sentry runs as nobody in one of gVisor's. The seccomp
   profile is applied by gVisor to the sandbox's processes (``--oci-seccomp``), every refusal EPERM.
+- Networks: gVisor's netstack is out of the host's reach, so the agent relays. It listens on the
+  proxy's port inside and passes each connection to a unix socket the host binds in the sandbox's
+  net dir (``/.fanfold/net``, read-only inside; ``--host-uds=all`` lets the sandbox connect to it);
+  an exposed port is an agent connection that the agent splices to the service (``o``). A ``q``
+  ends those connections, which gVisor cannot save either.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import stat
 import time
 from contextlib import suppress
@@ -33,14 +39,14 @@ from typing import Any
 
 from .._agent.build import agent_binary
 from .._agent.client import AgentUnreachable
-from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
+from ..errors import CheckpointFailed, HostNotReady, InfrastructureError, InvalidRequest
 from ..host import cgroups, doctor, procs, setup
 from ..host.offload import host_errors, on_thread
 from ..host.spawn import Finished, log_tail, run
 from ..images.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
 from .base import Backend, Capabilities, Handle, SandboxSpec
-from .container import ContainerSpec
+from .container import Bind, ContainerSpec
 from .oci import oci_config
 from .oci_backend import quota_disk
 
@@ -56,13 +62,19 @@ PLATFORMS = ("systrap", "ptrace", "kvm")
 ENOSYS = 38
 RUNSC_NAMES = frozenset({"runsc", "runsc-gofer", "runsc-sandbox", "exe"})
 """What runsc's processes are called (the sentry re-executes itself: ``exe``), for the reaper."""
+NET_PATH = "/.fanfold/net"
+"""Where a sandbox sees its net dir (read-only): the host's sockets its agent relays connections to."""
+NET_FILE = "fanfold-net"
+"""In a memory checkpoint's dir: the sandbox had a net dir (its agent relays), and the ports it relayed."""
 
 
 class RunscBackend(oci_sandbox.OnHost, Backend):
     """Sandboxes under gVisor (``runsc``, systrap platform); memory checkpoints by runsc."""
 
     name = "runsc"
-    capabilities = Capabilities(memory="live", exact_counters=False, isolated=True)
+    capabilities = Capabilities(memory="live", exact_counters=False, isolated=True, network=True)
+    relays: dict[str, set[int]]
+    """The ports each sandbox's agent relays, as this engine asked (``listen_inside``)."""
 
     async def prepare(self) -> None:
         if not setup.is_root():
@@ -79,10 +91,12 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         if cfg.runsc_platform not in PLATFORMS:
             raise HostNotReady(f"gVisor platform {cfg.runsc_platform!r} is not one of {', '.join(PLATFORMS)}:"
                                " set FANFOLD_RUNSC_PLATFORM to one of them")
-        # No network but loopback; the agent binds its socket on the host; writes go to the sandbox's
-        # disk (no overlay of runsc's own), and what the host writes there is seen at once.
+        # No network but loopback; the agent binds its socket on the host and connects its relays to the
+        # host's (``all``); writes go to the sandbox's disk (no overlay of runsc's own), and what the host
+        # writes there is seen at once.
         self.argv = [binary, "--root", str(self.state), f"--platform={cfg.runsc_platform}", "--network=none",
-                     "--host-uds=create", "--overlay2=none", "--file-access=shared", "--oci-seccomp"]
+                     "--host-uds=all", "--overlay2=none", "--file-access=shared", "--oci-seccomp"]
+        self.relays = {}
         # Build steps run under crun, in a network namespace of their own, as with the oci backend.
         self.step_runtime = get_runtime("crun", str(cfg.run_dir / "crun"))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
@@ -105,6 +119,9 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
                                 spec.limits, self.disk_hold is not None)
         bundle = where.bundle
         bundle.mkdir(exist_ok=True)
+        relayed = None if spec.restore is None else _relayed(spec.restore)
+        if spec.restore is None or relayed is not None:  # a checkpoint from before relays has no net dir to bind
+            _net_dir(where).mkdir(mode=0o700)
         config = await on_thread(self._config, spec, where)
         (bundle / "config.json").write_text(json.dumps(config))
         if spec.restore is None:
@@ -115,6 +132,8 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             if keep is not None:
                 keep.unlink(missing_ok=True)
             oci_sandbox.set_immutable(where.channel, True)
+            if spec.before_run is not None:
+                await spec.before_run(Handle(spec.id, _read_pid(bundle)))
             await asyncio.wait_for(self.agent_of(spec.id).release_services(), REQUEST_TIMEOUT_S)
         else:
             try:
@@ -123,6 +142,12 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
                 raise InfrastructureError(f"{spec.restore} holds no gVisor checkpoint of fanfold's (a snapshot taken"
                                           " by another backend?): restore it with the backend that took it") from None
             await self._restore(spec.id, spec.restore, where, token)
+            # The restored processes run already (runsc restores nothing stopped), but their relays
+            # accept nothing until the engine's listener is there (``l``).
+            if spec.before_run is not None:
+                await spec.before_run(Handle(spec.id, _read_pid(bundle)))
+            else:
+                await self._stop_relays(spec.id, relayed or ())
             await self._runsc(spec.id, "exec", "--cap", "CAP_SYS_ADMIN", spec.id, oci_sandbox.AGENT_PATH,
                               "--sethostname", spec.id)
         return Handle(spec.id, _read_pid(bundle))
@@ -133,6 +158,8 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         for name, cmd, mode in spec.services:
             args += [f"--{mode}", name, cmd]
         binds = oci_sandbox.channel_binds(self.agent_path, where)
+        if _net_dir(where).is_dir():
+            binds.append(Bind(str(_net_dir(where)), NET_PATH))  # read-only: the sandbox connects, never binds
         container = ContainerSpec(
             id=spec.id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=spec.id,
             limits=spec.limits, binds=binds, cgroup_path=f"/{self.config.cgroup_parent}/{spec.id}",
@@ -209,6 +236,56 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         except (OSError, AgentUnreachable, asyncio.TimeoutError):
             return False
 
+    # -- networks: relays through the agent ------------------------------------------------------
+
+    async def listen_inside(self, handle: Handle, port: int) -> socket.socket:
+        """A listener on the host whose connections come from 127.0.0.1:``port`` inside, relayed by
+        the agent. Asked again (a restored sandbox, a new engine), the agent keeps its listener and
+        relays to the new socket."""
+        where = oci_sandbox.paths(self.config, handle.id)
+        if not _net_dir(where).is_dir():
+            raise InvalidRequest(f"sandbox {handle.id} was restored from a snapshot taken before gVisor sandboxes had"
+                                 " networks: it can have none (a snapshot taken since can)")
+        name = f"proxy-{port}.sock"
+        try:
+            listener = await on_thread(_bind_in, _net_dir(where), name, discard=socket.socket.close)
+        except OSError as err:
+            raise InfrastructureError(f"binding {name} for sandbox {handle.id} failed: {err}") from None
+        try:
+            await asyncio.wait_for(self.agent(handle).relay(port, f"{NET_PATH}/{name}"), REQUEST_TIMEOUT_S)
+        except OSError as err:  # its errno stays attached: the engine tells EADDRINUSE from the rest
+            listener.close()
+            raise InfrastructureError(f"opening port {port} in sandbox {handle.id} failed: {err.strerror}") from err
+        except (AgentUnreachable, asyncio.TimeoutError) as err:
+            listener.close()
+            raise InfrastructureError(f"sandbox {handle.id}'s agent did not open port {port}: {err!r}") from None
+        self.relays.setdefault(handle.id, set()).add(port)
+        return listener
+
+    async def connect_inside(self, handle: Handle, port: int) -> socket.socket:
+        try:
+            return await asyncio.wait_for(self.agent(handle).open_port(port), REQUEST_TIMEOUT_S)
+        except OSError as err:
+            raise InfrastructureError(f"connecting to port {port} in sandbox {handle.id} failed: {err.strerror}") from err
+        except (AgentUnreachable, asyncio.TimeoutError) as err:
+            raise InfrastructureError(f"sandbox {handle.id}'s agent did not connect to port {port}: {err!r}") from None
+
+    async def _relay_again(self, sandbox_id: str) -> None:
+        """After a checkpoint that leaves the sandbox running: its relays accept again (a ``q`` held them),
+        to the same host sockets."""
+        for port in sorted(self.relays.get(sandbox_id, ())):
+            await asyncio.wait_for(self.agent_of(sandbox_id).relay(port, f"{NET_PATH}/proxy-{port}.sock"),
+                                   REQUEST_TIMEOUT_S)
+
+    async def _stop_relays(self, sandbox_id: str, ports: tuple[int, ...] | list[int]) -> None:
+        """A restored sandbox without a network: the relays its source had stop (held, they would keep
+        connections waiting forever)."""
+        try:
+            for port in ports:
+                await asyncio.wait_for(self.agent_of(sandbox_id).stop_relay(port), REQUEST_TIMEOUT_S)
+        except (AgentUnreachable, asyncio.TimeoutError) as err:
+            raise InfrastructureError(f"sandbox {sandbox_id}'s agent did not close its relays: {err!r}") from None
+
     async def _end(self, sandbox_id: str) -> None:
         """Kill every process of the sandbox (the engine then finds it dead and destroys it)."""
         await on_thread(cgroups.remove, self.config.cgroup_parent, sandbox_id)
@@ -224,7 +301,8 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
                 await setup.reap(pid, timeout=1.0)
             setup.reap_orphans()
             self._forget(sandbox_id)
-            await on_thread(oci_sandbox.release_host, cfg, sandbox_id, where)
+            self.relays.pop(sandbox_id, None)
+            await on_thread(oci_sandbox.release_host, cfg, sandbox_id, where)  # the net dir is on its root
 
     def _forget(self, sandbox_id: str) -> None:
         """Remove runsc's state of a sandbox whose processes are gone: what ``delete`` would."""
@@ -272,6 +350,8 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             if token is not None:
                 (dest / "memory").mkdir()
                 (dest / "memory" / TOKEN_FILE).write_text(token)
+                if _net_dir(where).is_dir():
+                    (dest / "memory" / NET_FILE).write_text(json.dumps(sorted(self.relays.get(sandbox_id, ()))))
                 leave = ["--leave-running"] if leave_running else []
                 await self._runsc(sandbox_id, "checkpoint", *leave, "--image-path", str(dest / "memory"), sandbox_id,
                                   timeout=300)
@@ -292,6 +372,10 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         await self.thaw(handle)
         if token is not None:
             await self._listen_again(handle.id, where, token)
+            try:
+                await self._relay_again(handle.id)
+            except (OSError, AgentUnreachable, asyncio.TimeoutError) as err:
+                raise InfrastructureError(f"sandbox {handle.id}'s agent did not relay again: {err!r}") from None
         if frozen:
             await self.freeze(handle)
 
@@ -303,6 +387,38 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             await asyncio.wait_for(self.agent(handle).drop_listener(token), REQUEST_TIMEOUT_S)
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             raise CheckpointFailed(f"sandbox {handle.id}'s agent did not let go of its socket: {err!r}") from None
+
+
+def _net_dir(where: oci_sandbox.Paths) -> Path:
+    """The sandbox's net dir on the host: on its root's tmpfs, so releasing the root takes it."""
+    return where.root / "net"
+
+
+def _relayed(images: Path) -> list[int] | None:
+    """The ports a checkpoint's sandbox relayed, or None when it had no net dir (taken before relays)."""
+    try:
+        return [int(port) for port in json.loads((images / NET_FILE).read_text())]
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _bind_in(directory: Path, name: str) -> socket.socket:
+    """A non-blocking unix listener at ``directory/name`` (whatever was there replaced), bound through
+    the directory's descriptor: the path may be longer than a socket address allows."""
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+        sock.bind(f"/proc/self/fd/{fd}/{name}")
+        sock.listen(1024)
+        sock.setblocking(False)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(fd)
 
 
 def _read_pid(bundle: Path) -> int | None:

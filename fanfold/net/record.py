@@ -1,0 +1,293 @@
+"""Recordings of a sandbox's HTTP exchanges, and replaying them: plain, versioned data on disk.
+
+``<net_dir>/recordings/<scope or _host>/<name>/`` holds ``index.jsonl`` (a format line first, then one
+line per exchange) and ``blobs/<sha256>``, the request and response bodies by content. An exchange is
+matched by method, normalized URL and request body digest; ``ordinal`` counts repeats of that key, so
+a replay serves the n-th recorded answer to the n-th same request (then the last one again).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cache import CacheWriter
+
+FORMAT = {"format": "fanfold-recording", "version": 1}
+DEFAULT_PORTS = {"http": 80, "https": 443}
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+Key = tuple[str, str, str]
+"""method, normalized URL, request body sha256."""
+
+
+def normal_url(scheme: str, host: str, port: int, path: str) -> str:
+    """``scheme://host[:port]path?query``: lowercase host, the port only when not the scheme's default,
+    the path and query as sent."""
+    host = host.lower()
+    shown = f"[{host}]" if ":" in host else host
+    if port != DEFAULT_PORTS.get(scheme):
+        shown = f"{shown}:{port}"
+    return f"{scheme}://{shown}{path or '/'}"
+
+
+class BlobWriter:
+    """A body written to a temporary file while it streams, hashed, and renamed to its digest when whole."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.temp = directory / f".part-{secrets.token_hex(8)}"
+        self.handle = open(self.temp, "wb")
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.handle.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+    def commit(self) -> str:
+        """Keep the body under its digest (one copy per content); its sha256."""
+        self.handle.close()
+        digest = self.sha.hexdigest()
+        final = self.directory / digest
+        if final.exists():
+            self.temp.unlink()
+        else:
+            os.replace(self.temp, final)
+        return digest
+
+    def discard(self) -> None:
+        self.handle.close()
+        self.temp.unlink(missing_ok=True)
+
+
+@dataclass
+class Exchange:
+    """One recorded request and its response, as a line of ``index.jsonl``."""
+
+    method: str
+    url: str
+    request_headers: list[list[str]]
+    request_body_sha256: str
+    status: int
+    response_headers: list[list[str]]
+    response_body_sha256: str
+    ordinal: int
+    started: float
+    duration_ms: float
+
+    @property
+    def key(self) -> Key:
+        return (self.method, self.url, self.request_body_sha256)
+
+
+class Recorder:
+    """Appends exchanges to one recording; every sandbox recording into it shares this one writer, so
+    lines never interleave (the event loop is the lock: each line is one write, of O_APPEND). The
+    index is opened per line, so that a netd holds no descriptor of a recording the engine deletes."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.blobs = directory / "blobs"
+        self.blobs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.blobs / EMPTY_SHA256).touch(mode=0o600)  # every bodiless message's
+        index = directory / "index.jsonl"
+        self.ordinals: collections.Counter[Key] = collections.Counter()
+        if index.exists():  # recording again under a name continues it
+            for exchange in _read_index(index):
+                self.ordinals[exchange.key] += 1
+        self.index = index
+        if not index.exists() or index.stat().st_size == 0:
+            self._write(json.dumps(FORMAT).encode() + b"\n")
+
+    def _write(self, line: bytes) -> None:
+        fd = os.open(self.index, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def blob(self) -> BlobWriter:
+        return BlobWriter(self.blobs)
+
+    def append(self, **fields: Any) -> Exchange:
+        """Add one exchange (``ordinal`` is counted here); the line is written whole."""
+        key = (fields["method"], fields["url"], fields["request_body_sha256"])
+        exchange = Exchange(**fields, ordinal=self.ordinals[key])
+        self.ordinals[key] += 1
+        self._write(json.dumps(exchange.__dict__, separators=(",", ":")).encode() + b"\n")
+        return exchange
+
+
+class Recording:
+    """A recording read for replay: the exchanges of each key, in the order they were recorded."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.exchanges: dict[Key, list[Exchange]] = collections.defaultdict(list)
+        for exchange in _read_index(directory / "index.jsonl"):
+            self.exchanges[exchange.key].append(exchange)
+        for found in self.exchanges.values():
+            found.sort(key=lambda e: e.ordinal)
+
+    def find(self, key: Key, seen: int) -> Exchange | None:
+        """The answer to the ``seen``-th (from 0) repeat of ``key``: that recording's, or its last."""
+        found = self.exchanges.get(key)
+        return found[min(seen, len(found) - 1)] if found else None
+
+    def blob(self, digest: str) -> Path:
+        return self.directory / "blobs" / digest
+
+
+def _read_index(index: Path) -> list[Exchange]:
+    with open(index, "rb") as handle:
+        lines = handle.read().splitlines()
+    if not lines:
+        return []
+    head = json.loads(lines[0])
+    if head.get("format") != FORMAT["format"] or head.get("version") != FORMAT["version"]:
+        raise ValueError(f"{index} is not a fanfold recording of version {FORMAT['version']}: {lines[0][:100]!r}")
+    return [Exchange(**json.loads(line)) for line in lines[1:] if line.strip()]
+
+
+class Recordings:
+    """The recordings under ``<net_dir>/recordings``: writers shared by name, indexes read once (again when
+    they change)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.recorders: dict[Path, Recorder] = {}
+        self._read: dict[Path, tuple[tuple[int, int], Recording]] = {}
+
+    def directory(self, scope: str, name: str) -> Path:
+        return self.root / (scope or "_host") / name
+
+    def recorder(self, scope: str, name: str) -> Recorder:
+        where = self.directory(scope, name)
+        recorder = self.recorders.get(where)
+        if recorder is None or not recorder.index.exists():  # deleted meanwhile: start it again
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            where.parent.mkdir(mode=0o700, exist_ok=True)
+            recorder = self.recorders[where] = Recorder(where)
+        return recorder
+
+    def recording(self, scope: str, name: str) -> Recording | None:
+        """The recording as it is on disk now (read again when its index changed); None when there is none."""
+        where = self.directory(scope, name)
+        try:
+            stat = (where / "index.jsonl").stat()
+        except FileNotFoundError:
+            return None
+        version = (stat.st_size, stat.st_mtime_ns)
+        cached = self._read.get(where)
+        if cached is None or cached[0] != version:
+            cached = self._read[where] = (version, Recording(where))
+        return cached[1]
+
+
+class Spool:
+    """A request body read whole before it is answered (to match it in a recording): memory, then disk."""
+
+    def __init__(self, in_memory: int = 1 << 20) -> None:
+        self.file = tempfile.SpooledTemporaryFile(max_size=in_memory)
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+
+@dataclass
+class Taps:
+    """Where one exchange is copied as it streams, besides the client: a recording, the cache. Nothing
+    is kept unless ``commit`` is called once the response is whole."""
+
+    recorder: Recorder | None = None
+    cache: CacheWriter | None = None
+    started: float = field(default_factory=time.time)
+    clock: float = field(default_factory=time.monotonic)
+    method: str = ""
+    url: str = ""
+    request_headers: list[list[str]] = field(default_factory=list)
+    request_blob: BlobWriter | None = None
+    response_blob: BlobWriter | None = None
+    status: int = 0
+    response_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    def request(self, method: str, url: str, headers: list[tuple[bytes, bytes]]) -> None:
+        self.method, self.url = method, url
+        if self.recorder is not None:
+            self.request_headers = redacted(text_pairs(headers))
+
+    def request_data(self, data: bytes) -> None:
+        if self.recorder is not None:
+            if self.request_blob is None:
+                self.request_blob = self.recorder.blob()
+            self.request_blob.write(data)
+
+    def response(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.response_headers = status, headers
+        if self.cache is not None and not self.cache.may_keep(status, headers):
+            self.cache.discard()
+            self.cache = None
+
+    def response_data(self, data: bytes) -> None:
+        if self.recorder is not None:
+            if self.response_blob is None:
+                self.response_blob = self.recorder.blob()
+            self.response_blob.write(data)
+        if self.cache is not None:
+            self.cache.write(data)
+
+    def commit(self) -> bool:
+        """Keep what the whole exchange left (the cache's body, the recording's line); True when recorded."""
+        if self.cache is not None:
+            self.cache.commit(self.response_headers)
+            self.cache = None
+        if self.recorder is None or not self.status:
+            return False
+        request_blob, self.request_blob = self.request_blob, None
+        response_blob, self.response_blob = self.response_blob, None
+        self.recorder.append(method=self.method, url=self.url, request_headers=self.request_headers,
+                             request_body_sha256=request_blob.commit() if request_blob else EMPTY_SHA256,
+                             status=self.status, response_headers=text_pairs(self.response_headers),
+                             response_body_sha256=response_blob.commit() if response_blob else EMPTY_SHA256,
+                             started=self.started, duration_ms=round((time.monotonic() - self.clock) * 1e3, 3))
+        self.recorder = None
+        return True
+
+    def discard(self) -> None:
+        """Drop what an unfinished exchange left (nothing once committed)."""
+        for blob in (self.request_blob, self.response_blob):
+            if blob is not None:
+                blob.discard()
+        self.request_blob = self.response_blob = None
+        if self.cache is not None:
+            self.cache.discard()
+            self.cache = None
+
+
+def text_pairs(headers: Any) -> list[list[str]]:
+    """Header pairs as JSON keeps them."""
+    return [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]
+
+
+CREDENTIALS = {"authorization", "proxy-authorization", "cookie"}
+"""Request headers a recording keeps only the name of: replay matches no header, and a recording is a
+file to share, not a vault."""
+
+
+def redacted(pairs: list[list[str]]) -> list[list[str]]:
+    return [[name, "<redacted>" if name.lower() in CREDENTIALS else value] for name, value in pairs]
