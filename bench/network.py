@@ -4,7 +4,8 @@
 
 In one run, on the ``host`` image: creates with ``network="none"`` and with an allow policy,
 interleaved, both taken from a warm pool (the pool's sandboxes are brought up ahead; a policy
-create attaches the proxy's listener at hand-out) and both brought up cold; then HTTP GETs of a
+create attaches the proxy's listener at hand-out) and both brought up cold (with a third kind cold:
+the policy with transparent capture); then HTTP GETs of a
 small body from a server on this host's loopback, made by one client program run directly on the
 host and inside a sandbox through the egress proxy (a new connection per request, as pip and curl
 make them); then a download of ``--download-mb`` MB through the proxy, against the same download
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -94,12 +96,15 @@ def summary(values: list[float]) -> dict[str, float | None]:
     return {"p50": pct(values, 0.5), "p99": pct(values, 0.99), "n": len(values)}
 
 
-async def creates(fleet: AsyncFleet, count: int, policy: dict[str, list[str]], pooled: bool) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"none": [], "allow": []}
+async def creates(fleet: AsyncFleet, count: int, policy: dict[str, Any], pooled: bool) -> dict[str, list[float]]:
+    kinds: list[tuple[str, Any]] = [("none", "none"), ("allow", policy)]
+    if not pooled:
+        kinds.append(("transparent", {**policy, "transparent": True}))
+    times: dict[str, list[float]] = {kind: [] for kind, _ in kinds}
     if pooled:
         await fleet.pool("host", 2, wait=120)
     for _ in range(count):
-        for kind, network in (("none", "none"), ("allow", policy)):
+        for kind, network in kinds:
             if pooled:
                 await fleet.pool("host", 2, wait=120)  # refilled off the clock
             t = time.perf_counter()
@@ -159,6 +164,7 @@ async def main() -> None:
         "create_none_p50_ms": pct(pooled["none"], 0.5), "create_allow_p50_ms": pct(pooled["allow"], 0.5),
         "create_none_p99_ms": pct(pooled["none"], 0.99), "create_allow_p99_ms": pct(pooled["allow"], 0.99),
         "create_cold_none_p50_ms": pct(cold["none"], 0.5), "create_cold_allow_p50_ms": pct(cold["allow"], 0.5),
+        "create_cold_transparent_p50_ms": pct(cold["transparent"], 0.5),
         "proxy_request_p50_ms": pct(proxied, 0.5), "proxy_request_p99_ms": pct(proxied, 0.99),
         "direct_request_p50_ms": pct(direct, 0.5), "direct_request_p99_ms": pct(direct, 0.99),
         "download_mb_per_s": round(args.download_mb / proxied_s, 1),

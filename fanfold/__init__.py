@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
     from .errors import (
         BuildFailed, CapacityExceeded, CheckpointFailed, CommandFailed, ExecTimeout, FanfoldError,
         FileNotFoundInSandbox, HostNotReady, ImageCorrupt, ImageInUse, ImageNotFound, InfrastructureError, InvalidPath,
-        InvalidRequest, InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, QuotaExceeded,
-        RecordingNotFound, RegistryDenied, RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
+        InvalidRequest, InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, PortUnreachable,
+        QuotaExceeded, RecordingNotFound, RegistryDenied, RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
         ToolError, Unauthorized,
     )
     from .images import Image
@@ -49,7 +49,7 @@ _EXPORTS = {
         "BuildFailed", "CapacityExceeded", "CheckpointFailed", "CommandFailed", "ExecTimeout", "FanfoldError",
         "FileNotFoundInSandbox", "HostNotReady", "ImageCorrupt", "ImageInUse", "ImageNotFound", "InfrastructureError",
         "InvalidPath", "InvalidRequest", "InvalidSpec", "LeaseNotFound", "LimitExceeded", "NotFound",
-        "PolicyUnavailable", "QuotaExceeded", "RecordingNotFound", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
+        "PolicyUnavailable", "PortUnreachable", "QuotaExceeded", "RecordingNotFound", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
         "ToolError", "Unauthorized",
     ),
     ".images": ("Image",),
@@ -102,6 +102,7 @@ __all__ = [
     "Persistence",
     "PolicyUnavailable",
     "PoolInfo",
+    "PortUnreachable",
     "QuotaExceeded",
     "RecordingNotFound",
     "RegistryDenied",

@@ -20,6 +20,7 @@
     ├── BuildFailed             a spec step exited non-zero
     ├── ImageCorrupt            a pulled or imported layer does not match its digest, or is not a safe tree
     ├── ServiceFailed           a oneshot service of the image failed as a sandbox started
+    ├── PortUnreachable         nothing answers on an exposed port inside the sandbox (HTTP 502)
     ├── ExecTimeout             raised only by ``check=True`` callers on a timeout
     ├── CommandFailed           raised only by ``check=True`` callers on non-zero exit
     ├── HostNotReady            the host lacks what sandboxes need (see ``fanfold doctor``)
@@ -170,6 +171,12 @@ class ServiceFailed(FanfoldError):
         self.service = service
         self.exit_code = exit_code
         self.log_tail = log_tail
+
+
+class PortUnreachable(FanfoldError):
+    """Nothing answers on that port inside the sandbox (no service listens there, or it closed without answering)."""
+
+    kind = "port_unreachable"
 
 
 class ExecTimeout(FanfoldError):

@@ -394,7 +394,7 @@ def test_a_port_with_nothing_listening_is_a_502(served: Sandbox, net_server: Ser
     with api(net_server, "alice") as http:
         assert http.post(path).status_code == 200
         nothing = http.get(path + "/")
-        assert nothing.status_code == 502 and str(IDLE_PORT) in nothing.text
+        assert nothing.status_code == 502 and str(IDLE_PORT) in nothing.text and nothing.json()["kind"] == "port_unreachable"
         for bad in ("0", "65536", "http"):
             assert http.post(f"/v1/sandboxes/{served.id}/ports/{bad}").status_code == 422, bad
         assert http.post(f"/v1/sandboxes/sb-nosuchsandbox/ports/{ECHO_PORT}").status_code == 404

@@ -110,6 +110,8 @@ def _network(stats: dict) -> Panel:
         ("requests", f"{net.get('requests', 0):,}"),
         ("denied", Text(f"{net.get('denied', 0):,}", style="yellow" if net.get("denied") else "")),
         ("out / in", f"{_bytes(net.get('bytes_up', 0))} / {_bytes(net.get('bytes_down', 0))}"),
+        ("cache hits", f"{net.get('cache_hits', 0):,} ({_bytes(net.get('cache_bytes', 0))})"),
+        ("replayed", f"{net.get('replayed', 0):,} ({net.get('replay_misses', 0):,} missed)"),
         ("errors", f"{net.get('errors', 0):,}"),
     ]
     return _small("egress proxy", rows)

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterable
 
 from ..config import EngineConfig
-from ..errors import CapacityExceeded, HostNotReady, InfrastructureError, InvalidRequest, SandboxNotFound
+from ..errors import (
+    CapacityExceeded, HostNotReady, InfrastructureError, InvalidRequest, PortUnreachable, SandboxNotFound,
+)
 from ..images import Image, LayerStore, users
 from ..host.stepnet import StepNetworks
 from ..images.builder import Builder, Network, OnStep
@@ -111,6 +113,7 @@ class Engine:
             db.close()
             raise
         self._reaper_task = asyncio.create_task(self.reaper.run())
+        await self.life.serve_networks()  # detached sandboxes with a policy get their proxy back at once
         for ref, size in cfg.pools:
             await self.set_pool(ref, size)
 
@@ -378,7 +381,7 @@ class Engine:
             except NotImplementedError:
                 raise InvalidRequest(f"the {life.backend.name} backend cannot reach into sandboxes") from None
             except InfrastructureError as err:
-                raise InvalidRequest(f"nothing answers on port {port} inside sandbox {sandbox_id}: {err}") from None
+                raise PortUnreachable(f"nothing answers on port {port} inside sandbox {sandbox_id}: {err}") from None
 
     async def recordings(self, *, tenant: str = "") -> list[dict[str, Any]]:
         """Network recordings (``network={"record": NAME, ...}``) of ``tenant``: name, exchanges, bytes, created."""

@@ -73,6 +73,11 @@ NETWORK_COUNTERS = (
     ("denied", "fanfold_network_denied", "Requests and connections the egress proxy refused by policy."),
     ("connections", "fanfold_network_connections", "Connections sandboxes opened to the egress proxy."),
     ("errors", "fanfold_network_errors", "Malformed requests and failed lookups or upstreams at the egress proxy."),
+    ("cache_hits", "fanfold_network_cache_hits", "Downloads the shared cache answered without going out."),
+    ("cache_misses", "fanfold_network_cache_misses", "Cacheable downloads fetched from outside (and kept)."),
+    ("recorded", "fanfold_network_recorded", "Exchanges stored in recordings."),
+    ("replayed", "fanfold_network_replayed", "Requests answered from recordings."),
+    ("replay_misses", "fanfold_network_replay_misses", "Requests a replay found no recorded answer for."),
 )
 
 
@@ -83,6 +88,6 @@ def network_counters(totals: dict[str, int]) -> Iterable[CounterMetricFamily]:
     moved = CounterMetricFamily("fanfold_network_bytes", "Bytes through the egress proxy and exposed ports.",
                                 labels=["direction"])
     for key, direction in (("bytes_up", "out"), ("bytes_down", "in"), ("exposed_in", "exposed_in"),
-                           ("exposed_out", "exposed_out")):
+                           ("exposed_out", "exposed_out"), ("cache_bytes", "from_cache")):
         moved.add_metric([direction], totals.get(key, 0))
     yield moved

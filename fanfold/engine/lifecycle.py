@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import time
@@ -20,7 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .._agent.client import AgentUnreachable
 from ..config import EngineConfig
-from ..errors import InfrastructureError, InvalidRequest, SandboxGone, SandboxNotFound, ServiceFailed
+from ..errors import FanfoldError, InfrastructureError, InvalidRequest, SandboxGone, SandboxNotFound, ServiceFailed
 from ..host import procs, safefs
 from ..host.offload import host_errors
 from ..images import Image
@@ -34,6 +35,9 @@ from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
 from .sources import Sources, base_env
 from .telemetry import Telemetry
+
+
+log = logging.getLogger("fanfold.engine")
 
 
 def owner_token() -> str:
@@ -166,11 +170,25 @@ class Lifecycle:
 
     async def _serve_network(self, row: Any) -> None:
         """Attach a sandbox with a policy that an earlier engine made (the CLI's ``create``): its
-        proxy died with that engine."""
-        if row["network"] != '"none"' and not self.network.holds(row["id"]):
-            policy = row_policy(row)
-            if policy is not None:
+        proxy died with that engine. One that another live engine serves (a server on this state
+        dir) is left to it."""
+        if row["network"] == '"none"' or self.network.holds(row["id"]) or self.network.served_elsewhere(row["id"]):
+            return
+        policy = row_policy(row)
+        if policy is not None:
+            try:
                 await self.network.attach(dbmod.row_handle(row), policy, row["tenant"])
+            except InvalidRequest:  # its port is taken: by the engine serving it, most likely
+                self.network.elsewhere[row["id"]] = time.monotonic()
+
+    async def serve_networks(self) -> None:
+        """At start: attach every running sandbox of ours with a policy that no engine serves now."""
+        for row in self.db.rows():
+            if row["state"] == "running" and self.ours(row) and self.backend.alive(dbmod.row_handle(row)):
+                try:
+                    await self._serve_network(row)
+                except FanfoldError as err:
+                    log.warning("fanfold: the network of sandbox %s is not served: %s", row["id"], err)
 
     async def calls_done(self, timeout: float) -> None:
         """Wait (up to ``timeout`` s) until no call holds a sandbox: a closing engine's

@@ -17,6 +17,7 @@ import os
 import pwd
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -30,6 +31,7 @@ from ..runtime import Backend, Handle
 
 log = logging.getLogger("fanfold.engine")
 NONE = '"none"'
+ELSEWHERE_S = 10.0
 DNS_PORT = 53
 """Inside a sandbox with transparent capture, where its DNS queries are answered (by netd)."""
 CA_BUNDLE = "/etc/fanfold/ca-bundle.pem"
@@ -80,6 +82,8 @@ class Network:
         self.ca: Any = None
         """The fleet's CA (``net.ca.FleetCA``), loaded as netd first starts."""
         self.exposed: dict[tuple[str, int], Exposure] = {}
+        self.elsewhere: dict[str, float] = {}
+        """Sandboxes whose proxy port another engine held (monotonic time of the try)."""
         self.closing = False
         self.figures: dict[str, dict[str, Any]] = {}
         """Each attached sandbox's counters as netd last reported them (``refresh``)."""
@@ -157,6 +161,11 @@ class Network:
     def holds(self, sandbox_id: str) -> bool:
         return sandbox_id in self.listeners
 
+    def served_elsewhere(self, sandbox_id: str) -> bool:
+        """Whether another engine served the sandbox's network when this one last tried (within ELSEWHERE_S)."""
+        seen = self.elsewhere.get(sandbox_id)
+        return seen is not None and time.monotonic() - seen < ELSEWHERE_S
+
     async def attach(self, handle: Handle, policy: NetworkPolicy, scope: str = "") -> None:
         """Open the sandbox's listener and hand it to netd (a restored sandbox's replaces its old one).
         ``scope`` (the tenant) is where its recordings live."""
@@ -168,7 +177,8 @@ class Network:
         except InfrastructureError as err:
             if isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.EADDRINUSE:
                 raise InvalidRequest(f"port {self.port} is taken inside sandbox {handle.id}: a process there listens"
-                                     " on it; stop it (the egress proxy needs the port) and try again") from None
+                                     " on it (stop it: the egress proxy needs the port), or another engine on this"
+                                     " state dir (a server) serves its network: change it through that one") from None
             raise
         held = [listener]
         if policy.transparent:

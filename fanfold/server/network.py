@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ..engine import Engine
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, PortUnreachable
 from ..wire import info_to_json
 from .deps import LOCAL_TENANT, engine, owned_sandbox, tenant
 from .sandboxes import ERRORS
@@ -76,12 +76,7 @@ async def to_port(request: Request, path: str, port: int = PortNumber,
                   sandbox_id: str = Depends(owned_sandbox)) -> Response:
     """Pass an HTTP request to the service on ``port`` inside the sandbox and stream its answer back
     (502 when nothing answers there)."""
-    try:
-        sock = await engine(request).connect_port(sandbox_id, port)
-    except InvalidRequest as err:
-        if "nothing answers" not in str(err):
-            raise
-        return Response(str(err) + "\n", status_code=502, media_type="text/plain")
+    sock = await engine(request).connect_port(sandbox_id, port)  # PortUnreachable: a 502 with fanfold's error body
     reader, writer = await asyncio.open_connection(sock=sock)
     try:
         return await _forward(request, path, port, reader, writer)
@@ -124,8 +119,7 @@ async def _forward(request: Request, path: str, port: int, reader: asyncio.Strea
         event = await _next_event(conn, reader)
     if not isinstance(event, h11.Response):
         writer.close()
-        return Response("the sandbox's service closed the connection without answering\n", status_code=502,
-                        media_type="text/plain")
+        raise PortUnreachable(f"the service on port {port} closed the connection without answering")
     passed = [(k.lower(), v) for k, v in event.headers if k.lower() not in RESPONSE_HOP_BY_HOP]
 
     async def body() -> AsyncIterator[bytes]:

@@ -10,6 +10,7 @@ from ..wire import error_to_json
 RETRY_AFTER_S = 1
 _STATUS: list[tuple[type[errors.FanfoldError], int]] = [
     (errors.Unauthorized, 401),
+    (errors.PortUnreachable, 502),  # the gateway's answer: the sandbox's service, not fanfold, failed
     (errors.NotFound, 404),
     (errors.SandboxGone, 409),
     (errors.SnapshotInUse, 409),
