@@ -334,7 +334,7 @@ async def test_allowed_name_is_forwarded_in_origin_form_without_hop_by_hop_heade
     (["*.wild.test"], [], "deep.a.wild.test", 200),
     (["*.wild.test"], [], "wild.test", 403),
     (["*.wild.test"], ["bad.wild.test"], "bad.wild.test", 403),
-    (["127.0.0.1/32"], [], "cidr.test", 200),
+    (["127.0.0.1/32"], [], "cidr.test", 403),  # a CIDR covers addresses asked for as such, never a name
     (["10.0.0.0/8"], [], "cidr.test", 403),
     (["*.wild.test"], ["127.0.0.0/8"], "a.wild.test", 403),
     (["allowed.test:1"], [], "allowed.test", 403),

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from fanfold import EngineConfig, Fleet
-from fanfold.errors import InvalidRequest
+from fanfold.errors import FanfoldError, InvalidRequest
 
 CURL = "curl -sS --max-time 10"
 
@@ -429,3 +429,52 @@ def test_transparent_capture_filters_tools_that_ignore_proxy_variables(fleet, ou
         box.set_network({"allow": ["api.outside.test"]})  # capture off: tools without the proxy variables get nothing
         assert box.exec(f"{CURL} --noproxy '*' http://api.outside.test/hello").exit_code != 0
         assert box.exec(f"{CURL} http://api.outside.test/hello").text == "hello from api.outside.test"
+
+
+def test_a_cidr_rule_lets_no_name_be_resolved_so_dns_carries_nothing_out(fleet, outside):
+    with fleet.create(network={"allow": ["203.0.113.0/24"]}) as box:
+        asked = len(outside.queries())
+        assert fetch(box, "http://203.0.113.2/hello")[:2] == (200, "hello from 203.0.113.2")
+        status, _, headers = fetch(box, "http://secret-4242.www.outside.test/hello")
+        assert status == 403 and "no allow rule matches" in headers["x-fanfold-denied"]
+        assert not [q for q in outside.queries()[asked:] if "secret-4242" in q["name"]]
+
+
+def test_a_failed_switch_to_transparent_capture_keeps_the_policy_it_had(fleet, outside):
+    with fleet.create(network={"allow": ["www.outside.test"]}) as box:
+        box.exec("(setsid python3 -c 'import socket,time; s=socket.socket(); s.bind((\"127.0.0.1\",3129)); s.listen();"
+                 " time.sleep(600)' >/dev/null 2>&1 &)")
+        wait_until(lambda: ":0C39 " in box.exec("cat /proc/net/tcp").text)
+        with pytest.raises(FanfoldError, match="Address already in use"):
+            box.set_network({"allow": ["www.outside.test"], "transparent": True})
+        assert box.refresh().network == {"allow": ["www.outside.test"], "deny": []}
+        assert fetch(box, "http://www.outside.test/hello")[0] == 200
+
+
+def test_netd_answers_the_counters_of_thousands_of_sandboxes_in_one_reply():
+    import asyncio
+    import socket as socketlib
+
+    from fanfold.net.daemon import Daemon
+    from fanfold.net.policy import NetworkPolicy, Reachable
+    from fanfold.net.proxy import NetStats, Proxy, SandboxNet
+    from fanfold.net.resolve import Resolver
+
+    daemon = Daemon(Proxy(Resolver(), Reachable()))
+    for number in range(5000):
+        stats = NetStats(requests=number)
+        for _ in range(20):
+            stats.deny("GET http://" + "x" * 200, "no allow rule matches it")
+        daemon.sandboxes[f"sb-{number:012x}"] = SandboxNet(id=f"sb-{number:012x}", policy=NetworkPolicy(), stats=stats)
+    reply = asyncio.run(daemon.handle({"op": "stats"}, []))
+    wire = json.dumps(reply).encode()
+    assert len(reply["sandboxes"]) == 5000 and reply["totals"]["denied"] == 100000
+    assert "recent_denials" not in reply["sandboxes"]["sb-000000000001"] and len(wire) < 4 << 20
+    one = asyncio.run(daemon.handle({"op": "stats", "id": "sb-000000000001"}, []))
+    assert len(one["sandboxes"]["sb-000000000001"]["recent_denials"]) == 20
+    ours, theirs = socketlib.socketpair(socketlib.AF_UNIX, socketlib.SOCK_SEQPACKET)
+    with ours, theirs:  # what the engine sets up: one message carries the whole reply
+        theirs.setsockopt(socketlib.SOL_SOCKET, 32, 16 << 20)
+        ours.setsockopt(socketlib.SOL_SOCKET, 33, 16 << 20)
+        theirs.sendall(wire)
+        assert len(ours.recv(16 << 20)) == len(wire)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterable
 
 from ..config import EngineConfig
 from ..errors import (
-    CapacityExceeded, HostNotReady, InfrastructureError, InvalidRequest, PortUnreachable, SandboxNotFound,
+    CapacityExceeded, FanfoldError, HostNotReady, InfrastructureError, InvalidRequest, PortUnreachable,
+    SandboxNotFound,
 )
 from ..images import Image, LayerStore, users
 from ..host.stepnet import StepNetworks
@@ -284,7 +285,8 @@ class Engine:
         )
         # Each quota check runs with no await before the row it counts is in: creates never overshoot.
         self.quotas.check_create(tenant, limits)
-        pooled_id = self.pools.take(source, limits, tenant) if seccomp == "default" else None
+        # A policy's attach comes first, the pool's refill after it: both want the CPU
+        pooled_id = self.pools.take(source, limits, tenant, refill=net is None) if seccomp == "default" else None
         if pooled_id is not None:
             made, pooled = self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
             if net is not None:  # a warm sandbox gets its listener now: its services run without the proxy's env
@@ -293,6 +295,8 @@ class Engine:
                 except BaseException:
                     await asyncio.shield(self.life.destroy(made.id))
                     raise
+                finally:
+                    self.pools.maintain()
         else:
             async with self.admission.slot(wait, self.policies.evict_for_room):
                 self.quotas.check_create(tenant, limits)
@@ -336,8 +340,15 @@ class Engine:
             elif life.network.holds(sandbox_id) and policy.transparent == life.network.policies[sandbox_id].transparent:
                 await life.network.set_policy(sandbox_id, policy, cut=cut)
             elif life.network.holds(sandbox_id):  # capture on or off: its sockets change, so it is attached anew
+                before = life.network.policies[sandbox_id]
                 await life.network.detach(sandbox_id)
-                await life.network.attach(dbmod.row_handle(row), policy, row["tenant"])
+                try:
+                    await life.network.attach(dbmod.row_handle(row), policy, row["tenant"])
+                except BaseException:  # the policy it had, served again
+                    life.db.update(sandbox_id, network=row["network"])
+                    with contextlib.suppress(FanfoldError):
+                        await life.network.attach(dbmod.row_handle(row), before, row["tenant"])
+                    raise
             else:
                 try:
                     await life.network.attach(dbmod.row_handle(row), policy, row["tenant"])
@@ -350,7 +361,7 @@ class Engine:
         """What a sandbox's traffic through the proxy came to: connections, requests, bytes up and
         down, denials and the latest denial reasons (counted since this engine attached it)."""
         self.life.known(sandbox_id)
-        return (await self.life.network.stats()).get(sandbox_id, {})
+        return await self.life.network.sandbox_stats(sandbox_id)
 
     async def expose(self, sandbox_id: str, port: int) -> str:
         """A URL on this host's loopback (``http://127.0.0.1:PORT``) that reaches ``port`` inside the

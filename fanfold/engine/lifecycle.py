@@ -178,8 +178,9 @@ class Lifecycle:
         if policy is not None:
             try:
                 await self.network.attach(dbmod.row_handle(row), policy, row["tenant"])
-            except InvalidRequest:  # its port is taken: by the engine serving it, most likely
+            except FanfoldError as err:  # its port taken (by the engine serving it, most likely): the call goes on
                 self.network.elsewhere[row["id"]] = time.monotonic()
+                log.warning("fanfold: sandbox %s's network is not served by this engine: %s", row["id"], err)
 
     async def serve_networks(self) -> None:
         """At start: attach every running sandbox of ours with a policy that no engine serves now."""

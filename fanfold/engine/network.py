@@ -223,12 +223,19 @@ class Network:
                 pass  # a netd that died took its copy with it
 
     async def stats(self) -> dict[str, dict[str, Any]]:
-        """Per attached sandbox: connections, requests, bytes up and down, denials."""
+        """Per attached sandbox: connections, requests, bytes up and down, denials (counts)."""
         if self.netd is None:
             return {}
         reply = await self._request({"op": "stats"})
         self.figures, self._totals = dict(reply.get("sandboxes", {})), dict(reply.get("totals", {}))
         return self.figures
+
+    async def sandbox_stats(self, sandbox_id: str) -> dict[str, Any]:
+        """One sandbox's counters and its latest denial reasons ({} when it is not attached)."""
+        if self.netd is None:
+            return {}
+        reply = await self._request({"op": "stats", "id": sandbox_id})
+        return dict(reply.get("sandboxes", {}).get(sandbox_id, {}))
 
     async def refresh(self) -> None:
         """Read netd's counters for ``figures`` and ``totals`` (the reaper does, once a second)."""

@@ -88,9 +88,10 @@ class Pools:
         self.maintain()
         return pool
 
-    def take(self, source: str, limits: Limits, tenant: str = "") -> str | None:
+    def take(self, source: str, limits: Limits, tenant: str = "", *, refill: bool = True) -> str | None:
         """A warm sandbox's id, removed from the tenant's pool (else the host's), or None when both are
-        empty or absent. The caller checked that ``tenant`` may use ``source``."""
+        empty or absent. The caller checked that ``tenant`` may use ``source``. With ``refill=False``
+        the caller starts the refill (``maintain``) once its own work on the sandbox is done."""
         keys = [(tenant, source, limits)] + ([("", source, limits)] if tenant else [])
         pools = [self._pools[key] for key in keys if key in self._pools]
         if not pools:
@@ -102,7 +103,8 @@ class Pools:
             warm = self._hooks.warm(sandbox_id)
             if warm:
                 pool.handouts += 1
-                self.maintain()
+                if refill:
+                    self.maintain()
                 return sandbox_id
             if warm is not None:
                 asyncio.ensure_future(self._hooks.destroy(sandbox_id))  # died while warm

@@ -126,24 +126,18 @@ def listen_in(pid: int, port: int) -> socket.socket:
     return made[0]
 
 
-def connect_in(pid: int, port: int, timeout: float = 5.0) -> socket.socket:
-    """A TCP connection to 127.0.0.1:``port`` inside the network namespace of ``pid``."""
+def socket_in(pid: int) -> socket.socket:
+    """A non-blocking TCP socket of the network namespace of ``pid``, not yet connected: its connect
+    runs on the caller's event loop, so a service that never accepts holds no thread."""
     made: list[socket.socket] = []
 
     def work() -> None:
         _enter(pid)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         made.append(sock)
-        sock.settimeout(timeout)
-        sock.connect(("127.0.0.1", port))
         sock.setblocking(False)
 
-    try:
-        _on_a_thread(work, f"connecting to port {port} in sandbox process {pid}'s network")
-    except BaseException:
-        for sock in made:
-            sock.close()
-        raise
+    _on_a_thread(work, f"making a socket in sandbox process {pid}'s network")
     return made[0]
 
 

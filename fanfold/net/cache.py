@@ -28,6 +28,9 @@ IMMUTABLE = (
 )
 NEVER = re.compile(r"/simple/|/dists/|/(Release|InRelease|Packages)(\.\w+)?$")
 INFLIGHT_WAIT_S = 300.0
+STALLED_S = 2.0
+"""A download that grows by nothing for this long is no longer waited for: a sandbox that stops
+reading must not hold up another's install (the waiter fetches the file itself)."""
 
 
 def cacheable(method: str, path: str, headers: Any = ()) -> bool:
@@ -60,6 +63,8 @@ class Cache:
             stale.unlink(missing_ok=True)
         self.size = sum(p.stat().st_size for p in self.bodies.iterdir())
         self._inflight: dict[str, asyncio.Event] = {}
+        self._writers: dict[str, CacheWriter] = {}
+        """The download each in-flight event stands for (its size shows whether it moves)."""
 
     def _entry(self, url: str) -> Path:
         return self.index / hashlib.sha256(url.encode()).hexdigest()
@@ -82,16 +87,22 @@ class Cache:
     async def wait_for(self, url: str) -> None:
         """Wait while another request downloads ``url`` (so that it is fetched once, not once per sandbox)."""
         event = self._inflight.get(url)
-        if event is not None:
+        writer = self._writers.get(url)
+        deadline = asyncio.get_running_loop().time() + INFLIGHT_WAIT_S
+        while event is not None and not event.is_set() and asyncio.get_running_loop().time() < deadline:
+            seen = writer.size if writer is not None else 0
             try:
-                await asyncio.wait_for(event.wait(), INFLIGHT_WAIT_S)
+                await asyncio.wait_for(event.wait(), STALLED_S)
             except TimeoutError:
-                pass
+                if writer is None or writer.size == seen:
+                    return  # stalled: fetch it ourselves
 
     def writer(self, url: str) -> CacheWriter:
         """A writer for a body being downloaded; others asking for ``url`` meanwhile wait (``wait_for``)."""
         event = self._inflight.setdefault(url, asyncio.Event())
-        return CacheWriter(self, url, event)
+        writer = CacheWriter(self, url, event)
+        self._writers.setdefault(url, writer)
+        return writer
 
     def _commit(self, writer: CacheWriter, headers: list[list[str]]) -> None:
         digest = writer.sha.hexdigest()
@@ -128,6 +139,8 @@ class Cache:
     def _done(self, writer: CacheWriter) -> None:
         if self._inflight.get(writer.url) is writer.event:
             del self._inflight[writer.url]
+        if self._writers.get(writer.url) is writer:
+            del self._writers[writer.url]
         writer.event.set()
 
 

@@ -70,7 +70,10 @@ class Daemon:
                 for fd in fds:
                     os.close(fd)
                 reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-            await loop.sock_sendall(control, json.dumps(reply).encode())
+            try:
+                await loop.sock_sendall(control, json.dumps(reply).encode())
+            except OSError as err:  # too large for one message: the engine hears that instead of losing netd
+                await loop.sock_sendall(control, json.dumps({"ok": False, "error": f"the reply failed: {err}"}).encode())
 
     async def handle(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         op = message.get("op")
@@ -101,8 +104,11 @@ class Daemon:
             self.splices.add(task)
             task.add_done_callback(self.splices.discard)
             return {"ok": True}
-        if op == "stats":
-            return {"ok": True, "sandboxes": {i: net.stats.to_dict() for i, net in self.sandboxes.items()},
+        if op == "stats":  # one sandbox's, denial reasons included; else every sandbox's counters alone
+            if message.get("id"):
+                net = self.sandboxes.get(message["id"])
+                return {"ok": True, "sandboxes": {} if net is None else {net.id: net.stats.to_dict()}}
+            return {"ok": True, "sandboxes": {i: _counters(net.stats) for i, net in self.sandboxes.items()},
                     "totals": self.totals()}
         raise ValueError(f"unknown op {op!r}")
 
@@ -147,6 +153,7 @@ class Daemon:
             pass  # cut: the connection is closed on the way out
         finally:
             net.open.discard(task)
+            self.proxy._cut.discard(task)
 
     async def _connection(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -169,6 +176,10 @@ class Daemon:
         """Every counter summed over the sandboxes attached now and before."""
         live = [net.stats for net in self.sandboxes.values()]
         return {name: getattr(self.retired, name) + sum(getattr(s, name) for s in live) for name in TOTALS}
+
+
+def _counters(stats: NetStats) -> dict[str, int]:
+    return {name: getattr(stats, name) for name in TOTALS}
 
 
 def _policy(wire: Any) -> NetworkPolicy:

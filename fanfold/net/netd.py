@@ -15,6 +15,8 @@ from typing import Any
 from ..errors import InfrastructureError
 
 START_TIMEOUT_S = 30.0
+MAX_REPLY = 16 << 20
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33
 REPLY_TIMEOUT_S = 30.0
 
 
@@ -37,6 +39,9 @@ class Netd:
 
     async def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if os.geteuid() == 0:  # one message holds one reply: room for every sandbox's counters
+            theirs.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, MAX_REPLY)
+            ours.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, MAX_REPLY)
         try:
             self.process = await asyncio.to_thread(self._spawn, theirs)
         except BaseException:
@@ -80,7 +85,7 @@ class Netd:
             loop = asyncio.get_running_loop()
             try:
                 await asyncio.wait_for(self._send(loop, json.dumps(message).encode(), fds or []), timeout)
-                data = await asyncio.wait_for(loop.sock_recv(self.control, 1 << 20), timeout)
+                data = await asyncio.wait_for(loop.sock_recv(self.control, MAX_REPLY), timeout)
             except (OSError, asyncio.TimeoutError) as err:
                 raise NetdDied(f"netd did not answer {message.get('op')!r}: {err or 'timed out'}{self._tail()}") from None
             if not data:

@@ -4,6 +4,8 @@ A policy is ``"none"`` (no network: loopback only), ``"open"`` (any public addre
 ``allow`` and ``deny`` rules. A rule is a host name (``pypi.org``: exactly that name), a wildcard
 (``*.example.com``: any name below it, not ``example.com`` itself), an address (``203.0.113.7``) or a
 CIDR (``10.0.0.0/8``), each with an optional ``:port`` (``[2001:db8::1]:443`` for IPv6). Deny wins.
+Address and CIDR rules cover connections asked for by address; a name needs a name rule, so no name
+that no rule names is ever resolved (its lookup would carry data out).
 
 Whatever the rules say, the proxy never connects to a special address (loopback, private, link-local
 and cloud metadata, CGNAT, multicast, the host's own) unless the operator made its range reachable
@@ -41,6 +43,11 @@ SPECIAL: tuple[tuple[str, str], ...] = (
     ("fe80::/10", "a link-local address"),
     ("ff00::/8", "a multicast address"),
     ("64:ff9b:1::/48", "a private NAT64 address"),
+    ("64:ff9b::/96", "a NAT64 address (an IPv4 address inside)"),
+    ("2002::/16", "a 6to4 address (an IPv4 address inside)"),
+    ("::/96", "an IPv4-compatible address"),
+    ("::ffff:0:0/96", "an IPv4-mapped address"),
+    ("100::/64", "a discard-only address"),
 )
 """Ranges the proxy refuses unless the operator made them reachable: whoever runs a sandbox must not
 reach the host's LAN, its loopback services or the cloud's metadata service through it."""
@@ -232,11 +239,24 @@ class NetworkPolicy:
             for rule in self.deny:
                 if rule.matches_name(host, port):
                     return f"{host}:{port} is denied by rule {rule.text!r}"
-            if self.open or any(r.matches_name(host, port) or r.net is not None for r in self.allow):
+            # A name goes on only when a name rule allows it: a CIDR rule covers addresses asked for as
+            # such, so no name is ever resolved (and carried out by DNS) that no rule names.
+            if self.open or any(r.matches_name(host, port) for r in self.allow):
                 return None
         elif self.open or any(r.net is not None for r in self.allow):
             return None  # the address is checked in decide
         return f"no allow rule matches {host}:{port}: add one (\"{host}\" or a wildcard) to the policy's allow list"
+
+    def resolvable(self, host: str) -> str | None:
+        """None when some allowed connection (any port) could need ``host``'s addresses, else why not:
+        the DNS answers of transparent capture."""
+        host = normal_host(host)
+        for rule in self.deny:
+            if rule.port is None and rule.matches_name(host, 0):
+                return f"{host} is denied by rule {rule.text!r}"
+        if self.open or any(r.host is not None and r.matches_name(host, r.port or 0) for r in self.allow):
+            return None
+        return f"no allow rule names {host}"
 
     def decide(self, host: str, port: int, address: Address, reachable: Reachable) -> str | None:
         """After ``host`` resolved to ``address``: None when connecting there is allowed, else why not."""

@@ -474,7 +474,11 @@ class _Session:
         if as_address(upstream.host) is None:
             same = sni == upstream.host
             return None if same else f"TLS server name {sni} differs from the CONNECT host {upstream.host}"
-        return policy.decide(sni, upstream.port, upstream.address, self.proxy.reachable)
+        # A tunnel to an allowed address: the name only says which site there; a denied one is refused
+        for rule in policy.deny:
+            if rule.matches_name(sni.lower().rstrip("."), upstream.port):
+                return f"TLS server name {sni} is denied by rule {rule.text!r}"
+        return None
 
     async def _splice(self, upstream: _Upstream, first_up: bytes, first_down: bytes, check_hello: Any = None) -> None:
         """Pass bytes both ways until both ends are done, starting with the bytes already read from either
@@ -909,6 +913,9 @@ def _forwardable(headers: Any, host: str | None, port: int, upgrade: bytes | Non
     listed -= FRAMING  # a Connection header cannot take away what frames the message
     kept = [(name, value) for name, value in headers.raw_items()
             if name.lower() not in HOP_BY_HOP and name.lower() not in listed]
+    if any(name.lower() == b"transfer-encoding" for name, _ in kept):
+        # h11 framed it by Transfer-Encoding: a Content-Length beside it would let the upstream read it otherwise
+        kept = [(name, value) for name, value in kept if name.lower() != b"content-length"]
     if host is not None and not any(name.lower() == b"host" for name, _ in kept):
         kept.insert(0, (b"Host", (host if port == default_port else _joined(host, port)).encode()))
     if upgrade is not None:

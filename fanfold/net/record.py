@@ -284,7 +284,8 @@ def text_pairs(headers: Any) -> list[list[str]]:
     return [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]
 
 
-CREDENTIALS = {"authorization", "proxy-authorization", "cookie"}
+CREDENTIALS = {"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key", "x-auth-token",
+               "private-token", "x-goog-api-key", "x-amz-security-token"}
 """Request headers a recording keeps only the name of: replay matches no header, and a recording is a
 file to share, not a vault."""
 

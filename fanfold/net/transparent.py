@@ -34,6 +34,7 @@ FIRST_BYTES_TIMEOUT_S = 1.0
 """How long a connection may stay silent before it is judged by its address (the server may speak first)."""
 CHUNK = 1 << 20
 DNS_TTL = 30
+MAX_PENDING_QUERIES = 64
 
 
 def original_destination(sock: socket.socket) -> tuple[str, int]:
@@ -142,6 +143,9 @@ class DnsAnswerer(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
+        if len(self.pending) >= MAX_PENDING_QUERIES:
+            self.net.stats.errors += 1  # a flood: dropped, as a busy resolver would
+            return
         task = asyncio.ensure_future(self._answer(data, addr))
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
@@ -157,9 +161,8 @@ class DnsAnswerer(asyncio.DatagramProtocol):
         for question in query.question:
             name = question.name.to_text(omit_final_dot=True).lower()
             kind = {dns.rdatatype.A: 4, dns.rdatatype.AAAA: 6}.get(question.rdtype)
-            reason = self.net.policy.precheck(name, 0) if kind else None
-            if reason is not None and self.net.policy.precheck(name, 443) is not None \
-                    and self.net.policy.precheck(name, 80) is not None:
+            reason = self.net.policy.resolvable(name)
+            if reason is not None:
                 self.net.stats.deny(f"DNS {name}", reason)
                 reply.set_rcode(dns.rcode.NXDOMAIN)
                 continue

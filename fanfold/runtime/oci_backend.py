@@ -29,6 +29,7 @@ from .base import Backend, Capabilities, Handle, SandboxSpec
 from .criu import Criu
 
 FREEZE_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
 log = logging.getLogger("fanfold.engine")
 
 
@@ -93,7 +94,17 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     async def connect_inside(self, handle: Handle, port: int) -> socket.socket:
         assert handle.pid is not None
-        return await on_thread(netns.connect_in, handle.pid, port, discard=socket.socket.close)
+        sock = await on_thread(netns.socket_in, handle.pid, discard=socket.socket.close)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port)), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as err:
+            sock.close()
+            raise InfrastructureError(f"connecting to port {port} in sandbox {handle.id} failed:"
+                                      f" {getattr(err, 'strerror', None) or 'timed out'}") from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
         with host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):

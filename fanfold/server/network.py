@@ -27,6 +27,8 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-autho
 RESPONSE_HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"proxy-authenticate", b"trailer",
                        b"upgrade"}
 CHUNK = 65536
+RESPONSE_TIMEOUT_S = 300.0
+"""How long the port route waits for a service's response head."""
 PORT_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
@@ -114,9 +116,12 @@ async def _forward(request: Request, path: str, port: int, reader: asyncio.Strea
                 await writer.drain()
     writer.write(conn.send(h11.EndOfMessage()))
     await writer.drain()
-    event = await _next_event(conn, reader)
-    while isinstance(event, h11.InformationalResponse):
-        event = await _next_event(conn, reader)
+    try:
+        event = await asyncio.wait_for(_next_event(conn, reader), RESPONSE_TIMEOUT_S)
+        while isinstance(event, h11.InformationalResponse):
+            event = await asyncio.wait_for(_next_event(conn, reader), RESPONSE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise PortUnreachable(f"the service on port {port} did not answer within {RESPONSE_TIMEOUT_S:g} s") from None
     if not isinstance(event, h11.Response):
         writer.close()
         raise PortUnreachable(f"the service on port {port} closed the connection without answering")
