@@ -22,6 +22,7 @@ bench:
 	.venv/bin/python bench/cli.py --json
 	.venv/bin/python bench/images.py --json
 	.venv/bin/python bench/tiers.py --json
+	.venv/bin/python bench/network.py --json
 
 clean:
 	rm -rf .venv build *.egg-info
