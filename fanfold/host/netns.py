@@ -103,42 +103,47 @@ def _enter(pid: int) -> None:
         os.close(target)
 
 
-def listen_in(pid: int, port: int) -> socket.socket:
-    """A TCP listener on 127.0.0.1:``port`` inside the network namespace of ``pid``, served from here:
-    a socket keeps the namespace it was made in, whichever thread later accepts on it. No
-    SO_REUSEPORT, so nothing in the sandbox can bind beside it."""
+Binding = tuple[int, int, "tuple[str, int] | None"]
+"""(family kind, listen backlog or 0, address to bind or None): one socket ``sockets_in`` makes."""
+
+
+def sockets_in(pid: int, wanted: list[Binding], what: str) -> list[socket.socket]:
+    """Non-blocking IPv4 sockets made (and bound, and listening) inside the network namespace of
+    ``pid`` from a thread of their own: a socket keeps the namespace it was made in, whichever thread
+    later uses it. All or none: on a failure those made are closed."""
     made: list[socket.socket] = []
 
     def work() -> None:
         _enter(pid)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        made.append(sock)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(1024)
-        sock.setblocking(False)
+        for kind, backlog, address in wanted:
+            sock = socket.socket(socket.AF_INET, kind)
+            made.append(sock)
+            if address is not None:
+                sock.bind(address)
+            if backlog:
+                sock.listen(backlog)
+            sock.setblocking(False)
 
     try:
-        _on_a_thread(work, f"opening port {port} in sandbox process {pid}'s network")
+        _on_a_thread(work, what)
     except BaseException:
         for sock in made:
             sock.close()
         raise
-    return made[0]
+    return made
+
+
+def listen_in(pid: int, port: int) -> socket.socket:
+    """A TCP listener on 127.0.0.1:``port`` inside the network namespace of ``pid``, served from here.
+    No SO_REUSEPORT, so nothing in the sandbox can bind beside it."""
+    wanted: list[Binding] = [(socket.SOCK_STREAM, 1024, ("127.0.0.1", port))]
+    return sockets_in(pid, wanted, f"opening port {port} in sandbox process {pid}'s network")[0]
 
 
 def socket_in(pid: int) -> socket.socket:
-    """A non-blocking TCP socket of the network namespace of ``pid``, not yet connected: its connect
-    runs on the caller's event loop, so a service that never accepts holds no thread."""
-    made: list[socket.socket] = []
-
-    def work() -> None:
-        _enter(pid)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        made.append(sock)
-        sock.setblocking(False)
-
-    _on_a_thread(work, f"making a socket in sandbox process {pid}'s network")
-    return made[0]
+    """A TCP socket of the network namespace of ``pid``, not yet connected: its connect runs on the
+    caller's event loop, so a service that never accepts holds no thread."""
+    return sockets_in(pid, [(socket.SOCK_STREAM, 0, None)], f"making a socket in sandbox process {pid}'s network")[0]
 
 
 CAPTURE_SCRIPT = """
@@ -177,22 +182,10 @@ def capture_in(pid: int, tcp_port: int, dns_port: int) -> tuple[socket.socket, s
     """Transparent capture in the network namespace of ``pid``: a TCP listener on 127.0.0.1:``tcp_port``
     that every outgoing TCP connection is redirected to, and a UDP socket on 127.0.0.1:``dns_port`` that
     gets every DNS query (``CAPTURE_SCRIPT``). Idempotent: again after a policy change, the rules are made anew."""
-    made: list[socket.socket] = []
-
-    def work() -> None:
-        _enter(pid)
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        made.append(tcp)
-        tcp.bind(("127.0.0.1", tcp_port))
-        tcp.listen(1024)
-        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        made.append(udp)
-        udp.bind(("127.0.0.1", dns_port))
-        for sock in made:
-            sock.setblocking(False)
-
+    made = sockets_in(pid, [(socket.SOCK_STREAM, 1024, ("127.0.0.1", tcp_port)),
+                            (socket.SOCK_DGRAM, 0, ("127.0.0.1", dns_port))],
+                      f"opening the capture ports in sandbox process {pid}'s network")
     try:
-        _on_a_thread(work, f"opening the capture ports in sandbox process {pid}'s network")
         done = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "sh", "-c",
                                CAPTURE_SCRIPT.format(tcp=tcp_port, dns=dns_port)],
                               capture_output=True, text=True, timeout=30)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .record import HashedFile
+
 IMMUTABLE = (
     re.compile(r"\.whl$"),
     re.compile(r"/packages/.+\.(tar\.gz|zip|tar\.bz2)$"),  # PyPI's files
@@ -144,20 +146,12 @@ class Cache:
         writer.event.set()
 
 
-class CacheWriter:
+class CacheWriter(HashedFile):
     """A download on its way into the cache: kept only if ``commit`` is called (a whole 200 response)."""
 
     def __init__(self, cache: Cache, url: str, event: asyncio.Event) -> None:
         self.cache, self.url, self.event = cache, url, event
-        self.temp = cache.temp / f"body-{secrets.token_hex(8)}"
-        self.handle = open(self.temp, "wb")
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> None:
-        self.handle.write(data)
-        self.sha.update(data)
-        self.size += len(data)
+        super().__init__(cache.temp / f"body-{secrets.token_hex(8)}")
 
     def may_keep(self, status: int, headers: Any) -> bool:
         """Whether a response with this status and headers may be kept: a 200 that shared caches may store."""

@@ -182,6 +182,24 @@ class Proxy:
             task.cancel()
 
 
+async def copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stats: NetStats, *, up: bool) -> bool:
+    """Copy until end of file, then half-close, counting bytes (``up``: sandbox to outside); False when
+    either end broke."""
+    try:
+        while data := await reader.read(CHUNK):
+            writer.write(data)
+            if up:
+                stats.bytes_up += len(data)
+            else:
+                stats.bytes_down += len(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        return True
+    except OSError:
+        return False
+
+
 class _BadRequest(Exception):
     """A request the proxy answers with 400; the message says why."""
 
@@ -511,22 +529,12 @@ class _Session:
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool) -> bool:
         """Copy until EOF, then half-close; False (and both ends torn down) when either end breaks."""
-        try:
-            while data := await reader.read(CHUNK):
-                writer.write(data)
-                if up:
-                    self.stats.bytes_up += len(data)
-                else:
-                    self.stats.bytes_down += len(data)
-                await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-            return True
-        except OSError:
+        if not await copy(reader, writer, self.stats, up=up):
             self.writer.transport.abort()
             if self.upstream is not None:
                 self.upstream.writer.transport.abort()
             return False
+        return True
 
     # -- plain HTTP ---------------------------------------------------------------------------------
 

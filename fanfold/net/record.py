@@ -40,13 +40,12 @@ def normal_url(scheme: str, host: str, port: int, path: str) -> str:
     return f"{scheme}://{shown}{path or '/'}"
 
 
-class BlobWriter:
-    """A body written to a temporary file while it streams, hashed, and renamed to its digest when whole."""
+class HashedFile:
+    """A temporary file a body is written to while it streams, hashed and counted as it goes."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.temp = directory / f".part-{secrets.token_hex(8)}"
-        self.handle = open(self.temp, "wb")
+    def __init__(self, temp: Path) -> None:
+        self.temp = temp
+        self.handle = open(temp, "wb")
         self.sha = hashlib.sha256()
         self.size = 0
 
@@ -54,6 +53,14 @@ class BlobWriter:
         self.handle.write(data)
         self.sha.update(data)
         self.size += len(data)
+
+
+class BlobWriter(HashedFile):
+    """A body written to a temporary file while it streams, hashed, and renamed to its digest when whole."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        super().__init__(directory / f".part-{secrets.token_hex(8)}")
 
     def commit(self) -> str:
         """Keep the body under its digest (one copy per content); its sha256."""

@@ -25,7 +25,7 @@ import dns.rdatatype
 import dns.rrset
 
 from .policy import Address, as_address
-from .proxy import Proxy, SandboxNet
+from .proxy import Proxy, SandboxNet, copy
 from .resolve import LookupFailed
 from .tls import MalformedHello, client_hello_sni, is_tls_handshake, read_client_hello
 
@@ -116,17 +116,7 @@ async def _decide(proxy: Proxy, net: SandboxNet, host: str, port: int, what: str
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, net: SandboxNet, *, up: bool) -> None:
-    try:
-        while data := await reader.read(CHUNK):
-            writer.write(data)
-            if up:
-                net.stats.bytes_up += len(data)
-            else:
-                net.stats.bytes_down += len(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-    except OSError:
+    if not await copy(reader, writer, net.stats, up=up):
         writer.close()
 
 
