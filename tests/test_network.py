@@ -183,6 +183,13 @@ def test_cut_ends_a_connection_that_is_already_open(fleet, outside):
         assert "rc=0" not in done.text and "rc=" in done.text, done.text
 
 
+def hold_port(sandbox, port: int) -> None:
+    """A process in the sandbox listening on 127.0.0.1:``port``, up before this returns."""
+    sandbox.exec(f"(setsid python3 -c 'import socket,time; s=socket.socket(); s.bind((\"127.0.0.1\",{port}));"
+                 " s.listen(); time.sleep(600)' >/dev/null 2>&1 &)")
+    wait_until(lambda: f":{port:04X} " in sandbox.exec("cat /proc/net/tcp").text)
+
+
 def wait_until(check, attempts: int = 200) -> None:
     import time
 
@@ -231,9 +238,7 @@ def test_bad_policies_are_clear_errors(fleet):
 
 def test_a_port_taken_inside_is_a_clear_error_not_a_stolen_port(fleet):
     with fleet.create() as box:
-        box.exec("(setsid python3 -c 'import socket,time; s=socket.socket(); s.bind((\"127.0.0.1\",3128));"
-                 " s.listen(); time.sleep(600)' >/dev/null 2>&1 &)")
-        wait_until(lambda: ":0C38 " in box.exec("cat /proc/net/tcp").text)
+        hold_port(box, 3128)
         with pytest.raises(InvalidRequest, match="port 3128 is taken"):
             box.set_network({"allow": ["www.outside.test"]})
         assert box.refresh().network == "none"
@@ -442,9 +447,7 @@ def test_a_cidr_rule_lets_no_name_be_resolved_so_dns_carries_nothing_out(fleet, 
 
 def test_a_failed_switch_to_transparent_capture_keeps_the_policy_it_had(fleet, outside):
     with fleet.create(network={"allow": ["www.outside.test"]}) as box:
-        box.exec("(setsid python3 -c 'import socket,time; s=socket.socket(); s.bind((\"127.0.0.1\",3129)); s.listen();"
-                 " time.sleep(600)' >/dev/null 2>&1 &)")
-        wait_until(lambda: ":0C39 " in box.exec("cat /proc/net/tcp").text)
+        hold_port(box, 3129)
         with pytest.raises(FanfoldError, match="Address already in use"):
             box.set_network({"allow": ["www.outside.test"], "transparent": True})
         assert box.refresh().network == {"allow": ["www.outside.test"], "deny": []}

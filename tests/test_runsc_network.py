@@ -15,7 +15,7 @@ from fanfold import EngineConfig, Fleet
 from fanfold.errors import InvalidRequest
 
 from conftest import STATE_DIR
-from test_network import CURL, RAW, SERVICE, fetch, wait_until
+from test_network import CURL, RAW, SERVICE, fetch, hold_port, wait_until
 from test_runsc import runsc_leftovers
 
 if shutil.which("runsc") is None:
@@ -80,9 +80,7 @@ def test_a_policy_changes_while_the_sandbox_runs(rfleet, outside):
 
 def test_a_port_taken_inside_is_a_clear_error_not_a_stolen_port(rfleet):
     with rfleet.create() as box:
-        box.exec("(setsid python3 -c 'import socket,time; s=socket.socket(); s.bind((\"127.0.0.1\",3128));"
-                 " s.listen(); time.sleep(600)' >/dev/null 2>&1 &)")
-        wait_until(lambda: ":0C38 " in box.exec("cat /proc/net/tcp").text)
+        hold_port(box, 3128)
         with pytest.raises(InvalidRequest, match="port 3128 is taken"):
             box.set_network({"allow": ["www.outside.test"]})
         assert box.refresh().network == "none"
