@@ -553,3 +553,17 @@ async def test_requests_with_credentials_are_not_cached_and_a_proxy_without_a_st
         run.policy({"record": "nowhere", "allow": ["allowed.test"]})
         reply = await get(run, url)  # type: ignore[arg-type]
         assert reply.status == 502 and "net_dir" in reply.headers["x-fanfold-error"]
+
+
+def test_a_body_past_the_cap_is_not_recorded_and_leaves_nothing(tmp_path, monkeypatch):
+    from fanfold.net import record
+
+    monkeypatch.setattr(record, "MAX_RECORDED_BODY", 10)
+    recorder = record.Recordings(tmp_path).recorder("", "capped")
+    taps = record.Taps(recorder=recorder)
+    taps.request("GET", "http://x.test/", [])
+    taps.response(200, [])
+    taps.response_data(b"x" * 6)
+    taps.response_data(b"x" * 6)  # past the cap: the exchange goes through, unrecorded
+    assert taps.commit() is False
+    assert [p.name for p in recorder.blobs.iterdir()] == [record.EMPTY_SHA256]

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import socket
 import sys
 from functools import partial
@@ -41,6 +42,8 @@ LEAVES = 1024
 """Hosts whose leaf certificates (and TLS contexts) netd keeps; more are minted again when used."""
 DEFAULT_CACHE_MB = 4096
 MAX_MESSAGE = 1 << 20
+MAX_OPEN = 512
+"""Connections one sandbox may hold open through netd at once."""
 MAX_FDS = 4
 
 
@@ -144,6 +147,8 @@ class Daemon:
             server.close()
 
     async def _captured(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if _over_limit(net, writer):
+            return
         task = asyncio.current_task()
         assert task is not None
         net.open.add(task)
@@ -156,6 +161,8 @@ class Daemon:
             self.proxy._cut.discard(task)
 
     async def _connection(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if _over_limit(net, writer):
+            return
         task = asyncio.current_task()
         assert task is not None
         net.open.add(task)
@@ -176,6 +183,16 @@ class Daemon:
         """Every counter summed over the sandboxes attached now and before."""
         live = [net.stats for net in self.sandboxes.values()]
         return {name: getattr(self.retired, name) + sum(getattr(s, name) for s in live) for name in TOTALS}
+
+
+def _over_limit(net: SandboxNet, writer: asyncio.StreamWriter) -> bool:
+    """Whether the sandbox holds MAX_OPEN connections already: then this one is closed at once, so that
+    one sandbox cannot take every descriptor netd has from the others."""
+    if len(net.open) < MAX_OPEN:
+        return False
+    net.stats.deny("a connection", f"the sandbox holds {MAX_OPEN} open connections through the proxy already")
+    writer.close()
+    return True
 
 
 def _counters(stats: NetStats) -> dict[str, int]:
@@ -261,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                   connect_timeout=float(settings.get("connect_timeout", 10.0)),
                   upstream_tls=upstream_context(settings.get("upstream_ca")))  # files root may read, before the drop
     control = socket.socket(fileno=args.control)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # descriptors: a few per sandbox and connection
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if args.user:
         _preload()
         uid, _, gid = args.user.partition(":")

@@ -40,6 +40,10 @@ def normal_url(scheme: str, host: str, port: int, path: str) -> str:
     return f"{scheme}://{shown}{path or '/'}"
 
 
+MAX_RECORDED_BODY = 1 << 30
+"""The largest request or response body a recording keeps; an exchange with a larger one is not recorded."""
+
+
 class HashedFile:
     """A temporary file a body is written to while it streams, hashed and counted as it goes."""
 
@@ -243,6 +247,7 @@ class Taps:
             if self.request_blob is None:
                 self.request_blob = self.recorder.blob()
             self.request_blob.write(data)
+            self._within_cap(self.request_blob)
 
     def response(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.status, self.response_headers = status, headers
@@ -255,8 +260,19 @@ class Taps:
             if self.response_blob is None:
                 self.response_blob = self.recorder.blob()
             self.response_blob.write(data)
+            self._within_cap(self.response_blob)
         if self.cache is not None:
             self.cache.write(data)
+
+    def _within_cap(self, blob: BlobWriter) -> None:
+        """A body past MAX_RECORDED_BODY is not recorded (the exchange still goes through): a sandbox
+        must not fill the host's disk through its recording."""
+        if blob.size > MAX_RECORDED_BODY:
+            for kept in (self.request_blob, self.response_blob):
+                if kept is not None:
+                    kept.discard()
+            self.request_blob = self.response_blob = None
+            self.recorder = None
 
     def commit(self) -> bool:
         """Keep what the whole exchange left (the cache's body, the recording's line); True when recorded."""
