@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .record import HashedFile
 
 IMMUTABLE = (
     re.compile(r"\.whl$"),
@@ -144,6 +143,21 @@ class Cache:
         if self._writers.get(writer.url) is writer:
             del self._writers[writer.url]
         writer.event.set()
+
+
+class HashedFile:
+    """A temporary file a body is written to while it streams, hashed and counted as it goes."""
+
+    def __init__(self, temp: Path) -> None:
+        self.temp = temp
+        self.handle = open(temp, "wb")
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.handle.write(data)
+        self.sha.update(data)
+        self.size += len(data)
 
 
 class CacheWriter(HashedFile):

@@ -17,10 +17,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .cache import CacheWriter
+from .cache import CacheWriter, HashedFile
 
 FORMAT = {"format": "fanfold-recording", "version": 1}
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -42,21 +41,6 @@ def normal_url(scheme: str, host: str, port: int, path: str) -> str:
 
 MAX_RECORDED_BODY = 1 << 30
 """The largest request or response body a recording keeps; an exchange with a larger one is not recorded."""
-
-
-class HashedFile:
-    """A temporary file a body is written to while it streams, hashed and counted as it goes."""
-
-    def __init__(self, temp: Path) -> None:
-        self.temp = temp
-        self.handle = open(temp, "wb")
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> None:
-        self.handle.write(data)
-        self.sha.update(data)
-        self.size += len(data)
 
 
 class BlobWriter(HashedFile):
