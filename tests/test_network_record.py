@@ -113,3 +113,23 @@ def test_cached_downloads_are_fetched_once_across_sandboxes(fleet, outside):
     with fleet.create(network={"allow": [PYPI], "cache": True}) as box:  # a cached URL is no way around a deny
         denied = box.exec(f"{CURL} -o /dev/null -w '%{{http_code}}' {url}")
         assert denied.text == "403"
+
+
+def test_an_episode_keeps_the_policy_it_ran_under_recording_name_included(config, outside):
+    import asyncio
+
+    from fanfold import AsyncFleet
+    from fanfold.rl import make_async, run_episode, scripted
+
+    async def run() -> None:
+        async with AsyncFleet(config=dataclasses.replace(config, net_dns=(outside.dns,))) as fleet:
+            env = make_async("corpus", fleet, network={"allow": [WWW], "record": "rec-episode"})
+            try:
+                [episode] = await run_episode(env, scripted("corpus"), seed=3)
+            finally:
+                await env.close()
+            assert episode.metadata["network"] == {"allow": [WWW], "deny": [], "record": "rec-episode"}
+            if "rec-episode" in {r["name"] for r in await fleet.recordings()}:  # made by its first exchange
+                await fleet.delete_recording("rec-episode")
+
+    asyncio.run(run())
