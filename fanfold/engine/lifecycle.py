@@ -175,21 +175,19 @@ class Lifecycle:
         if row["network"] == '"none"' or self.network.holds(row["id"]) or self.network.served_elsewhere(row["id"]):
             return
         policy = row_policy(row)
-        if policy is not None:
-            try:
-                await self.network.attach(dbmod.row_handle(row), policy, row["tenant"])
-            except FanfoldError as err:  # its port taken (by the engine serving it, most likely): the call goes on
-                self.network.elsewhere[row["id"]] = time.monotonic()
-                log.warning("fanfold: sandbox %s's network is not served by this engine: %s", row["id"], err)
+        assert policy is not None  # the column says it has one
+        try:
+            await self.network.attach(dbmod.row_handle(row), policy, row["tenant"])
+        except FanfoldError as err:  # its port taken (by the engine serving it, most likely): the call goes on
+            self.network.elsewhere[row["id"]] = time.monotonic()
+            log.warning("fanfold: sandbox %s's network is not served by this engine: %s", row["id"], err)
 
     async def serve_networks(self) -> None:
         """At start: attach every running sandbox of ours with a policy that no engine serves now."""
         for row in self.db.rows():
-            if row["state"] == "running" and self.ours(row) and self.backend.alive(dbmod.row_handle(row)):
-                try:
-                    await self._serve_network(row)
-                except FanfoldError as err:
-                    log.warning("fanfold: the network of sandbox %s is not served: %s", row["id"], err)
+            if row["network"] != '"none"' and row["state"] == "running" and self.ours(row) \
+                    and self.backend.alive(dbmod.row_handle(row)):
+                await self._serve_network(row)  # what fails is logged there
 
     async def calls_done(self, timeout: float) -> None:
         """Wait (up to ``timeout`` s) until no call holds a sandbox: a closing engine's

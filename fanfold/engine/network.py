@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import json
 import logging
 import os
@@ -60,8 +61,14 @@ def proxy_env(port: int, terminates: bool = False) -> dict[str, str]:
 
 
 def row_policy(row: Any) -> NetworkPolicy | None:
+    """The policy a row's network column holds (parsed once per distinct text: every exec asks)."""
     text = row["network"]
-    return None if not text or text == NONE else NetworkPolicy.from_wire(json.loads(text))
+    return None if not text or text == NONE else _parsed(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(text: str) -> NetworkPolicy | None:
+    return NetworkPolicy.from_wire(json.loads(text))
 
 
 def to_column(policy: NetworkPolicy | None) -> str:

@@ -147,29 +147,12 @@ class Daemon:
             server.close()
 
     async def _captured(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if _over_limit(net, writer):
-            return
-        task = asyncio.current_task()
-        assert task is not None
-        net.open.add(task)
-        try:
-            await transparent.serve(self.proxy, net, reader, writer)
-        except asyncio.CancelledError:
-            pass  # cut: the connection is closed on the way out
-        finally:
-            net.open.discard(task)
-            self.proxy._cut.discard(task)
+        if not _over_limit(net, writer):  # serve closes the connection on every way out, a cut's included
+            await self.proxy.held(net, transparent.serve(self.proxy, net, reader, writer))
 
     async def _connection(self, net: SandboxNet, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if _over_limit(net, writer):
-            return
-        task = asyncio.current_task()
-        assert task is not None
-        net.open.add(task)
-        try:
+        if not _over_limit(net, writer):
             await self.proxy.handle(reader, writer, net)
-        finally:
-            net.open.discard(task)
 
     def detach(self, sandbox_id: str) -> None:
         self._close_servers(sandbox_id)

@@ -37,7 +37,7 @@ import logging
 import ssl
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import h11
 
@@ -148,18 +148,24 @@ class Proxy:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sandbox: SandboxNet) -> None:
         """Serve one client connection from inside ``sandbox`` until it ends; never raises (errors are counted)."""
+        sandbox.stats.connections += 1
+        session = _Session(self, sandbox, reader, writer)
+        await self.held(sandbox, self._serve(session), on_cut=session.abort)
+
+    async def held(self, sandbox: SandboxNet, work: Awaitable[None], on_cut: Callable[[], None] | None = None) -> None:
+        """Run one connection's ``work`` as one of ``sandbox``'s open connections, which ``cut`` ends
+        quietly (``on_cut`` then tears it down)."""
         task = asyncio.current_task()
         assert task is not None
         sandbox.open.add(task)
-        sandbox.stats.connections += 1
-        session = _Session(self, sandbox, reader, writer)
         try:
-            await self._serve(session)
+            await work
         except asyncio.CancelledError:
             if task not in self._cut:
                 raise
             task.uncancel()  # cut: this connection ends here, quietly
-            session.abort()
+            if on_cut is not None:
+                on_cut()
         finally:
             sandbox.open.discard(task)
             self._cut.discard(task)
