@@ -166,3 +166,27 @@ async def test_deadline_destroys_the_sandbox_mid_command(afleet):
     assert sandbox.id not in {s.id for s in await afleet.list()}
     with pytest.raises(SandboxNotFound):
         await sandbox.exec("true")
+
+
+async def test_live_stdin_and_signals_reach_a_running_command(config):
+    """The embedded engine's ``control``: stdin written while the command runs, then closed, and a
+    signal to its process group (what the E2B endpoint's SendInput, CloseStdin and SendSignal use)."""
+    from fanfold import AsyncFleet
+    from fanfold._agent.client import ExecControl
+
+    async with AsyncFleet(config=config) as fleet, await fleet.create() as sandbox:
+        engine = fleet._transport
+        control = ExecControl()
+        running = asyncio.create_task(engine.exec(sandbox.id, "read a; echo got $a; cat", control=control))
+        assert await control.started > 0
+        control.write(b"one\n")
+        control.write(b"two\n")
+        control.close_stdin()
+        echoed = await running
+        control = ExecControl()
+        sleeper = asyncio.create_task(engine.exec(sandbox.id, ["sleep", "60"], control=control))
+        await control.started
+        control.signal(15)
+        ended = await sleeper
+    assert (echoed.exit_code, echoed.stdout) == (0, b"got one\ntwo\n")
+    assert (ended.outcome, ended.signal) == (Outcome.KILLED, 15)

@@ -56,6 +56,45 @@ class ExecUser:
         return text.encode()
 
 
+class ExecControl:
+    """Live stdin and signals for one exec while it runs: what is written, closed or signalled
+    here is sent to the agent as ``i`` and ``k`` frames, in order. ``pid`` is set once the
+    agent has started the command (``started`` is then done)."""
+
+    def __init__(self) -> None:
+        self._frames: asyncio.Queue[bytes] = asyncio.Queue()
+        self.pid: int | None = None
+        self.started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.stdin_closed = False
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data`` for the command's stdin (ValueError once stdin is closed)."""
+        if self.stdin_closed:
+            raise ValueError("the command's stdin is closed")
+        for start in range(0, len(data), 1 << 16):
+            self._frames.put_nowait(_frame(b"i", data[start : start + (1 << 16)]))
+
+    def close_stdin(self) -> None:
+        """End the command's stdin (the next read sees end of file); closing twice does nothing."""
+        if not self.stdin_closed:
+            self.stdin_closed = True
+            self._frames.put_nowait(_frame(b"i"))
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the command's process group."""
+        self._frames.put_nowait(_frame(b"k", str(int(signum)).encode()))
+
+    def _started(self, pid: int) -> None:
+        self.pid = pid
+        if not self.started.done():
+            self.started.set_result(pid)
+
+    async def _send(self, writer: asyncio.StreamWriter) -> None:
+        while True:
+            writer.write(await self._frames.get())
+            await writer.drain()
+
+
 @dataclass
 class RawExec:
     """What the agent reported of one exec, before the engine types it."""
@@ -182,11 +221,14 @@ class AgentClient:
         stdin: bytes | None = None,
         on_chunk: OnChunk | None = None,
         user: ExecUser | None = None,
+        control: ExecControl | None = None,
     ) -> RawExec:
         """Run one command; with ``user``, the ``u`` frame goes first, so an agent of protocol 1
-        (which knows no ``u``) drops the connection instead of running the command as root."""
+        (which knows no ``u``) drops the connection instead of running the command as root.
+        With ``control``, stdin stays open after ``stdin`` (if any) for what the control writes,
+        and its signals reach the command."""
         try:
-            return await self._exec(argv, env, cwd, timeout_ms, max_output, stdin, on_chunk, user)
+            return await self._exec(argv, env, cwd, timeout_ms, max_output, stdin, on_chunk, user, control)
         except AgentProtocolError:
             raise
         except AgentUnreachable:
@@ -201,7 +243,8 @@ class AgentClient:
             return PROTOCOL_VERSION  # unknown: the first error stands
 
     async def _exec(self, argv: list[str], env: list[str], cwd: str, timeout_ms: int, max_output: int,
-                    stdin: bytes | None, on_chunk: OnChunk | None, user: ExecUser | None) -> RawExec:
+                    stdin: bytes | None, on_chunk: OnChunk | None, user: ExecUser | None,
+                    control: ExecControl | None = None) -> RawExec:
         reader, writer = await self._connect()
         result = RawExec()
         feeder: asyncio.Task[None] | None = None
@@ -211,14 +254,14 @@ class AgentClient:
             frames += [_frame(b"e", item.encode()) for item in env]
             frames += [_frame(b"c", cwd.encode()), _frame(b"t", str(timeout_ms).encode())]
             frames.append(_frame(b"l", str(max_output).encode()))
-            if stdin is not None:
+            if stdin is not None or control is not None:
                 frames.append(_frame(b"s", b"pipe"))
             frames.append(_frame(b"x"))
             writer.write(b"".join(frames))
             await writer.drain()
-            if stdin is not None:
-                feeder = asyncio.create_task(_feed(writer, stdin))
-            await self._collect(reader, result, on_chunk, max_output)
+            if stdin is not None or control is not None:
+                feeder = asyncio.create_task(_feed(writer, stdin or b"", control))
+            await self._collect(reader, result, on_chunk, max_output, control)
             return result
         except ConnectionError as err:
             raise AgentUnreachable(f"agent connection broke: {err}") from None
@@ -228,12 +271,14 @@ class AgentClient:
             writer.close()
 
     async def _collect(self, reader: asyncio.StreamReader, result: RawExec, on_chunk: OnChunk | None,
-                       max_output: int) -> None:
+                       max_output: int, control: ExecControl | None = None) -> None:
         cut = {"o": False, "r": False}
         while True:
             kind, payload = await _read_frame(reader)
             if kind == "p" and not result.started and _NUMBER.fullmatch(payload.decode(errors="replace")):
                 result.started, result.pid = True, int(payload)
+                if control is not None:
+                    control._started(result.pid)
             elif kind in ("o", "r") and result.started:
                 kept = result.stdout if kind == "o" else result.stderr
                 room = max_output - len(kept)
@@ -321,11 +366,14 @@ async def _connect_socket(path: str) -> socket.socket:
         os.close(fd)
 
 
-async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
+async def _feed(writer: asyncio.StreamWriter, data: bytes, control: ExecControl | None = None) -> None:
     try:
         for start in range(0, len(data), 1 << 16):
             writer.write(_frame(b"i", data[start : start + (1 << 16)]))
             await writer.drain()
+        if control is not None:
+            await control._send(writer)
+            return
         writer.write(_frame(b"i"))
         await writer.drain()
     except ConnectionError:

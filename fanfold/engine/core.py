@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterable
 
+from .._agent.client import ExecControl
 from ..config import EngineConfig
 from ..errors import (
     CapacityExceeded, FanfoldError, HostNotReady, InfrastructureError, InvalidRequest, PortUnreachable,
@@ -424,13 +425,15 @@ class Engine:
         max_output: int | None = None,
         on_output: OnOutput | None = None,
         user: str | None = None,
+        control: ExecControl | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (a shell string or an argv list) in the sandbox and return its typed result.
 
         ``user`` (``name[:group]`` or ``uid[:gid]``) runs it as that user, with their HOME, USER and
-        LOGNAME unless ``env`` sets them; by default as the sandbox's user (see ``create``)."""
+        LOGNAME unless ``env`` sets them; by default as the sandbox's user (see ``create``).
+        ``control`` (embedded only) keeps stdin open for live input and sends signals while it runs."""
         return await self.execs.exec(sandbox_id, cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout,
-                                     max_output=max_output, on_output=on_output, user=user)
+                                     max_output=max_output, on_output=on_output, user=user, control=control)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return await self.files.read_file(sandbox_id, path)

@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from .._agent.client import AgentProtocolError, AgentTooOld, AgentUnreachable, ExecUser
+from .._agent.client import AgentProtocolError, AgentTooOld, AgentUnreachable, ExecControl, ExecUser
 from ..errors import InfrastructureError, InvalidRequest, SandboxGone
 from ..host import safefs
 from ..images import users
@@ -33,7 +33,7 @@ class Execs:
     async def exec(
         self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
         stdin: bytes | str | None = None, timeout: float | None = None, max_output: int | None = None,
-        on_output: OnOutput | None = None, user: str | None = None,
+        on_output: OnOutput | None = None, user: str | None = None, control: ExecControl | None = None,
     ) -> ExecResult:
         life = self.life
         if user is not None and not isinstance(user, str):
@@ -42,7 +42,7 @@ class Execs:
         started = time.perf_counter()
         try:
             async with life.using(sandbox_id) as row:
-                result = await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output, user)
+                result = await self._exec(row, argv, cwd, env, stdin_bytes, timeout, limit, on_output, user, control)
         except InfrastructureError:
             life.telemetry.exec_failed_infra()
             raise
@@ -51,7 +51,7 @@ class Execs:
 
     async def _exec(self, row: Any, argv: list[str], cwd: str | None, env: dict[str, str] | None,
                     stdin_bytes: bytes | None, timeout: float | None, limit: int,
-                    on_output: OnOutput | None, user: str | None) -> ExecResult:
+                    on_output: OnOutput | None, user: str | None, control: ExecControl | None) -> ExecResult:
         life, sandbox_id = self.life, row["id"]
         img = life.sources.store.load_image(row["image_id"])
         workdir = safefs.normalize(cwd, img.workdir) if cwd is not None else img.workdir
@@ -76,7 +76,7 @@ class Execs:
                     handle, argv, env=base_env(img, sandbox_id, merged), cwd=workdir,
                     timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)),
                     max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
-                    user=_switch(who),
+                    user=_switch(who), control=control,
                 ),
                 None if timeout is None else timeout + 30,
             )

@@ -21,7 +21,7 @@ from pathlib import Path
 import socket
 from typing import TYPE_CHECKING, Awaitable, Callable, ClassVar, Literal, Protocol
 
-from .._agent.client import AgentClient, ExecUser, OnChunk, RawExec
+from .._agent.client import AgentClient, ExecControl, ExecUser, OnChunk, RawExec
 from ..models import Limits
 
 if TYPE_CHECKING:
@@ -200,13 +200,14 @@ class Backend(ABC):
     async def exec(
         self, handle: Handle, argv: list[str], *, env: list[str], cwd: str, timeout_ms: int, max_output: int,
         stdin: bytes | None = None, on_chunk: OnChunk | None = None, user: ExecUser | None = None,
+        control: ExecControl | None = None,
     ) -> RawExec:
         """Run one command as a child of PID 1 (as ``user``, else as PID 1's own), streaming its
         output; AgentUnreachable when the connection fails or breaks, AgentTooOld when a
-        ``user`` is asked of an agent that cannot switch."""
+        ``user`` is asked of an agent that cannot switch. ``control`` feeds stdin and signals live."""
         return await self.agent(handle).exec(
             argv, env=env, cwd=cwd, timeout_ms=timeout_ms, max_output=max_output, stdin=stdin, on_chunk=on_chunk,
-            user=user,
+            user=user, control=control,
         )
 
     async def wait_ready(self, handle: Handle) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._agent.build import agent_binary
-from .._agent.client import AgentClient, ExecUser, OnChunk, RawExec
+from .._agent.client import AgentClient, ExecControl, ExecUser, OnChunk, RawExec
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
 from ..host import procs, setup
 from ..host.offload import host_errors, on_thread, read_once
@@ -180,12 +180,14 @@ class FakeBackend(Backend):
     async def exec(
         self, handle: Handle, argv: list[str], *, env: list[str], cwd: str, timeout_ms: int, max_output: int,
         stdin: bytes | None = None, on_chunk: OnChunk | None = None, user: ExecUser | None = None,
+        control: ExecControl | None = None,
     ) -> RawExec:
         """The base exec with ``cwd`` taken inside the sandbox's root. A ``user`` is the agent's to
         switch to, host ids and all: an engine run as root can, any other gets EPERM (exit 126)."""
         inside = os.path.join(self.root(handle.id), cwd.lstrip("/"))
         return await super().exec(handle, argv, env=env, cwd=inside, timeout_ms=timeout_ms,
-                                  max_output=max_output, stdin=stdin, on_chunk=on_chunk, user=user)
+                                  max_output=max_output, stdin=stdin, on_chunk=on_chunk, user=user,
+                                  control=control)
 
     # -- freeze, checkpoint, release ------------------------------------------------------------
 
