@@ -74,6 +74,10 @@ class Tenants:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    def tenant_of_token(self, token: str) -> str | None:
+        """The tenant a raw token stands for (an E2B API key, say), or None."""
+        return self._by_digest.get(_digest(token.strip()))
+
     def tenant_for(self, conn: HTTPConnection) -> str:
         """The caller's tenant, or Unauthorized."""
         header = conn.headers.get("authorization")
