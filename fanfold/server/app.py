@@ -19,6 +19,7 @@ from .. import __version__
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, NotFound
+from ..integrations import openenv
 from . import files, host, images, network, rollouts, sandboxes, snapshots
 from .auth import Tenants
 from .creates import CreateRegistry
@@ -69,6 +70,7 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     for router in (sandboxes.router, snapshots.router, files.router, images.router, images.registries, host.router,
                    rollouts.router, network.router, network.recordings_router):
         app.include_router(router)
+    app.include_router(openenv.router)  # OpenEnv environment servers: /openenv/{env}/ws
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])
     async def whoami(caller: str = Depends(tenant)) -> dict[str, str]:
