@@ -61,8 +61,10 @@ class ExecControl:
     here is sent to the agent as ``i`` and ``k`` frames, in order. ``pid`` is set once the
     agent has started the command (``started`` is then done)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_output: bool = True) -> None:
         self._frames: asyncio.Queue[bytes] = asyncio.Queue()
+        self.keep_output = keep_output
+        """False: output only reaches ``on_chunk`` (a long-lived process), the result keeps none."""
         self.pid: int | None = None
         self.started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.stdin_closed = False
@@ -286,7 +288,8 @@ class AgentClient:
                     payload, cut[kind] = payload[:max(room, 0)], True
                 if not payload:
                     continue
-                kept.extend(payload)
+                if control is None or control.keep_output:
+                    kept.extend(payload)
                 if on_chunk is not None:
                     maybe = on_chunk("stdout" if kind == "o" else "stderr", payload)
                     if maybe is not None:

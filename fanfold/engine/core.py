@@ -403,6 +403,16 @@ class Engine:
         """Delete a recording that no sandbox records into or replays from now."""
         await asyncio.to_thread(self.life.network.delete_recording, tenant, name)
 
+    async def set_deadline(self, sandbox_id: str, deadline: float) -> SandboxInfo:
+        """Destroy the sandbox ``deadline`` seconds from now instead of at its old deadline (E2B's set_timeout)."""
+        check_deadline(deadline)
+        if deadline is None:
+            raise InvalidRequest("deadline must be a positive number of seconds, got None")
+        self.life.known(sandbox_id)
+        self.db.update(sandbox_id, deadline_at=dbmod.now() + deadline)
+        self.life.arm_deadline(sandbox_id, deadline)
+        return self.life.info(sandbox_id)
+
     async def kill(self, sandbox_id: str) -> None:
         """Destroy a sandbox and release everything it held."""
         row = self.life.visible(sandbox_id)

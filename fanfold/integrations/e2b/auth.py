@@ -9,6 +9,7 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 from ...errors import SandboxNotFound, Unauthorized
 from ...server.auth import Tenants
@@ -59,3 +60,11 @@ def _load_key(path: Path) -> bytes:
     finally:
         tmp.unlink()
     return bytes.fromhex(path.read_text().strip())
+
+
+def envd_tokens(app: Any) -> EnvdTokens:
+    """The app's EnvdTokens, made on first use from its engine's state dir."""
+    found = getattr(app.state, "e2b_envd_tokens", None)
+    if found is None:
+        found = app.state.e2b_envd_tokens = EnvdTokens(app.state.engine.config.state_dir)
+    return found

@@ -1,0 +1,258 @@
+"""The unmodified ``e2b`` SDK against a real ``fanfold serve``: only E2B_API_URL, E2B_SANDBOX_URL
+and E2B_API_KEY point it at fanfold. One sandbox serves the tests that leave it as they found it;
+the lifecycle tests make their own. Every sandbox made here is killed."""
+
+from __future__ import annotations
+
+import pytest
+
+e2b = pytest.importorskip("e2b")
+from e2b import (  # noqa: E402
+    AuthenticationException, CommandExitException, NotFoundException, Sandbox, SandboxNotFoundException,
+    SandboxQuery,
+)
+
+
+@pytest.fixture(scope="module")
+def e2b_env(server):
+    """The SDK's configuration for the whole module: fanfold's URLs and alice's token as the API key."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("E2B_API_URL", f"{server.tcp_url}/e2b")
+        patch.setenv("E2B_SANDBOX_URL", f"{server.tcp_url}/e2b/envd")
+        patch.setenv("E2B_API_KEY", server.tokens["alice"])
+        patch.delenv("E2B_DEBUG", raising=False)
+        patch.delenv("E2B_DOMAIN", raising=False)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def sbx(e2b_env):
+    sandbox = Sandbox.create(timeout=600, metadata={"suite": "e2b"}, envs={"GREETING": "hello"})
+    yield sandbox
+    assert sandbox.kill()
+
+
+def test_run_streams_output_and_raises_on_a_non_zero_exit(sbx):
+    seen = []
+    result = sbx.commands.run("echo $GREETING; echo oops >&2; echo bye", on_stdout=seen.append)
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "hello\nbye\n", "oops\n")
+    assert "".join(seen) == "hello\nbye\n"
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("echo partial; exit 3")
+    assert (failed.value.exit_code, failed.value.stdout) == (3, "partial\n")
+    assert sbx.commands.run("pwd", cwd="/tmp", envs={"X": "y"}).stdout == "/tmp\n"
+
+
+def test_a_background_command_is_listed_and_killed(sbx):
+    handle = sbx.commands.run("sleep 60", background=True)
+    assert handle.pid in [p.pid for p in sbx.commands.list()]
+    assert handle.kill()
+    with pytest.raises(CommandExitException) as killed:
+        handle.wait()
+    assert killed.value.exit_code == -1
+    assert handle.pid not in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(handle.pid) is False
+
+
+def test_stdin_reaches_a_background_command_until_closed(sbx):
+    handle = sbx.commands.run("cat; echo end", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "one\n")
+    handle.send_stdin(b"two\n")
+    handle.close_stdin()
+    assert handle.wait().stdout == "one\ntwo\nend\n"
+
+
+def test_a_disconnected_command_runs_on_and_can_be_reconnected(sbx):
+    handle = sbx.commands.run("read line; echo got $line", background=True, stdin=True, timeout=0)
+    handle.disconnect()
+    again = sbx.commands.connect(handle.pid, timeout=0)
+    sbx.commands.send_stdin(handle.pid, "it\n")
+    assert again.wait().stdout == "got it\n"
+
+
+def test_files(sbx):
+    info = sbx.files.write("/tmp/e2b/a.txt", "alpha")
+    assert (info.path, info.name) == ("/tmp/e2b/a.txt", "a.txt")
+    sbx.files.write("/tmp/e2b/b.bin", b"\x00\x01", use_octet_stream=True)
+    sbx.files.write("/tmp/e2b/c.txt", "gz", gzip=True)
+    assert sbx.files.read("/tmp/e2b/a.txt") == "alpha"
+    assert sbx.files.read("/tmp/e2b/b.bin", format="bytes") == bytearray(b"\x00\x01")
+    assert sbx.files.read("/tmp/e2b/c.txt") == "gz"
+    assert sbx.files.make_dir("/tmp/e2b/sub/deeper") is True
+    assert sbx.files.make_dir("/tmp/e2b/sub") is False
+    entries = {e.name: e for e in sbx.files.list("/tmp/e2b")}
+    assert set(entries) == {"a.txt", "b.bin", "c.txt", "sub"}
+    assert (entries["a.txt"].size, entries["a.txt"].permissions, entries["sub"].type.value) == (5, "-rw-r--r--", "dir")
+    assert "/tmp/e2b/sub/deeper" in [e.path for e in sbx.files.list("/tmp/e2b", depth=2)]
+    moved = sbx.files.rename("/tmp/e2b/a.txt", "/tmp/e2b/sub/moved.txt")
+    assert moved.path == "/tmp/e2b/sub/moved.txt"
+    assert (sbx.files.exists("/tmp/e2b/a.txt"), sbx.files.exists("/tmp/e2b/sub/moved.txt")) == (False, True)
+    assert sbx.files.get_info("/tmp/e2b/sub").type.value == "dir"
+    sbx.files.remove("/tmp/e2b")
+    assert not sbx.files.exists("/tmp/e2b")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/tmp/e2b/a.txt")
+
+
+def test_info_list_and_timeout(sbx):
+    info = sbx.get_info()
+    assert (info.sandbox_id, info.state.value, info.metadata, info.template_id) == (
+        sbx.sandbox_id, "running", {"suite": "e2b"}, "base")
+    listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b"})).next_items()
+    assert [s.sandbox_id for s in listed] == [sbx.sandbox_id]
+    assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})).next_items() == []
+    sbx.set_timeout(900)
+    assert (sbx.get_info().end_at - info.end_at).total_seconds() > 250
+
+
+def test_errors_unknown_sandbox_bad_key_and_another_tenant(sbx, e2b_env):
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect("sb-does-not-exist")
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info("sb-does-not-exist")
+    assert Sandbox.kill("sb-does-not-exist") is False
+    with pytest.raises(AuthenticationException):
+        Sandbox.get_info(sbx.sandbox_id, api_key="not-a-token-of-this-server")
+    bob = e2b_env.tokens["bob"]
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(sbx.sandbox_id, api_key=bob)
+    assert Sandbox.kill(sbx.sandbox_id, api_key=bob) is False
+    assert Sandbox.list(api_key=bob, query=SandboxQuery(metadata={"suite": "e2b"})).next_items() == []
+
+
+def test_pause_and_connect_keep_files_and_end_processes(e2b_env):
+    sandbox = Sandbox.create(timeout=300)
+    try:
+        sandbox.files.write("/root/kept.txt", "kept")
+        sleeper = sandbox.commands.run("sleep 60", background=True)
+        assert sandbox.pause() is True
+        assert Sandbox.get_info(sandbox.sandbox_id).state.value == "paused"
+        assert sandbox.pause() is False
+        with pytest.raises(CommandExitException):
+            sleeper.wait()
+        resumed = Sandbox.connect(sandbox.sandbox_id)
+        assert resumed.get_info().state.value == "running"
+        assert resumed.commands.list() == []
+        assert resumed.files.read("/root/kept.txt") == "kept"
+        assert resumed.commands.run("echo back").stdout == "back\n"
+    finally:
+        assert sandbox.kill()
+
+
+def test_fork_makes_running_copies(e2b_env):
+    parent = Sandbox.create(timeout=300)
+    children = []
+    try:
+        parent.files.write("/root/state.txt", "parent")
+        children = parent.fork(count=2)
+        assert len(children) == 2 and all(isinstance(child, Sandbox) for child in children)
+        for child in children:
+            assert child.sandbox_id != parent.sandbox_id
+            assert child.files.read("/root/state.txt") == "parent"
+            assert child.commands.run("echo child").stdout == "child\n"
+    finally:
+        for sandbox in [parent, *children]:
+            if isinstance(sandbox, Sandbox):
+                assert sandbox.kill()
+
+
+def test_without_bash_commands_run_under_sh(e2b_env):
+    sandbox = Sandbox.create(timeout=300)
+    try:
+        sandbox.files.rename("/usr/bin/bash", "/usr/bin/bash.gone")
+        assert sandbox.commands.run("echo $0").stdout.strip().endswith("sh")
+        assert sandbox.commands.run("ps -o comm= -p $$ 2>/dev/null || echo sh").stdout.strip() != "bash"
+    finally:
+        assert sandbox.kill()
+
+
+# -- the wire, seen without the SDK -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def raw(e2b_env):
+    """An httpx client on the server, and a sandbox made through the raw API: (client, id, envd headers)."""
+    import httpx
+
+    with httpx.Client(base_url=f"{e2b_env.tcp_url}/e2b", timeout=60,
+                      headers={"X-API-KEY": e2b_env.tokens["alice"]}) as http:
+        made = http.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+        assert made.status_code == 201, made.text
+        body = made.json()
+        envd = {"E2b-Sandbox-Id": body["sandboxID"], "X-Access-Token": body["envdAccessToken"]}
+        yield http, body["sandboxID"], envd
+        assert http.delete(f"/sandboxes/{body['sandboxID']}").status_code == 204
+
+
+def _stream(http, method: str, message: dict, headers: dict) -> list[tuple[int, dict]]:
+    from fanfold.integrations.e2b.connect import STREAM_JSON, envelope, read_envelopes
+
+    answer = http.post(f"/envd/{method}", content=envelope(message),
+                       headers={**headers, "Content-Type": STREAM_JSON, "Connect-Protocol-Version": "1"})
+    assert (answer.status_code, answer.headers["content-type"]) == (200, STREAM_JSON)
+    return read_envelopes(answer.content)
+
+
+def test_control_plane_errors_are_e2b_json(raw):
+    http, sandbox_id, _ = raw
+    anonymous = http.get("/v2/sandboxes", headers={"X-API-KEY": ""})
+    assert (anonymous.status_code, anonymous.json()["code"]) == (401, 401)
+    bad = http.post("/v2/sandboxes", json={"templateID": "base", "timeout": "soon"})
+    assert (bad.status_code, bad.json()["code"]) == (400, 400) and "timeout" in bad.json()["message"]
+    internet = http.post("/v2/sandboxes", json={"templateID": "base", "allow_internet_access": True})
+    assert internet.status_code == 400 and "allow" in internet.json()["message"]
+    missing = http.post("/v2/sandboxes", json={"templateID": "no-such-template-here"})
+    assert missing.status_code == 404 and set(missing.json()) == {"code", "message"}
+    assert http.post(f"/sandboxes/{sandbox_id}/timeout", json={"timeout": 0}).status_code == 400
+
+
+def test_envd_checks_the_access_token_and_answers_connect_errors(raw):
+    http, sandbox_id, envd = raw
+    assert http.get("/envd/health", headers=envd).status_code == 204
+    wrong = http.get("/envd/health", headers={**envd, "X-Access-Token": "0" * 64})
+    assert wrong.status_code == 502 and "was not found" in wrong.json()["message"]
+    unknown = http.post("/envd/process.Process/Nope", json={}, headers=envd)
+    assert (unknown.status_code, unknown.json()["code"]) == (501, "unimplemented")
+    absent = http.post("/envd/process.Process/SendSignal", headers=envd,
+                       json={"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"})
+    assert (absent.status_code, absent.json()["code"]) == (404, "not_found")
+    assert _stream(http, "filesystem.Filesystem/WatchDir", {"path": "/"}, envd) == [
+        (2, {"error": {"code": "unimplemented", "message": "fanfold's envd cannot watch directories yet"}})]
+
+
+def test_start_streams_events_and_ends_with_the_connect_end_of_stream(raw):
+    http, _, envd = raw
+    events = _stream(http, "process.Process/Start",
+                     {"process": {"cmd": "/bin/sh", "args": ["-c", "printf hi; exit 4"]}}, envd)
+    assert [flags for flags, _ in events] == [0] * (len(events) - 1) + [2]
+    assert "pid" in events[0][1]["event"]["start"] and events[-1] == (2, {})
+    assert {"event": {"data": {"stdout": "aGk="}}} in [message for _, message in events]
+    assert events[-2][1] == {"event": {"end": {"exitCode": 4, "exited": True, "status": "exit status 4"}}}
+    slow = _stream(http, "process.Process/Start", {"process": {"cmd": "sleep", "args": ["30"]}},
+                   {**envd, "Connect-Timeout-Ms": "300"})
+    assert slow[-1][1]["error"]["code"] == "deadline_exceeded"
+    nowhere = _stream(http, "process.Process/Start", {"process": {"cmd": "true", "cwd": "/no/such/dir"}}, envd)
+    assert nowhere[-1][1]["error"]["code"] == "invalid_argument"
+
+
+def test_a_stopping_server_ends_the_processes_it_runs(config, tmp_path, monkeypatch):
+    """Processes left running (one watched, one whose client left) end with the server, which stops cleanly."""
+    import time
+
+    from conftest import start_server, stop_server
+
+    own = start_server(config.state_dir, tmp_path, "--grace", "2")
+    try:
+        monkeypatch.setenv("E2B_API_URL", f"{own.tcp_url}/e2b")
+        monkeypatch.setenv("E2B_SANDBOX_URL", f"{own.tcp_url}/e2b/envd")
+        monkeypatch.setenv("E2B_API_KEY", own.tokens["alice"])
+        sandbox = Sandbox.create(timeout=300)
+        watched = sandbox.commands.run("sleep 600", background=True, timeout=0)
+        sandbox.commands.run("sleep 600", background=True, timeout=0).disconnect()
+        assert len(sandbox.commands.list()) == 2
+    finally:
+        started = time.monotonic()
+        assert stop_server(own) == 0
+    assert time.monotonic() - started < 30
+    with pytest.raises(Exception):
+        watched.wait()
