@@ -190,3 +190,22 @@ async def test_live_stdin_and_signals_reach_a_running_command(config):
         ended = await sleeper
     assert (echoed.exit_code, echoed.stdout) == (0, b"got one\ntwo\n")
     assert (ended.outcome, ended.signal) == (Outcome.KILLED, 15)
+
+
+async def test_input_sent_after_a_fast_command_ended_loses_nothing(config):
+    """Stdin written after the agent finished a command that never read it (and closed the
+    connection) fails only the writing: the exit status, already on its way, still arrives."""
+    from fanfold import AsyncFleet
+    from fanfold._agent.client import ExecControl
+
+    async with AsyncFleet(config=config) as fleet, await fleet.create() as sandbox:
+        engine = fleet._transport
+        results = []
+        for _ in range(150):
+            control = ExecControl()
+            running = asyncio.create_task(engine.exec(sandbox.id, ["true"], control=control))
+            await control.started
+            control.close_stdin()
+            results.append(await running)
+        results += [await sandbox.exec(["true"], stdin=b"x" * (1 << 20)) for _ in range(10)]
+    assert all(r.outcome == Outcome.EXITED and r.exit_code == 0 for r in results)

@@ -91,10 +91,10 @@ class ExecControl:
         if not self.started.done():
             self.started.set_result(pid)
 
-    async def _send(self, writer: asyncio.StreamWriter) -> None:
+    async def _send(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            writer.write(await self._frames.get())
-            await writer.drain()
+            await loop.sock_sendall(sock, await self._frames.get())
 
 
 @dataclass
@@ -250,6 +250,7 @@ class AgentClient:
         reader, writer = await self._connect()
         result = RawExec()
         feeder: asyncio.Task[None] | None = None
+        second: socket.socket | None = None
         try:
             frames = [] if user is None else [_frame(b"u", user.payload())]
             frames += [_frame(b"a", arg.encode()) for arg in argv]
@@ -262,7 +263,8 @@ class AgentClient:
             writer.write(b"".join(frames))
             await writer.drain()
             if stdin is not None or control is not None:
-                feeder = asyncio.create_task(_feed(writer, stdin or b"", control))
+                second = _second_handle(writer)
+                feeder = asyncio.create_task(_feed(second, stdin or b"", control))
             await self._collect(reader, result, on_chunk, max_output, control)
             return result
         except ConnectionError as err:
@@ -270,6 +272,9 @@ class AgentClient:
         finally:
             if feeder is not None:
                 feeder.cancel()
+                await asyncio.gather(feeder, return_exceptions=True)
+            if second is not None:
+                second.close()
             writer.close()
 
     async def _collect(self, reader: asyncio.StreamReader, result: RawExec, on_chunk: OnChunk | None,
@@ -369,15 +374,24 @@ async def _connect_socket(path: str) -> socket.socket:
         os.close(fd)
 
 
-async def _feed(writer: asyncio.StreamWriter, data: bytes, control: ExecControl | None = None) -> None:
+async def _feed(sock: socket.socket, data: bytes, control: ExecControl | None = None) -> None:
+    """Write stdin (and then the control's frames) on ``sock``, a second handle on the exec's
+    connection: a write that fails there (the agent closed after a fast command's ``z``) ends
+    the feeding and nothing else, where a failed write on the stream's transport would also
+    discard the frames still unread, ``z`` among them."""
+    loop = asyncio.get_running_loop()
     try:
         for start in range(0, len(data), 1 << 16):
-            writer.write(_frame(b"i", data[start : start + (1 << 16)]))
-            await writer.drain()
+            await loop.sock_sendall(sock, _frame(b"i", data[start : start + (1 << 16)]))
         if control is not None:
-            await control._send(writer)
+            await control._send(sock)
             return
-        writer.write(_frame(b"i"))
-        await writer.drain()
+        await loop.sock_sendall(sock, _frame(b"i"))
     except ConnectionError:
         pass
+
+
+def _second_handle(writer: asyncio.StreamWriter) -> socket.socket:
+    """A socket on a duplicate descriptor of the writer's connection, for the loop's own socket calls
+    (which refuse a descriptor a transport uses); closing it leaves the connection open."""
+    return socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
