@@ -19,7 +19,7 @@ from .. import __version__
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, NotFound
-from ..integrations import e2b, openenv
+from ..integrations import e2b, openenv, rft
 from . import files, host, images, network, rollouts, sandboxes, snapshots
 from .auth import Tenants
 from .creates import CreateRegistry
@@ -70,8 +70,11 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     for router in (sandboxes.router, snapshots.router, files.router, images.router, images.registries, host.router,
                    rollouts.router, network.router, network.recordings_router):
         app.include_router(router)
+    app.include_router(rft.router)  # Agent RFT's tool and grader endpoints
     app.include_router(openenv.router)  # OpenEnv environment servers: /openenv/{env}/ws
-    app.include_router(e2b.router)  # E2B's API and envd: /e2b, /e2b/envd (its lifespan ends its processes)
+    # E2B's API and envd: /e2b, /e2b/envd (its lifespan ends its processes); E2B's protocol, not
+    # fanfold's: its statuses are what the e2b SDK expects (502 for a sandbox that is not there)
+    app.include_router(e2b.router, include_in_schema=False)
 
     @app.get("/v1/whoami", response_model=WhoAmI, responses=sandboxes.ERRORS, tags=["server"])
     async def whoami(caller: str = Depends(tenant)) -> dict[str, str]:

@@ -359,19 +359,26 @@ def _reply(reply: Reply) -> JSONResponse:
     return JSONResponse(body, status, headers={"X-Fanfold-Duration-Ms": f"{ms:.1f}"})
 
 
+async def check_rollout(request: Request, body: RolloutRequest, caller: str) -> None:
+    """What a new rollout names, checked before it is recorded: a bad source or limits fail now,
+    not at the first tool call."""
+    check_source(request, body.snapshot or body.image or "host", caller)
+    engine = _rollouts(request).engine
+    if body.snapshot is not None and engine.resolve_snapshot(body.snapshot) is None:
+        raise SnapshotNotFound(f"no snapshot {body.snapshot!r}")
+    if body.image not in (None, *BASES) and engine.resolve_snapshot(body.image) is None:
+        await engine.image(body.image)  # ImageNotFound
+    if body.limits is not None:  # limits the host cannot hold
+        check_fits_host(Limits(**body.limits.model_dump()))
+
+
 @router.post("/rollouts", status_code=201, response_model=RolloutBody,
              responses={**RESPONSES, 200: {"model": RolloutBody, "description": "It existed with these parameters."}})
 async def create_rollout(body: RolloutRequest, request: Request, caller: str = Depends(tenant),
                          request_id: str | None = RequestID) -> JSONResponse:
     """A rollout; its sandbox is made on its first tool call or fork, and destroyed at its deadline."""
-    check_source(request, body.snapshot or body.image or "host", caller)
+    await check_rollout(request, body, caller)
     rollouts = _rollouts(request)
-    if body.snapshot is not None and rollouts.engine.resolve_snapshot(body.snapshot) is None:
-        raise SnapshotNotFound(f"no snapshot {body.snapshot!r}")
-    if body.image not in (None, *BASES) and rollouts.engine.resolve_snapshot(body.image) is None:
-        await rollouts.engine.image(body.image)  # ImageNotFound now, not at the first tool call
-    if body.limits is not None:  # limits the host cannot hold: 422 now, not at the first tool call
-        check_fits_host(Limits(**body.limits.model_dump()))
     params = {"create": body.model_dump()}
     return _reply(await rollouts.replies.once(caller, request_id, params, lambda: rollouts.create(caller, body)))
 
