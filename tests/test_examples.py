@@ -17,14 +17,14 @@ from conftest import STATE_DIR, Server, start_server, stop_server
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 EXAMPLES = ["quickstart.py", "async_fleet.py", "snapshots.py", "own_image.py", "pool.py", "network.py", "rl_fanout.py",
-            "remote.py"]
+            "remote.py", "e2b_sdk.py", "openenv_client.py"]
 
 
-def run_example(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_example(name: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The example with the venv's python, embedded on the tests' state dir, the scripted policy."""
-    env = {k: v for k, v in os.environ.items() if k not in ("FANFOLD_URL", "FANFOLD_TOKEN", "FANFOLD_POLICY_URL")}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("FANFOLD_URL", "FANFOLD_TOKEN", "FANFOLD_POLICY_URL")}
     done = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
-                          cwd=cwd, env={**env, "FANFOLD_STATE_DIR": str(STATE_DIR)}, timeout=300)
+                          cwd=cwd, env={**inherited, "FANFOLD_STATE_DIR": str(STATE_DIR), **(env or {})}, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -106,3 +106,15 @@ def own_server(tmp_path):
 def test_remote_over_a_real_server(own_server, tmp_path):
     out = run_example("remote.py", own_server.unix_url, cwd=tmp_path).stdout
     assert re.fullmatch(r"hello from sb-[0-9a-f]+\n", out)
+
+
+def test_an_unmodified_e2b_script_runs_with_three_variables_set(server, tmp_path):
+    env = {"E2B_API_URL": server.tcp_url + "/e2b", "E2B_SANDBOX_URL": server.tcp_url + "/e2b/envd",
+           "E2B_API_KEY": server.tokens["alice"]}
+    lines = run_example("e2b_sdk.py", cwd=tmp_path, env=env).stdout.splitlines()
+    assert lines == ["hello from Linux", "exit code 3", "typed in", "['greet.sh']"]
+
+
+def test_openenvs_own_client_drives_codefix(server, tmp_path):
+    lines = run_example("openenv_client.py", server.tcp_url, server.tokens["alice"], cwd=tmp_path).stdout.splitlines()
+    assert lines == ["['edit_file', 'read_file', 'run_tests', 'submit']", "False FAILED (failures=5)"]
