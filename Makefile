@@ -23,6 +23,7 @@ bench:
 	.venv/bin/python bench/images.py --json
 	.venv/bin/python bench/tiers.py --json
 	.venv/bin/python bench/network.py --json
+	.venv/bin/python bench/integrations.py --json
 
 clean:
 	rm -rf .venv build *.egg-info
