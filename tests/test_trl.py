@@ -24,24 +24,10 @@ FIX = {"path": "stats.py", "old": "// len(values)", "new": "/ len(values)"}  # h
 
 
 def probe(factory: Any) -> tuple[Any, dict[str, Any], bool]:
-    """What trl 1.16's GRPOTrainer.__init__ does with a factory (trl/trainer/grpo_trainer.py, lines 684-702):
-
-        instance = factory()
-        has_reset = False
-        has_reward = False
-        methods = []
-        # List on the class: getmembers on the instance evaluates properties
-        for member_name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction):
-            if member_name == "reset":
-                has_reset = True
-            elif member_name == "get_reward":
-                has_reward = True
-            elif not member_name.startswith("_"):
-                methods.append(getattr(instance, member_name))
-        if not has_reset:
-            raise ValueError(...)
-
-    Its tools then go into a dict by ``__name__`` (lines 2370-2383) and are rendered with
+    """What trl 1.16's GRPOTrainer.__init__ does with a factory, statement for statement (trl/trainer/
+    grpo_trainer.py, lines 684-702: the members listed on the class, since getmembers on the instance
+    would evaluate properties; ``reset`` required, ``get_reward`` optional, every other public function a
+    tool). Its tools then go into a dict by ``__name__`` (lines 2370-2383) and are rendered with
     ``get_json_schema`` (trl/generation/vllm_client.py, line 594)."""
     instance = factory()
     has_reset = False
