@@ -204,6 +204,9 @@ def test_control_plane_errors_are_e2b_json(raw):
     missing = http.post("/v2/sandboxes", json={"templateID": "no-such-template-here"})
     assert missing.status_code == 404 and set(missing.json()) == {"code", "message"}
     assert http.post(f"/sandboxes/{sandbox_id}/timeout", json={"timeout": 0}).status_code == 400
+    not_utf8 = http.post("/v2/sandboxes", content=b'{"templateID": "\xff"}', headers={"Content-Type": "application/json"})
+    assert (not_utf8.status_code, not_utf8.json()["code"]) == (400, 400)  # was a 500 "fanfold bug"
+    assert http.get("/v2/sandboxes", params={"nextToken": "9" * 5000}).status_code == 200  # was a 500
 
 
 def test_envd_checks_the_access_token_and_answers_connect_errors(raw):
@@ -220,6 +223,21 @@ def test_envd_checks_the_access_token_and_answers_connect_errors(raw):
         (2, {"error": {"code": "unimplemented", "message": "fanfold's envd cannot watch directories yet"}})]
 
 
+def test_a_multipart_upload_is_bounded_and_larger_files_stream(raw):
+    """Multipart parts are spooled on the host before they reach the sandbox, so their declared length
+    is capped (filesystem.MAX_MULTIPART) and one without a length refused; octet-stream streams in."""
+    http, _, envd = raw
+
+    def chunked():  # no Content-Length: the size cannot be checked before the parts are spooled
+        yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/x\"\r\n\r\nx\r\n--b--\r\n"
+
+    unknown = http.post("/envd/files", content=chunked(), headers={**envd, "Content-Type": "multipart/form-data; boundary=b"})
+    assert unknown.status_code == 400 and "octet-stream" in unknown.json()["message"]
+    streamed = http.post("/envd/files", params={"path": "/tmp/streamed"}, content=iter([b"a" * 65536] * 32),
+                         headers={**envd, "Content-Type": "application/octet-stream"})
+    assert streamed.status_code == 200 and streamed.json()[0]["path"] == "/tmp/streamed"
+
+
 def test_start_streams_events_and_ends_with_the_connect_end_of_stream(raw):
     http, _, envd = raw
     events = _stream(http, "process.Process/Start",
@@ -233,6 +251,9 @@ def test_start_streams_events_and_ends_with_the_connect_end_of_stream(raw):
     assert slow[-1][1]["error"]["code"] == "deadline_exceeded"
     nowhere = _stream(http, "process.Process/Start", {"process": {"cmd": "true", "cwd": "/no/such/dir"}}, envd)
     assert nowhere[-1][1]["error"]["code"] == "invalid_argument"
+    huge = _stream(http, "process.Process/Start", {"process": {"cmd": "true"}},
+                   {**envd, "Connect-Timeout-Ms": "9" * 400, "Keepalive-Ping-Interval": "9" * 400})
+    assert huge[-1] == (2, {})  # an over-long number is no limit, not an OverflowError
 
 
 def test_a_stopping_server_ends_the_processes_it_runs(config, tmp_path, monkeypatch):
@@ -256,3 +277,17 @@ def test_a_stopping_server_ends_the_processes_it_runs(config, tmp_path, monkeypa
     assert time.monotonic() - started < 30
     with pytest.raises(Exception):
         watched.wait()
+
+
+async def test_a_watcher_is_dropped_by_the_bytes_it_falls_behind_too():
+    """Chunks of 64 KiB: 1024 of them would hold 87 MiB (as base64) per stalled watcher."""
+    from fanfold._agent.client import ExecControl
+    from fanfold.integrations.e2b.processes import MAX_BACKLOG_BYTES, Ended, Process
+
+    process = Process(config={}, tag=None, control=ExecControl(keep_output=False))
+    slow = process.watch()
+    for _ in range(MAX_BACKLOG_BYTES // 65536 + 2):
+        process.output("stdout", b"x" * 65536)
+    assert slow not in process.watchers and slow.size <= MAX_BACKLOG_BYTES + 90_000
+    items = [slow.get_nowait() for _ in range(slow.qsize())]
+    assert isinstance(items[-1], Ended) and items[-1].error.code == "resource_exhausted" and slow.size == 0

@@ -4,6 +4,8 @@ interrupts the cell and keeps the state, other languages are refused."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from e2b.exceptions import TimeoutException
 from e2b_code_interpreter import Sandbox
@@ -59,3 +61,90 @@ def test_other_languages_are_refused_clearly(e2b_env):
     with Sandbox.create() as sbx:
         with pytest.raises(SandboxException, match="Python only"):
             sbx.run_code("console.log(1)", language="javascript")
+
+
+async def _events(cell) -> list[dict]:
+    return [event async for event in cell]
+
+
+async def test_a_cell_queued_on_an_ended_context_starts_no_kernel_that_would_block_a_pause(config):
+    """A cell waiting on a context that a pause ends gets an error; it must not start a kernel that no
+    one tracks (that exec would hold the sandbox, and the next pause would wait on it forever)."""
+    from fanfold.engine import Engine
+    from fanfold.integrations.e2b.interpreter import Kernels
+
+    engine = Engine(config)
+    await engine.start()
+    try:
+        info = await engine.create("host", deadline=120)
+        kernels = Kernels(engine)
+        running = kernels.get(info.id, None).execute("print('on', flush=True)\nimport time\ntime.sleep(60)", {})
+        assert (await anext(running))["text"] == "on\n"  # the first cell holds the context
+        queued = asyncio.ensure_future(_events(kernels.get(info.id, None).execute("1 + 1", {})))
+        await asyncio.sleep(0)  # the queued cell now waits on the context's lock
+        await kernels.end(info.id)
+        assert [e["name"] for e in await _events(running)] == ["KernelDied"]
+        assert [e.get("name") for e in await queued] == ["KernelError"]
+        await asyncio.wait_for(engine.suspend(info.id), 60)  # nothing left running in it
+        await engine.kill(info.id)
+    finally:
+        await engine.close()
+
+
+async def test_an_event_line_without_its_end_is_bounded_and_scanned_once(config):
+    """Output that opens an event line and never ends it is printed text past MAX_EVENT, and each chunk
+    is scanned once (it was rescanned whole on every chunk: quadratic, blocking the server)."""
+    from fanfold.integrations.e2b import interpreter
+
+    kernel = interpreter.Kernel(None, "sb-x", "ctx", None)  # type: ignore[arg-type]
+    kernel._sink = sink = asyncio.Queue()
+    chunk = b"x" * 65536
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "MAX_EVENT", 1 << 20)
+        kernel._output("stdout", b"before\x1e")
+        for _ in range(17):
+            kernel._output("stdout", chunk)
+        kernel._output("stdout", b'\n\x1e{"type": "result", "text": "1"}\nafter')
+    got = [sink.get_nowait() for _ in range(sink.qsize())]
+    assert [e["type"] for e in got] == ["stdout", "stdout", "stdout", "result", "stdout"]
+    assert got[1]["text"] == "\x1e" + "x" * 17 * 65536 and got[-1]["text"] == "after"
+
+
+async def test_a_client_that_falls_behind_loses_output_not_server_memory():
+    from fanfold.integrations.e2b import interpreter
+
+    kernel = interpreter.Kernel(None, "sb-x", "ctx", None)  # type: ignore[arg-type]
+    kernel._sink = sink = asyncio.Queue()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "MAX_BACKLOG", 1 << 20)
+        for _ in range(100):
+            kernel._output("stdout", b"y" * 65536)
+        kernel._output("stdout", b'\x1e{"type": "done", "execution_count": 1}\n\x1e{"type": "done"}\n')
+    got = [sink.get_nowait() for _ in range(sink.qsize())]
+    assert sum(len(e.get("text", "")) for e in got) < 2 << 20
+    assert "output was dropped" in got[-2]["text"] and [e["type"] for e in got].count("done") == 1
+
+
+def test_restart_ends_a_running_cell_and_bad_bodies_are_400s(e2b_env, server):
+    import threading
+
+    import httpx
+
+    with Sandbox.create() as sbx:
+        started = threading.Event()
+        outcome: dict = {}
+
+        def forever() -> None:
+            outcome["cell"] = sbx.run_code("import time\nprint('in', flush=True)\ntime.sleep(600)",
+                                           on_stdout=lambda _: started.set(), timeout=120)
+
+        runner = threading.Thread(target=forever)
+        runner.start()
+        assert started.wait(60)
+        sbx.restart_code_context("default-python")  # it waited for the cell to end: forever
+        runner.join(60)
+        assert outcome["cell"].error is not None and outcome["cell"].error.name == "KernelDied"
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token}
+        url = f"{server.tcp_url}/e2b/envd/execute"
+        assert httpx.post(url, headers=headers, json={"code": "1", "context_id": ["x"]}).status_code == 400
+        assert httpx.post(url, headers=headers, content=b"x" * (17 << 20)).status_code == 400

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from ...errors import FanfoldError, SandboxNotFound
 from ...models import SandboxInfo
@@ -70,6 +71,8 @@ class ApiRoute(APIRoute):
             except FanfoldError as err:
                 status = status_for(err)
                 return api_error(400 if status == 422 else status, str(err))
+            except HTTPException as err:  # a body FastAPI could not parse (not UTF-8, say)
+                return api_error(err.status_code, str(err.detail))
             except Exception as err:  # noqa: BLE001 - a bug still answers in E2B's shape
                 log.exception("fanfold e2b: unexpected error in the API")
                 return api_error(500, f"fanfold bug: {type(err).__name__}: {err}")
@@ -200,7 +203,7 @@ async def list_sandboxes(
     states = set((state or "running,paused").split(","))
     infos = [info for info in await engine(request).list(wanted, tenant=tenant) if state_of(info) in states]
     infos.sort(key=lambda info: (info.created_at, info.id))
-    start = int(next_token) if next_token and next_token.isdigit() else 0
+    start = int(next_token) if next_token and next_token.isdigit() and len(next_token) < 10 else 0
     page = infos[start : start + limit]
     if start + limit < len(infos):
         response.headers["x-next-token"] = str(start + limit)

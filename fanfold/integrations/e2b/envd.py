@@ -31,7 +31,7 @@ from .connect import (
     STATUS, STREAM_JSON, RpcError, decode, end_of_stream, envelope, enum_value, error_json, field as message_field,
     gone_message, rpc_error, stream_request, unb64,
 )
-from .processes import Ended, Item, Process, Processes, missing_program
+from .processes import Backlog, Ended, Process, Processes, missing_program
 
 log = logging.getLogger("fanfold.e2b")
 ENVD_VERSION = "0.6.4"
@@ -112,7 +112,7 @@ def _basic_user(request: Request) -> str | None:
 
 
 def _seconds(header: str | None, per_second: int) -> float | None:
-    if not header or not header.isdigit() or int(header) <= 0:
+    if not header or not header.isdigit() or len(header) > 12 or int(header) <= 0:  # 13 digits: no limit
         return None
     return int(header) / per_second
 
@@ -268,7 +268,7 @@ async def connect(call: Call, message: dict[str, Any]) -> AsyncIterator[bytes]:
     return watch(process, process.watch(), call.keepalive)
 
 
-async def watch(process: Process, queue: asyncio.Queue[Item], keepalive: float) -> AsyncIterator[bytes]:
+async def watch(process: Process, queue: Backlog, keepalive: float) -> AsyncIterator[bytes]:
     """The process's events as a Connect stream: start, data and end, keepalives while it is quiet.
     A client that leaves stops watching; the process runs on."""
     try:

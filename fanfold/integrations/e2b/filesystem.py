@@ -39,6 +39,10 @@ async def filesystem_service(method: str, request: Request) -> Response:
     return await serve_rpc(request, "filesystem.Filesystem", method, UNARY, STREAMS)
 
 
+MAX_MULTIPART = 256 * 1024 * 1024
+"""Largest multipart upload: its parts are spooled on the host (octet-stream uploads stream, uncapped)."""
+
+
 @router.get("/files")
 async def download(request: Request, path: str = Query(...)) -> Response:
     """A file's bytes, streamed."""
@@ -55,6 +59,12 @@ async def upload(request: Request, path: str | None = Query(None)) -> Response:
     kind = request.headers.get("content-type", "").partition(";")[0].strip()
     written = []
     if kind == "multipart/form-data":
+        declared = request.headers.get("content-length", "")
+        if not declared.isdigit() or int(declared) > MAX_MULTIPART:
+            # the form's parts are spooled on the host before they reach the sandbox: bounded here
+            raise RpcError("invalid_argument", f"a multipart upload needs a Content-Length of at most"
+                           f" {MAX_MULTIPART >> 20} MiB: send larger files as application/octet-stream (the SDK"
+                           " does for file objects and iterables), which streams into the sandbox")
         async with request.form(max_files=1000) as form:
             parts = [part for part in form.getlist("file") if isinstance(part, UploadFile)]
             for part in parts:

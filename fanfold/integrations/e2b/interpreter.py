@@ -34,6 +34,12 @@ ABANDON_S = 5.0
 """How long an interrupted cell may take to stop before its kernel is killed (the context then
 starts afresh on its next cell)."""
 UNLIMITED = 1 << 62
+MAX_EVENT = 32 * 1024 * 1024
+"""Longest event line (a result's repr) the host holds while it arrives; past it, the line is stdout."""
+MAX_BACKLOG = 64 * 1024 * 1024
+"""Characters of output a cell's client may fall behind by; past it, output is dropped (and said so)."""
+MAX_BODY = 16 * 1024 * 1024
+"""Largest /execute or /contexts request body."""
 router = APIRouter(prefix="/envd", include_in_schema=False)
 
 
@@ -50,7 +56,15 @@ class Kernel:
         self.control: ExecControl | None = None
         self.task: asyncio.Task[Any] | None = None
         self._sink: asyncio.Queue[dict[str, Any] | None] | None = None
-        self._text = ""
+        self._backlog = 0
+        """Characters of output waiting in ``_sink`` for the client."""
+        self._dropping = False
+        self._finished = False
+        """Whether the running cell's ``done`` is in the sink: a later one (printed by the cell) is dropped."""
+        self._event: list[str] | None = None
+        """The pieces of an event line still arriving (after its MARK), or None between events."""
+        self.ended = False
+        """Set when the context is removed or its sandbox paused, forked or killed: it runs no more cells."""
         self._decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
 
     def describe(self) -> dict[str, Any]:
@@ -60,8 +74,11 @@ class Kernel:
         if self.task is not None and not self.task.done():
             assert self.control is not None
             return self.control
+        if self.ended:
+            raise KernelDied("this context was ended (its sandbox was paused, forked or killed, or the context"
+                             " removed): its state is lost; run the cell again")
         self.control = ExecControl(keep_output=False)
-        self._text = ""
+        self._event = None
         self.task = asyncio.create_task(self.engine.exec(
             self.sandbox_id, ["python3", "-u", "-c", KERNEL], cwd=self.cwd, control=self.control,
             on_output=self._output, max_output=UNLIMITED))
@@ -82,32 +99,57 @@ class Kernel:
             task.exception()  # retrieved: the cell that waited reports the death
 
     def _output(self, stream: str, data: bytes) -> None:
+        """Text between MARK-led event lines is printed output; each chunk is scanned once."""
         text = self._decoders[stream].decode(data)
         if stream == "stderr":
-            self._deliver({"type": "stderr", "text": text, "timestamp": time.time_ns()})
+            self._deliver(_printed("stderr", text))
             return
-        self._text += text
-        while self._text:
-            mark = self._text.find(MARK)
-            if mark == -1:
-                self._deliver({"type": "stdout", "text": self._text, "timestamp": time.time_ns()})
-                self._text = ""
-            elif mark > 0:
-                self._deliver({"type": "stdout", "text": self._text[:mark], "timestamp": time.time_ns()})
-                self._text = self._text[mark:]
-            else:
-                end = self._text.find("\n")
-                if end == -1:
-                    return  # the rest of the event is still on its way
-                try:
-                    self._deliver(json.loads(self._text[1:end]))
-                except ValueError:
-                    self._deliver({"type": "stdout", "text": self._text[: end + 1], "timestamp": time.time_ns()})
-                self._text = self._text[end + 1 :]
+        while text:
+            if self._event is None:
+                mark = text.find(MARK)
+                self._deliver(_printed("stdout", text if mark == -1 else text[:mark]))
+                if mark == -1:
+                    return
+                self._event, text = [], text[mark + 1 :]
+                continue
+            end = text.find("\n")
+            if end == -1:
+                self._event.append(text)
+                if sum(map(len, self._event)) > MAX_EVENT:  # no event is this long: it was printed
+                    self._deliver(_printed("stdout", MARK + "".join(self._event)))
+                    self._event = None
+                return
+            line, self._event, text = "".join(self._event) + text[:end], None, text[end + 1 :]
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            self._deliver(event if isinstance(event, dict) else _printed("stdout", MARK + line + "\n"))
 
     def _deliver(self, event: dict[str, Any]) -> None:
-        if self._sink is not None and event.get("text", True) != "":
-            self._sink.put_nowait(event)
+        """Into the cell's sink, unless the client is over ``MAX_BACKLOG`` behind: then output is dropped."""
+        if self._sink is None or event.get("text", True) == "":
+            return
+        if event.get("type") == "done":
+            if self._finished:
+                return
+            self._finished = True
+        else:
+            if self._backlog > MAX_BACKLOG:
+                if not self._dropping:
+                    self._dropping = True
+                    self._sink.put_nowait(_printed("stderr", "[fanfold: the client fell behind the cell's output;"
+                                                   " output was dropped]\n"))
+                return
+            self._dropping = False
+            self._backlog += _weight(event)
+        self._sink.put_nowait(event)
+
+    async def _next(self, sink: asyncio.Queue[dict[str, Any] | None]) -> dict[str, Any] | None:
+        event = await sink.get()
+        if event is not None:
+            self._backlog = max(0, self._backlog - _weight(event))
+        return event
 
     async def execute(self, code: str, env: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
         """The cell's events, ending with ``number_of_executions``; an ``error`` when the kernel dies."""
@@ -121,9 +163,10 @@ class Kernel:
                 yield _error("KernelError", str(err))
                 return
             self._sink = sink = asyncio.Queue()
+            self._backlog, self._dropping, self._finished = 0, False, False
             control.write((json.dumps({"code": code, "env": env}) + "\n").encode())
             while True:
-                event = await sink.get()
+                event = await self._next(sink)
                 if event is None:
                     done = True
                     yield _error("KernelDied", "the code interpreter's process ended (the sandbox was paused,"
@@ -149,7 +192,7 @@ class Kernel:
                 deadline = time.monotonic() + ABANDON_S
                 while sink is not None and (left := deadline - time.monotonic()) > 0:
                     try:
-                        event = await asyncio.wait_for(sink.get(), left)
+                        event = await asyncio.wait_for(self._next(sink), left)
                     except asyncio.TimeoutError:
                         break
                     if event is None or event.get("type") == "done":
@@ -158,6 +201,11 @@ class Kernel:
         finally:
             self._sink = None
             self.lock.release()
+
+    async def close(self) -> None:
+        """End the process for good: a cell still waiting on this context gets an error, and starts none."""
+        self.ended = True
+        await self.stop()
 
     async def stop(self) -> None:
         """End the process (its names are gone); the next cell starts a fresh one."""
@@ -191,13 +239,13 @@ class Kernels:
         kernel = self.by_sandbox.get(sandbox_id, {}).pop(context_id, None)
         if kernel is None:
             raise SandboxNotFound(f"no context {context_id!r} in sandbox {sandbox_id}")
-        await kernel.stop()
+        await kernel.close()
 
     async def end(self, sandbox_id: str) -> None:
         """Stop every context of the sandbox: before a pause or fork (an exec in flight would hold
         it), and when it is killed."""
         for kernel in self.by_sandbox.pop(sandbox_id, {}).values():
-            await kernel.stop()
+            await kernel.close()
 
     async def close(self) -> None:
         for sandbox_id in list(self.by_sandbox):
@@ -218,6 +266,16 @@ async def close_kernels(app: Any) -> None:
         await found.close()
 
 
+def _printed(stream: str, text: str) -> dict[str, Any]:
+    return {"type": stream, "text": text, "timestamp": time.time_ns()}
+
+
+def _weight(event: dict[str, Any]) -> int:
+    """An event's share of a client's backlog: its text, or the size of its other fields."""
+    text = event.get("text")
+    return len(text) if isinstance(text, str) else len(str(event))
+
+
 def _error(name: str, value: str) -> dict[str, Any]:
     return {"type": "error", "name": name, "value": value, "traceback": f"{name}: {value}"}
 
@@ -230,6 +288,16 @@ def _sandbox(request: Request, sandbox_id: str | None, access: str | None, traff
     if request.app.state.engine.tenant_of(sandbox_id) is None:
         raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
     return sandbox_id
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request's body, up to ``MAX_BODY`` (a 400 past it)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise _LanguageRefused(f"the request body is over {MAX_BODY // (1024 * 1024)} MiB")
+    return bytes(body)
 
 
 def _refusal(err: FanfoldError) -> JSONResponse:
@@ -256,9 +324,11 @@ async def execute(request: Request, sandbox: str | None = Sandbox, access: str |
                   traffic: str | None = Traffic) -> Response:
     try:
         sandbox_id = _sandbox(request, sandbox, access, traffic)
-        body = await request.json()
+        body = json.loads(await _read_body(request))
         if not isinstance(body, dict) or not isinstance(body.get("code"), str):
             raise _LanguageRefused("the body must be JSON with a string 'code'")
+        if not isinstance(body.get("context_id"), (str, type(None))):
+            raise _LanguageRefused("context_id must be a string")
         _python_only(body.get("language"))
         env = body.get("env_vars") or {}
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
@@ -281,7 +351,7 @@ async def create_context(request: Request, sandbox: str | None = Sandbox, access
                          traffic: str | None = Traffic) -> Response:
     try:
         sandbox_id = _sandbox(request, sandbox, access, traffic)
-        body = await request.json() if await request.body() else {}
+        body = json.loads(await _read_body(request) or b"{}")
         _python_only(body.get("language"))
         cwd = body.get("cwd")
         return JSONResponse(kernels(request.app).add(sandbox_id, cwd if isinstance(cwd, str) else None).describe())
@@ -319,6 +389,7 @@ async def restart_context(context_id: str, request: Request, sandbox: str | None
         kernel = kernels(request.app).get(_sandbox(request, sandbox, access, traffic), context_id)
     except FanfoldError as err:
         return _refusal(err)
+    await kernel.stop()  # a running cell ends now (with an error), rather than being waited for
     async with kernel.lock:
-        await kernel.stop()
+        await kernel.stop()  # and so does a kernel that a cell queued behind it started
     return Response(status_code=204)

@@ -28,6 +28,8 @@ UNLIMITED_OUTPUT = 1 << 60
 """Output streams to watchers and is not kept, so the agent need not cut it."""
 MAX_BACKLOG = 1024
 """Output chunks (up to 64 KiB each) a watcher may fall behind by before its stream is ended."""
+MAX_BACKLOG_BYTES = 16 * 1024 * 1024
+"""And bytes of output (as base64): every stalled watcher holds at most this much."""
 END_GRACE_S = 2.0
 """How long ``end_all`` waits for SIGKILLed processes before it cancels their execs."""
 
@@ -44,6 +46,28 @@ class Ended:
 Item = Event | Ended
 
 
+class Backlog(asyncio.Queue[Item]):
+    """A watcher's queue, which counts the output it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0
+
+    def _put(self, item: Item) -> None:
+        self.size += _weight(item)
+        super()._put(item)
+
+    def _get(self) -> Item:
+        item = super()._get()
+        self.size -= _weight(item)
+        return item
+
+
+def _weight(item: Item) -> int:
+    data = item.get("data") if isinstance(item, dict) else None
+    return sum(len(text) for text in data.values()) if isinstance(data, dict) else 0
+
+
 @dataclass(eq=False)
 class Process:
     """One running command and who watches it."""
@@ -54,14 +78,14 @@ class Process:
     control: ExecControl
     pid: int = 0
     task: asyncio.Task[ExecResult] | None = None
-    watchers: set[asyncio.Queue[Item]] = field(default_factory=set)
+    watchers: set[Backlog] = field(default_factory=set)
 
-    def watch(self) -> asyncio.Queue[Item]:
-        queue: asyncio.Queue[Item] = asyncio.Queue()
+    def watch(self) -> Backlog:
+        queue = Backlog()
         self.watchers.add(queue)
         return queue
 
-    def unwatch(self, queue: asyncio.Queue[Item]) -> None:
+    def unwatch(self, queue: Backlog) -> None:
         self.watchers.discard(queue)
 
     def output(self, stream: str, data: bytes) -> None:
@@ -75,7 +99,8 @@ class Process:
 
     def _publish(self, item: Item) -> None:
         for queue in list(self.watchers):
-            if queue.qsize() >= MAX_BACKLOG and not isinstance(item, Ended):
+            behind = queue.qsize() >= MAX_BACKLOG or queue.size >= MAX_BACKLOG_BYTES
+            if behind and not isinstance(item, Ended):
                 self.watchers.discard(queue)  # a client that does not read: its stream ends, the process runs on
                 queue.put_nowait(Ended(RpcError("resource_exhausted", "the client fell too far behind the"
                                                 " command's output; reconnect to follow it again")))
@@ -96,7 +121,7 @@ class Processes:
 
     async def start(self, sandbox_id: str, argv: list[str], *, config: dict[str, Any], tag: str | None,
                     env: dict[str, str] | None, cwd: str | None, user: str | None, stdin: bool,
-                    timeout: float | None) -> tuple[Process, asyncio.Queue[Item]]:
+                    timeout: float | None) -> tuple[Process, Backlog]:
         """Start ``argv`` and return it with a queue watching it from its first byte of output; the
         start failure (a missing program or cwd) as RpcError."""
         if sandbox_id in self._quiet:
