@@ -62,6 +62,18 @@ def test_stdin_reaches_a_background_command_until_closed(sbx):
     assert handle.wait().stdout == "one\ntwo\nend\n"
 
 
+def test_kill_reaches_a_command_that_never_read_its_stdin(sbx):
+    """A signal on the command's own connection would wait behind the stdin it has not read; the
+    endpoint signals it from a second command instead."""
+    handle = sbx.commands.run("sleep 62", background=True, stdin=True, timeout=0)
+    for _ in range(8):
+        sbx.commands.send_stdin(handle.pid, "x" * (1 << 19))
+    assert sbx.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException):
+        handle.wait()
+    assert "sleep 62" not in sbx.commands.run("ps -eo args").stdout
+
+
 def test_a_disconnected_command_runs_on_and_can_be_reconnected(sbx):
     handle = sbx.commands.run("read line; echo got $line", background=True, stdin=True, timeout=0)
     handle.disconnect()

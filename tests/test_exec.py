@@ -209,3 +209,23 @@ async def test_input_sent_after_a_fast_command_ended_loses_nothing(config):
             results.append(await running)
         results += [await sandbox.exec(["true"], stdin=b"x" * (1 << 20)) for _ in range(10)]
     assert all(r.outcome == Outcome.EXITED and r.exit_code == 0 for r in results)
+
+
+async def test_stdin_nobody_reads_is_bounded_on_the_host(config):
+    """Live stdin queues on the host only up to ExecControl.MAX_BACKLOG for a command that does not
+    read it; past that a write is refused (BufferError). Ending the exec still kills the command."""
+    from fanfold import AsyncFleet
+    from fanfold._agent.client import ExecControl
+
+    async with AsyncFleet(config=config) as fleet, await fleet.create() as sandbox:
+        control = ExecControl()
+        running = asyncio.create_task(fleet._transport.exec(sandbox.id, ["sleep", "61"], control=control))
+        await control.started
+        with pytest.raises(BufferError):
+            for _ in range(2 * ExecControl.MAX_BACKLOG >> 20):
+                control.write(b"x" * (1 << 20))
+        assert 0 < control.backlog <= ExecControl.MAX_BACKLOG
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        left = await sandbox.exec("for p in /proc/[0-9]*; do cat $p/cmdline; echo; done | tr '\\0' ' '")
+    assert "sleep 61" not in left.text

@@ -8,6 +8,7 @@ is capped here whatever the agent claims to have capped.
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import os
 import re
@@ -57,34 +58,53 @@ class ExecUser:
 
 
 class ExecControl:
-    """Live stdin and signals for one exec while it runs: what is written, closed or signalled
-    here is sent to the agent as ``i`` and ``k`` frames, in order. ``pid`` is set once the
-    agent has started the command (``started`` is then done)."""
+    """Live stdin and signals for one exec while it runs, sent to the agent as ``i`` and ``k``
+    frames: stdin in order, a signal ahead of stdin still queued. The agent reads no frame while
+    the command has not taken the last stdin chunk, so a signal to a command that does not read
+    its stdin waits while ``backlog`` is above zero (signal such a command by another way, or
+    end the exec). ``pid`` is set once the agent has started the command (``started`` is then
+    done)."""
+
+    MAX_BACKLOG = 16 << 20
 
     def __init__(self, *, keep_output: bool = True) -> None:
-        self._frames: asyncio.Queue[bytes] = asyncio.Queue()
+        self._stdin: collections.deque[bytes] = collections.deque()
+        self._signals: collections.deque[bytes] = collections.deque()
+        self._wake = asyncio.Event()
         self.keep_output = keep_output
         """False: output only reaches ``on_chunk`` (a long-lived process), the result keeps none."""
+        self.backlog = 0
+        """Stdin bytes queued or in flight, which the agent has not yet passed to the command."""
+        self.written = 0
+        """Stdin bytes written in all (once any were, a signal may wait behind them, see above)."""
         self.pid: int | None = None
         self.started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.stdin_closed = False
 
     def write(self, data: bytes) -> None:
-        """Queue ``data`` for the command's stdin (ValueError once stdin is closed)."""
+        """Queue ``data`` for the command's stdin: ValueError once stdin is closed, BufferError while
+        more than ``MAX_BACKLOG`` bytes wait for a command that does not read them."""
         if self.stdin_closed:
             raise ValueError("the command's stdin is closed")
+        if self.backlog + len(data) > self.MAX_BACKLOG:
+            raise BufferError(f"the command has not read the {self.backlog} bytes of stdin sent before")
         for start in range(0, len(data), 1 << 16):
-            self._frames.put_nowait(_frame(b"i", data[start : start + (1 << 16)]))
+            self._stdin.append(_frame(b"i", data[start : start + (1 << 16)]))
+        self.backlog += len(data)
+        self.written += len(data)
+        self._wake.set()
 
     def close_stdin(self) -> None:
         """End the command's stdin (the next read sees end of file); closing twice does nothing."""
         if not self.stdin_closed:
             self.stdin_closed = True
-            self._frames.put_nowait(_frame(b"i"))
+            self._stdin.append(_frame(b"i"))
+            self._wake.set()
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the command's process group."""
-        self._frames.put_nowait(_frame(b"k", str(int(signum)).encode()))
+        self._signals.append(_frame(b"k", str(int(signum)).encode()))
+        self._wake.set()
 
     def _started(self, pid: int) -> None:
         self.pid = pid
@@ -94,7 +114,15 @@ class ExecControl:
     async def _send(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await loop.sock_sendall(sock, await self._frames.get())
+            if self._signals:
+                await loop.sock_sendall(sock, self._signals.popleft())
+            elif self._stdin:
+                frame = self._stdin.popleft()
+                await loop.sock_sendall(sock, frame)
+                self.backlog -= len(frame) - _HEADER.size
+            else:
+                self._wake.clear()
+                await self._wake.wait()
 
 
 @dataclass
