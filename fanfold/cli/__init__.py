@@ -658,6 +658,10 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace, p
     Each token is a tenant that sees only its own sandboxes. On shutdown the server stops
     accepting, lets calls in flight finish for --grace seconds, and destroys the sandboxes
     it owns (detached ones stay).
+
+    Beside fanfold's API (/v1) it answers E2B's SDK (E2B_API_URL=URL/e2b,
+    E2B_SANDBOX_URL=URL/e2b/envd, E2B_API_KEY=a token), OpenEnv's client (URL/openenv/ENV,
+    the token as the URL's password) and Agent RFT (URL/v1/rft/...).
     """
     from ..server import Tenants
     from ..server import serve as run_server
