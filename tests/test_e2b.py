@@ -151,6 +151,29 @@ def test_pause_and_connect_keep_files_and_end_processes(e2b_env):
         assert sandbox.kill()
 
 
+def test_a_pause_through_fanfolds_own_api_ends_e2b_processes_instead_of_waiting_on_them(e2b_env):
+    """A live E2B process or code context is an exec in flight, which a checkpoint waits for: the
+    endpoint ends them before any pause, fork or snapshot, the /v1 API's included."""
+    import httpx
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sandbox = CodeSandbox.create(timeout=300)
+    try:
+        sleeper = sandbox.commands.run("sleep 63", background=True, timeout=0)
+        assert sandbox.run_code("kept_in_memory = 1").error is None
+        with httpx.Client(base_url=f"{e2b_env.tcp_url}/v1", timeout=60,
+                          headers={"Authorization": f"Bearer {e2b_env.tokens['alice']}"}) as http:
+            paused = http.post(f"/sandboxes/{sandbox.sandbox_id}/pause")
+            assert (paused.status_code, paused.json()["state"]) == (200, "paused")
+            assert http.post(f"/sandboxes/{sandbox.sandbox_id}/unpause").status_code == 200
+        with pytest.raises(CommandExitException):
+            sleeper.wait()
+        assert sandbox.commands.list() == []
+        assert sandbox.run_code("kept_in_memory").error.name == "NameError"  # a fresh context
+    finally:
+        assert sandbox.kill()
+
+
 def test_fork_makes_running_copies(e2b_env):
     parent = Sandbox.create(timeout=300)
     children = []

@@ -43,7 +43,7 @@ class Checkpoints:
             self._check_memory_checkpoints("a memory snapshot")
         if name is not None and self.life.db.snapshot(name) is not None:
             raise InvalidRequest(f"a snapshot named {name!r} exists already: pick another name")
-        async with self.life.changing(sandbox_id) as row:
+        async with self.life.changing(sandbox_id, interrupt=True) as row:
             info, _ = await self._take(row, memory=memory, kind="snapshot", name=name, leave_running=True)
             return info
 
@@ -126,7 +126,7 @@ class Checkpoints:
         check_deadline(deadline)
         self._check_memory_checkpoints("fork")
         started = time.perf_counter()
-        async with self.life.changing(sandbox_id) as row:
+        async with self.life.changing(sandbox_id, interrupt=True) as row:
             snap, pause_ms = await self._take(row, memory=True, kind="fork", leave_running=True)
             parent = dbmod.row_info(row)
             env = json.loads(row["env"])
@@ -163,7 +163,7 @@ class Checkpoints:
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
         """Freeze every process; memory stays resident. The next call (or ``unpause``) thaws it."""
-        async with self.life.changing(sandbox_id, wake=False) as row:
+        async with self.life.changing(sandbox_id, wake=False, interrupt=True) as row:
             if row["state"] == "running":
                 await self.life.gone_if_dead(sandbox_id, row["pid"])  # a dead sandbox would freeze at once
                 await self.life.backend.freeze(dbmod.row_handle(row))
@@ -181,7 +181,7 @@ class Checkpoints:
     async def suspend(self, sandbox_id: str) -> SandboxInfo:
         """Checkpoint memory and disk to the state dir and release every process and byte of RAM."""
         self._check_memory_checkpoints("suspend")
-        async with self.life.changing(sandbox_id, wake=False) as row:
+        async with self.life.changing(sandbox_id, wake=False, interrupt=True) as row:
             if row["state"] != "suspended":
                 await self._suspend_locked(row)
         return self.life.info(sandbox_id)
@@ -209,7 +209,7 @@ class Checkpoints:
 
     async def reset(self, sandbox_id: str) -> SandboxInfo:
         """Back to exactly the image or snapshot the sandbox was made from: disk, processes, memory."""
-        async with self.life.changing(sandbox_id, wake=False) as row:
+        async with self.life.changing(sandbox_id, wake=False, interrupt=True) as row:
             await self.life.backend.release(sandbox_id, dbmod.row_handle(row))
             self.life.db.update(sandbox_id, state="creating", pid=None, suspended_to=None, claimed_by=self.life.owner)
             try:

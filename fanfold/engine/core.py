@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterable
+from typing import TYPE_CHECKING, Any, AsyncIterable, Awaitable, Callable
 
 from .._agent.client import ExecControl
 from ..config import EngineConfig
@@ -402,6 +402,13 @@ class Engine:
     async def delete_recording(self, name: str, *, tenant: str = "") -> None:
         """Delete a recording that no sandbox records into or replays from now."""
         await asyncio.to_thread(self.life.network.delete_recording, tenant, name)
+
+    def before_checkpoint(self, end_calls: Callable[[str], Awaitable[None]]) -> Callable[[], None]:
+        """Have ``end_calls(sandbox_id)`` end the long-lived calls its caller runs in a sandbox (live
+        processes, code contexts) before a pause, suspend, fork, snapshot or reset of it, which waits
+        for every call in flight. Returns the function that unregisters it."""
+        self.life.interrupters.append(end_calls)
+        return lambda: self.life.interrupters.remove(end_calls)
 
     async def set_deadline(self, sandbox_id: str, deadline: float) -> SandboxInfo:
         """Destroy the sandbox ``deadline`` seconds from now instead of at its old deadline (E2B's set_timeout)."""

@@ -17,7 +17,7 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from .._agent.client import AgentUnreachable
 from ..config import EngineConfig
@@ -73,6 +73,9 @@ class Lifecycle:
         self.config, self.db, self.backend, self.sources, self.snaps = config, db, backend, sources, snaps
         self.admission, self.telemetry, self.owner = admission, telemetry, owner
         self.network = Network(config, backend)
+        self.interrupters: list[Callable[[str], Awaitable[None]]] = []
+        """Enders of a sandbox's long-lived calls (a server's E2B processes and code contexts), run
+        before a checkpoint of it waits for its calls in flight."""
         self.closing = False
         self.forget: Callable[[str], None] = lambda sandbox_id: None
         """Told of every sandbox destroyed (the pools drop it from their ready lists)."""
@@ -127,9 +130,14 @@ class Lifecycle:
         return gate
 
     @asynccontextmanager
-    async def changing(self, sandbox_id: str, *, wake: bool = True) -> AsyncIterator[Any]:
-        """Hold the sandbox alone (no call in flight); with ``wake``, paused or suspended is woken first."""
+    async def changing(self, sandbox_id: str, *, wake: bool = True, interrupt: bool = False) -> AsyncIterator[Any]:
+        """Hold the sandbox alone (no call in flight); with ``wake``, paused or suspended is woken first.
+        With ``interrupt`` (a checkpoint: pause, suspend, fork, snapshot, reset), the ``interrupters``
+        first end the long-lived calls they own, which would otherwise hold the change off for good."""
         self.known(sandbox_id)
+        if interrupt:
+            for end_calls in list(self.interrupters):
+                await end_calls(sandbox_id)
         async with self.gate(sandbox_id).change():
             row = self.known(sandbox_id)
             if wake and row["state"] != "running":
