@@ -148,3 +148,21 @@ def test_restart_ends_a_running_cell_and_bad_bodies_are_400s(e2b_env, server):
         url = f"{server.tcp_url}/e2b/envd/execute"
         assert httpx.post(url, headers=headers, json={"code": "1", "context_id": ["x"]}).status_code == 400
         assert httpx.post(url, headers=headers, content=b"x" * (17 << 20)).status_code == 400
+
+
+async def test_contexts_of_a_sandbox_killed_elsewhere_are_forgotten(config):
+    """A sandbox that ends outside the E2B endpoint (its deadline, a /v1 kill) takes its code contexts
+    out of the server's table with it."""
+    from fanfold.integrations.e2b.interpreter import kernels
+    from fanfold.server.app import create_app
+
+    app = create_app(config)
+    async with app.router.lifespan_context(app):
+        engine = app.state.engine
+        info = await engine.create("host")
+        kernel = kernels(app).get(info.id, None)
+        events = [event async for event in kernel.execute("1 + 1", {})]
+        assert events[0]["text"] == "2" and info.id in kernels(app).by_sandbox
+        await engine.kill(info.id)
+        await asyncio.gather(kernel.task, return_exceptions=True)
+        assert info.id not in kernels(app).by_sandbox

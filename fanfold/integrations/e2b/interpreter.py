@@ -17,14 +17,14 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..._agent.client import ExecControl
 from ...engine import Engine
-from ...errors import FanfoldError, SandboxNotFound
+from ...errors import FanfoldError, SandboxGone, SandboxNotFound
 from .auth import envd_tokens
 
 log = logging.getLogger("fanfold.e2b")
@@ -50,8 +50,11 @@ class KernelDied(Exception):
 class Kernel:
     """One context: a Python process in a sandbox and the cell that runs in it, one at a time."""
 
-    def __init__(self, engine: Engine, sandbox_id: str, context_id: str, cwd: str | None) -> None:
+    def __init__(self, engine: Engine, sandbox_id: str, context_id: str, cwd: str | None,
+                 on_gone: Callable[[str], None] = lambda _: None) -> None:
         self.engine, self.sandbox_id, self.id, self.cwd = engine, sandbox_id, context_id, cwd
+        self.on_gone = on_gone
+        """Told the sandbox's id when the process ended because the sandbox did (deadline, /v1 kill)."""
         self.lock = asyncio.Lock()
         self.control: ExecControl | None = None
         self.task: asyncio.Task[Any] | None = None
@@ -95,8 +98,8 @@ class Kernel:
     def _ended(self, task: asyncio.Task[Any]) -> None:
         if self._sink is not None:
             self._sink.put_nowait(None)
-        if not task.cancelled():
-            task.exception()  # retrieved: the cell that waited reports the death
+        if not task.cancelled() and isinstance(task.exception(), (SandboxGone, SandboxNotFound)):
+            self.on_gone(self.sandbox_id)  # (the exception is retrieved: the waiting cell reports the death)
 
     def _output(self, stream: str, data: bytes) -> None:
         """Text between MARK-led event lines is printed output; each chunk is scanned once."""
@@ -227,13 +230,17 @@ class Kernels:
         if key not in contexts:
             if context_id is not None:
                 raise SandboxNotFound(f"no context {context_id!r} in sandbox {sandbox_id}")
-            contexts[key] = Kernel(self.engine, sandbox_id, key, None)
+            contexts[key] = Kernel(self.engine, sandbox_id, key, None, self._forget)
         return contexts[key]
 
     def add(self, sandbox_id: str, cwd: str | None) -> Kernel:
-        kernel = Kernel(self.engine, sandbox_id, uuid.uuid4().hex, cwd)
+        kernel = Kernel(self.engine, sandbox_id, uuid.uuid4().hex, cwd, self._forget)
         self.by_sandbox.setdefault(sandbox_id, {})[kernel.id] = kernel
         return kernel
+
+    def _forget(self, sandbox_id: str) -> None:
+        """The sandbox is gone: its contexts with it (their processes ended with it)."""
+        self.by_sandbox.pop(sandbox_id, None)
 
     async def remove(self, sandbox_id: str, context_id: str) -> None:
         kernel = self.by_sandbox.get(sandbox_id, {}).pop(context_id, None)
