@@ -213,17 +213,24 @@ class Running:
 
 
 @asynccontextmanager
-async def running(policy: object, *, reachable: Reachable | None = None, **options: float) -> AsyncIterator[Running]:
-    proxy = Proxy(Resolver(hosts=HOSTS), reachable or Reachable(["127.0.0.0/8"]), **options)
-    sandbox = SandboxNet(id="sb", policy=NetworkPolicy.parse(policy) or NetworkPolicy(), stats=NetStats(), open=set())
+async def serving(proxy: Proxy, sandbox: SandboxNet) -> AsyncIterator[int]:
+    """``proxy`` serving ``sandbox`` on a loopback port (yielded); its connections end with it."""
     server = await asyncio.start_server(lambda r, w: proxy.handle(r, w, sandbox), "127.0.0.1", 0)
     try:
-        yield Running(proxy, sandbox, server.sockets[0].getsockname()[1])
+        yield server.sockets[0].getsockname()[1]
     finally:
         server.close()
         proxy.cut(sandbox)
         await asyncio.gather(*sandbox.open, return_exceptions=True)
         await server.wait_closed()
+
+
+@asynccontextmanager
+async def running(policy: object, *, reachable: Reachable | None = None, **options: float) -> AsyncIterator[Running]:
+    proxy = Proxy(Resolver(hosts=HOSTS), reachable or Reachable(["127.0.0.0/8"]), **options)
+    sandbox = SandboxNet(id="sb", policy=NetworkPolicy.parse(policy) or NetworkPolicy(), stats=NetStats(), open=set())
+    async with serving(proxy, sandbox) as port:
+        yield Running(proxy, sandbox, port)
 
 
 @dataclass

@@ -24,10 +24,12 @@ from fanfold.net.ca import FleetCA, Leaves, leaf_key, mint_leaf
 from fanfold.net.cache import Cache, cacheable
 from fanfold.net.daemon import TOTALS, Daemon
 from fanfold.net.policy import NetworkPolicy, Reachable
-from fanfold.net.proxy import NetStats, Proxy, SandboxNet, upstream_context
+from fanfold.net.proxy import Proxy, SandboxNet, upstream_context
 from fanfold.net.record import FORMAT, Recordings, normal_url
 from fanfold.net.resolve import Resolver
-from test_net_proxy import HOSTS, Client, Handler, QuietServer, Reply, connect, digest_of, get, pattern
+from test_net_proxy import (
+    HOSTS, Client, Handler, QuietServer, Reply, Running, connect, digest_of, get, pattern, serving,
+)
 
 BIG_BODY = 50 * 1024 * 1024
 WHEEL = "/packages/ab/cd/probe-1.0-py3-none-any.whl"
@@ -118,27 +120,14 @@ class CountingResolver(Resolver):
 
 
 @dataclass
-class Terminating:
-    proxy: Proxy
-    sandbox: SandboxNet
-    port: int
+class Terminating(Running):
     fleet_ca: Path
     net_dir: Path
     resolver: CountingResolver
     servers: list[asyncio.Server] = field(default_factory=list)
 
-    @property
-    def stats(self) -> NetStats:
-        return self.sandbox.stats
-
     def policy(self, value: object) -> None:
         self.sandbox.policy = NetworkPolicy.parse(value) or NetworkPolicy()
-
-    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection("127.0.0.1", self.port)
-
-    async def settle(self) -> None:
-        await asyncio.gather(*self.sandbox.open, return_exceptions=True)
 
     def index(self, name: str) -> list[dict[str, object]]:
         lines = (self.net_dir / "recordings" / "_host" / name / "index.jsonl").read_text().splitlines()
@@ -157,15 +146,8 @@ async def terminating(tmp: Path, policy: object, upstream_ca: Path | None, cache
                   recordings=Recordings(net_dir / "recordings"), cache=Cache(net_dir / "cache", int(cache_mb * 2**20)),
                   upstream_tls=upstream_context(upstream_ca))
     sandbox = SandboxNet(id="sb", policy=NetworkPolicy.parse(policy) or NetworkPolicy())
-    server = await asyncio.start_server(lambda r, w: proxy.handle(r, w, sandbox), "127.0.0.1", 0)
-    run = Terminating(proxy, sandbox, server.sockets[0].getsockname()[1], fleet_ca, net_dir, resolver)
-    try:
-        yield run
-    finally:
-        server.close()
-        proxy.cut(sandbox)
-        await asyncio.gather(*sandbox.open, return_exceptions=True)
-        await server.wait_closed()
+    async with serving(proxy, sandbox) as port:
+        yield Terminating(proxy, sandbox, port, fleet_ca, net_dir, resolver)
 
 
 @asynccontextmanager

@@ -237,6 +237,11 @@ def test_bad_policies_are_clear_errors(fleet):
 
 
 def test_a_port_taken_inside_is_a_clear_error_not_a_stolen_port(fleet):
+    port_taken_is_refused(fleet)
+
+
+def port_taken_is_refused(fleet) -> None:
+    """A policy whose proxy port a process of the sandbox holds is refused, and the sandbox keeps none."""
     with fleet.create() as box:
         hold_port(box, 3128)
         with pytest.raises(InvalidRequest, match="port 3128 is taken"):

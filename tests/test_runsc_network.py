@@ -15,7 +15,7 @@ from fanfold import EngineConfig, Fleet
 from fanfold.errors import InvalidRequest
 
 from conftest import STATE_DIR
-from test_network import CURL, RAW, SERVICE, fetch, hold_port, wait_until
+from test_network import CURL, RAW, SERVICE, fetch, port_taken_is_refused, wait_until
 from test_runsc import runsc_leftovers
 
 if shutil.which("runsc") is None:
@@ -79,11 +79,7 @@ def test_a_policy_changes_while_the_sandbox_runs(rfleet, outside):
 
 
 def test_a_port_taken_inside_is_a_clear_error_not_a_stolen_port(rfleet):
-    with rfleet.create() as box:
-        hold_port(box, 3128)
-        with pytest.raises(InvalidRequest, match="port 3128 is taken"):
-            box.set_network({"allow": ["www.outside.test"]})
-        assert box.refresh().network == "none"
+    port_taken_is_refused(rfleet)
 
 
 def test_fork_suspend_and_resume_keep_the_relay(rfleet, outside):

@@ -17,7 +17,7 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 IMMUTABLE = (
@@ -146,11 +146,12 @@ class Cache:
 
 
 class HashedFile:
-    """A temporary file a body is written to while it streams, hashed and counted as it goes."""
+    """A file a body is written to while it streams, hashed and counted as it goes: a temporary
+    file at ``temp`` by default, or the ``handle`` given."""
 
-    def __init__(self, temp: Path) -> None:
+    def __init__(self, temp: Path | None = None, handle: BinaryIO | None = None) -> None:
         self.temp = temp
-        self.handle = open(temp, "wb")
+        self.handle: BinaryIO = handle if handle is not None else open(temp, "wb")  # type: ignore[arg-type]
         self.sha = hashlib.sha256()
         self.size = 0
 

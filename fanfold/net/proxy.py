@@ -673,8 +673,8 @@ class _Session:
                 raise _ClientGone("the client closed inside its request body")
 
     async def _send_spool(self, upstream: _Upstream, body: Spool) -> int:
-        body.file.seek(0)
-        while data := body.file.read(CHUNK):
+        body.handle.seek(0)
+        while data := body.handle.read(CHUNK):
             self._send_up(upstream, h11.Data(data=data))
             await upstream.writer.drain()
         self._send_up(upstream, h11.EndOfMessage())
@@ -690,7 +690,7 @@ class _Session:
             try:
                 event = await self._client_event()
             except h11.RemoteProtocolError as err:
-                body.file.close()
+                body.handle.close()
                 raise _BadRequest(f"malformed request body: {err}") from None
             if isinstance(event, h11.Data):
                 body.write(event.data)
@@ -699,7 +699,7 @@ class _Session:
             elif isinstance(event, h11.EndOfMessage):
                 return body
             else:
-                body.file.close()
+                body.handle.close()
                 raise _ClientGone("the client closed inside its request body")
 
     async def _response_head(self, upstream: _Upstream) -> h11.Response | h11.InformationalResponse:
@@ -758,7 +758,7 @@ class _Session:
             self.stats.cache_misses += 1
             return False
         body = await self._read_body(taps)
-        body.file.close()
+        body.handle.close()
         self.stats.cache_hits += 1
         self.stats.cache_bytes += hit.size
         head = _origin_form(request, target, None)
@@ -801,7 +801,7 @@ class _Session:
                                      f" {key[2]}); record it again with this request, or replay with"
                                      " \"live\": true to let misses go out\n", (("x-fanfold-replay", "miss"),))
         finally:
-            body.file.close()
+            body.handle.close()
 
     async def _serve_stored(self, method: bytes, status: int, headers: list[list[str]], path: Path,
                             taps: Taps) -> None:

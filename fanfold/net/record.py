@@ -190,18 +190,11 @@ class Recordings:
         return cached[1]
 
 
-class Spool:
+class Spool(HashedFile):
     """A request body read whole before it is answered (to match it in a recording): memory, then disk."""
 
     def __init__(self, in_memory: int = 1 << 20) -> None:
-        self.file = tempfile.SpooledTemporaryFile(max_size=in_memory)
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> None:
-        self.file.write(data)
-        self.sha.update(data)
-        self.size += len(data)
+        super().__init__(handle=tempfile.SpooledTemporaryFile(max_size=in_memory))  # type: ignore[arg-type]
 
 
 @dataclass
