@@ -78,10 +78,12 @@ async def test_a_cell_queued_on_an_ended_context_starts_no_kernel_that_would_blo
     try:
         info = await engine.create("host", deadline=120)
         kernels = Kernels(engine)
-        running = kernels.get(info.id, None).execute("print('on', flush=True)\nimport time\ntime.sleep(60)", {})
+        kernel = kernels.get(info.id, None)
+        running = kernel.execute("print('on', flush=True)\nimport time\ntime.sleep(60)", {})
         assert (await anext(running))["text"] == "on\n"  # the first cell holds the context
         queued = asyncio.ensure_future(_events(kernels.get(info.id, None).execute("1 + 1", {})))
-        await asyncio.sleep(0)  # the queued cell now waits on the context's lock
+        while not kernel.lock._waiters:  # until the queued cell waits on the context's lock
+            await asyncio.sleep(0)
         await kernels.end(info.id)
         assert [e["name"] for e in await _events(running)] == ["KernelDied"]
         assert [e.get("name") for e in await queued] == ["KernelError"]

@@ -164,7 +164,7 @@ def test_an_embedded_fleet_of_the_class_own_and_sandboxes_freed_with_their_insta
         assert instance.done and instance.run_tests() == "the episode has ended; call no more tools"
         other = factory()
         other.reset()  # the image the first reset built is reused, not built again
-        assert other._env.inner.image == instance._env.inner.image
+        assert other._env.inner.image is factory._shared.env_kwargs["image"] is instance._env.inner.image
         other_id = other._env.sandbox_id
         del instance
         gc.collect()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 
 class Gate:
@@ -38,16 +38,23 @@ class Gate:
                 self._cond.notify_all()
 
     @asynccontextmanager
-    async def change(self) -> AsyncIterator[None]:
+    async def change(self, before_wait: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[None]:
+        """Hold the sandbox alone. ``before_wait`` runs once no new call can start and before the wait
+        for those in flight: it may end calls that would otherwise never end (without the lock held,
+        so they can leave)."""
         async with self._cond:
             await self._cond.wait_for(lambda: not self._changing)
             self._changing = True
-            try:
+        try:
+            if before_wait is not None:
+                await before_wait()
+            async with self._cond:
                 await self._cond.wait_for(lambda: self._calls == 0)
-            except BaseException:
+        except BaseException:
+            async with self._cond:
                 self._changing = False
                 self._cond.notify_all()
-                raise
+            raise
         try:
             yield
         finally:

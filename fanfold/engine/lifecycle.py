@@ -135,10 +135,12 @@ class Lifecycle:
         With ``interrupt`` (a checkpoint: pause, suspend, fork, snapshot, reset), the ``interrupters``
         first end the long-lived calls they own, which would otherwise hold the change off for good."""
         self.known(sandbox_id)
-        if interrupt:
+
+        async def end_long_calls() -> None:
             for end_calls in list(self.interrupters):
                 await end_calls(sandbox_id)
-        async with self.gate(sandbox_id).change():
+
+        async with self.gate(sandbox_id).change(end_long_calls if interrupt else None):
             row = self.known(sandbox_id)
             if wake and row["state"] != "running":
                 await self.wake_locked(row)

@@ -27,13 +27,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine = app.state.engine
     app.state.e2b = state = envd.E2B(processes=Processes(engine), tokens=envd_tokens(app))
     state.stoppers.append(kernels(app).end)
-
-    async def end_live(sandbox_id: str) -> None:  # a checkpoint through /v1 too: it would wait on them
-        await state.processes.end_all(sandbox_id)
-        for stop in state.stoppers:
-            await stop(sandbox_id)
-
-    unregister = engine.before_checkpoint(end_live)
+    unregister = engine.before_checkpoint(state.end_live)  # a checkpoint through /v1 too would wait on them
     try:
         yield
     finally:

@@ -58,9 +58,17 @@ class E2B:
         """End every live exec the E2B endpoint runs in the sandbox (SIGKILL), and start no process,
         while the body runs: the engine's pause, fork and snapshot wait until no exec runs."""
         async with self.processes.quiet(sandbox_id):
-            for stop in self.stoppers:
-                await stop(sandbox_id)
+            await self._stop_others(sandbox_id)
             yield
+
+    async def end_live(self, sandbox_id: str) -> None:
+        """End every live exec the endpoint runs in the sandbox (the engine's hook before any checkpoint)."""
+        await self.processes.end_all(sandbox_id)
+        await self._stop_others(sandbox_id)
+
+    async def _stop_others(self, sandbox_id: str) -> None:
+        for stop in self.stoppers:
+            await stop(sandbox_id)
 
 
 def e2b(request: Request) -> E2B:

@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..._agent.client import ExecControl
 from ...engine import Engine
-from ...errors import FanfoldError, SandboxGone, SandboxNotFound
+from ...errors import FanfoldError, InvalidRequest, SandboxGone, SandboxNotFound
 from .auth import envd_tokens
+from .envd import read_body
 
 log = logging.getLogger("fanfold.e2b")
 KERNEL = Path(__file__).with_name("repl.py").read_text()
@@ -297,16 +298,6 @@ def _sandbox(request: Request, sandbox_id: str | None, access: str | None, traff
     return sandbox_id
 
 
-async def _read_body(request: Request) -> bytes:
-    """The request's body, up to ``MAX_BODY`` (a 400 past it)."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY:
-            raise _LanguageRefused(f"the request body is over {MAX_BODY // (1024 * 1024)} MiB")
-    return bytes(body)
-
-
 def _refusal(err: FanfoldError) -> JSONResponse:
     status = 404 if isinstance(err, SandboxNotFound) else 400
     return JSONResponse({"code": status, "message": str(err)}, status)
@@ -314,11 +305,7 @@ def _refusal(err: FanfoldError) -> JSONResponse:
 
 def _python_only(language: str | None) -> None:
     if language not in (None, "python", "python3"):
-        raise _LanguageRefused(f"fanfold's code interpreter runs Python only; got language {language!r}")
-
-
-class _LanguageRefused(FanfoldError):
-    kind = "invalid_request"
+        raise InvalidRequest(f"fanfold's code interpreter runs Python only; got language {language!r}")
 
 
 Sandbox = Header(None, alias="E2b-Sandbox-Id")
@@ -331,20 +318,20 @@ async def execute(request: Request, sandbox: str | None = Sandbox, access: str |
                   traffic: str | None = Traffic) -> Response:
     try:
         sandbox_id = _sandbox(request, sandbox, access, traffic)
-        body = json.loads(await _read_body(request))
+        body = json.loads(await read_body(request, MAX_BODY))
         if not isinstance(body, dict) or not isinstance(body.get("code"), str):
-            raise _LanguageRefused("the body must be JSON with a string 'code'")
+            raise InvalidRequest("the body must be JSON with a string 'code'")
         if not isinstance(body.get("context_id"), (str, type(None))):
-            raise _LanguageRefused("context_id must be a string")
+            raise InvalidRequest("context_id must be a string")
         _python_only(body.get("language"))
         env = body.get("env_vars") or {}
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise _LanguageRefused("env_vars must map names to strings")
+            raise InvalidRequest("env_vars must map names to strings")
         kernel = kernels(request.app).get(sandbox_id, body.get("context_id"))
     except FanfoldError as err:
         return _refusal(err)
     except ValueError:
-        return _refusal(_LanguageRefused("the body is not JSON"))
+        return _refusal(InvalidRequest("the body is not JSON"))
 
     async def lines() -> AsyncIterator[bytes]:
         async for event in kernel.execute(body["code"], env):
@@ -358,14 +345,14 @@ async def create_context(request: Request, sandbox: str | None = Sandbox, access
                          traffic: str | None = Traffic) -> Response:
     try:
         sandbox_id = _sandbox(request, sandbox, access, traffic)
-        body = json.loads(await _read_body(request) or b"{}")
+        body = json.loads(await read_body(request, MAX_BODY) or b"{}")
         _python_only(body.get("language"))
         cwd = body.get("cwd")
         return JSONResponse(kernels(request.app).add(sandbox_id, cwd if isinstance(cwd, str) else None).describe())
     except FanfoldError as err:
         return _refusal(err)
     except (ValueError, AttributeError):
-        return _refusal(_LanguageRefused("the body must be a JSON object"))
+        return _refusal(InvalidRequest("the body must be a JSON object"))
 
 
 @router.get("/contexts")
