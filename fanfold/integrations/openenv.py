@@ -54,10 +54,10 @@ from ..client import AsyncFleet
 from ..engine import Engine
 from ..errors import (
     CapacityExceeded, FanfoldError, InvalidRequest, LeaseNotFound, NotFound, QuotaExceeded, Retryable,
-    SandboxNotFound, SnapshotNotFound, Unauthorized,
+    SandboxNotFound, Unauthorized,
 )
 from ..server.auth import LOCAL_TENANT, Tenants
-from ..server.deps import host_only
+from ..server.deps import check_source_of, host_only
 from ..server.images import _scoped_spec
 from ..server.status import error_response
 from ..wire import error_to_json
@@ -163,9 +163,7 @@ class SessionEngine:
 
     async def create(self, image: Any = "host", **options: Any) -> Any:
         if isinstance(image, str):
-            snapshot = self.engine.resolve_snapshot(image)
-            if snapshot is not None and self.engine.snapshot_tenant(snapshot) != self.tenant:
-                raise SnapshotNotFound(f"no snapshot {image!r}")
+            check_source_of(self.engine, image, self.tenant)
         if options.get("seccomp", "default") != "default":
             host_only(self.tenant, "choose a seccomp profile other than default")
         # Ephemeral and under the lease, whatever the env asked: the session's end must end it.

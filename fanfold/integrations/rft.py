@@ -60,7 +60,7 @@ from ..client import AsyncSandbox
 from ..engine import Engine
 from ..errors import InvalidRequest, NotFound, QuotaExceeded, Retryable, SandboxGone, SandboxNotFound, ToolError
 from ..server.deps import tenant
-from ..server.rollouts import Reply, Rollouts, check_rollout
+from ..server.rollouts import Reply, app_rollouts, check_rollout, ms_since, reply_response
 from ..server.sandboxes import RequestID
 from ..server.schemas import ROLLOUT_DEADLINE_MAX, ROLLOUT_ID, ErrorBody, FunctionCall, RolloutRequest
 from ..server.status import error_response
@@ -135,10 +135,6 @@ DeadlineQuery = Query(DEFAULT_DEADLINE_S, gt=0, le=ROLLOUT_DEADLINE_MAX, descrip
 EnvName = Path(min_length=1, max_length=64, description="The env whose reward scores the sandbox: codefix or swefix.")
 
 
-def _rollouts(request: Request) -> Rollouts:
-    return request.app.state.rollouts
-
-
 # -- tools ------------------------------------------------------------------------------------------
 
 TOOL_RESPONSES = {**RESPONSES, 422: {"model": ErrorBody, "description": (
@@ -166,7 +162,7 @@ async def call_named_tool(body: RftCall, request: Request, image: str | None = I
 
 async def _call(request: Request, caller: str, name: str, call: RftCall, image: str | None, env: str | None,
                 deadline: float, request_id: str | None) -> JSONResponse:
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     await _open(request, caller, call.trace_id, call.item, image, env, deadline)
     # Without an X-Request-ID, the call id keys the retries: Agent RFT resends the same call.
     key = request_id or f"rft:{call.trace_id}:{call.call_id}"
@@ -174,13 +170,13 @@ async def _call(request: Request, caller: str, name: str, call: RftCall, image: 
     status, body, ms = await rollouts.replies.once(
         caller, key, params, lambda: rollouts.call(caller, call.trace_id, name, call))
     body = {**body, "id": call.id} if status == 200 else {"kind": body["kind"], "message": body["message"]}
-    return JSONResponse(body, status, headers={"X-Fanfold-Duration-Ms": f"{ms:.1f}"})
+    return reply_response((status, body, ms))
 
 
 async def _open(request: Request, caller: str, trace_id: str, item: dict[str, Any], image: str | None,
                 env: str | None, deadline: float) -> None:
     """The trace's rollout, recorded now unless it exists (its sandbox comes with its first call)."""
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     if rollouts.store.get(caller, trace_id) is not None:
         return
     if env is not None:
@@ -207,7 +203,7 @@ async def _source(request: Request, caller: str, item: dict[str, Any], image: st
         spec = _env_class(env).env_spec()
     except InvalidRequest as err:  # swefix: a task image of the user's, which the item names
         raise InvalidRequest(f"env {env} has no image of its own: give the item an image field ({err})") from None
-    engine = _rollouts(request).engine
+    engine = app_rollouts(request).engine
     return engine.catalog.own(await engine.build(spec), caller).id
 
 
@@ -221,19 +217,19 @@ async def grade(body: GradeRequest, request: Request, env: str = EnvName, image:
                 deadline: float = DeadlineQuery, caller: str = Depends(tenant),
                 request_id: str | None = RequestID) -> JSONResponse:
     """Score the trace's sandbox with the env's reward, then end its rollout (its sandbox is destroyed)."""
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     _graded_env(env)  # an unknown env is refused before the trace is looked at
     key = request_id or f"rft-grade:{body.trace_id}"
     status, reply, ms = await rollouts.replies.once(
         caller, key, {"rft_grade": env, "trace": body.trace_id},
         lambda: _grade(request, caller, env, body, image, deadline))
-    return JSONResponse(reply, status, headers={"X-Fanfold-Duration-Ms": f"{ms:.1f}"})
+    return reply_response((status, reply, ms))
 
 
 async def _grade(request: Request, caller: str, env: str, body: GradeRequest, image: str | None,
                  deadline: float) -> Reply:
     started = time.perf_counter()
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     row = rollouts.store.get(caller, body.trace_id)
     if row is None:  # the model called no tool: the env as it starts is what it leaves
         await _open(request, caller, body.trace_id, body.item, image, env, deadline)
@@ -247,7 +243,7 @@ async def _grade(request: Request, caller: str, env: str, body: GradeRequest, im
     except SandboxNotFound:
         raise SandboxGone(f"rollout {body.trace_id}'s sandbox was destroyed: there is nothing to grade") from None
     await rollouts.delete(caller, body.trace_id)
-    return 200, {"score": score}, (time.perf_counter() - started) * 1000
+    return 200, {"score": score}, ms_since(started)
 
 
 def _labels(row: Any) -> dict[str, str]:

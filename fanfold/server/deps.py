@@ -55,8 +55,13 @@ def owned_snapshot(
 
 def check_source(request: Request, ref: str, caller: str) -> None:
     """A create's image may name a snapshot: then it must be the caller's (else 404, as for sandboxes)."""
-    resolved = engine(request).resolve_snapshot(ref)
-    if resolved is not None and engine(request).snapshot_tenant(resolved) != caller:
+    check_source_of(engine(request), ref, caller)
+
+
+def check_source_of(on: Engine, ref: str, caller: str) -> None:
+    """``check_source`` where there is no request (a server's own sessions)."""
+    resolved = on.resolve_snapshot(ref)
+    if resolved is not None and on.snapshot_tenant(resolved) != caller:
         raise SnapshotNotFound(f"no snapshot {ref!r}")
 
 

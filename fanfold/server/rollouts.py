@@ -253,8 +253,8 @@ class Rollouts:
                 raise SandboxGone(f"rollout {rollout_id}'s sandbox was destroyed") from None
         except ToolError as err:
             body = {**error_to_json(err), **function_call_output(call.call_id, str(err))}
-            return 422, body, _ms(started)
-        return 200, {**function_call_output(call.call_id, output), "status": "completed"}, _ms(started)
+            return 422, body, ms_since(started)
+        return 200, {**function_call_output(call.call_id, output), "status": "completed"}, ms_since(started)
 
     async def fork(self, tenant: str, rollout_id: str, count: int, ids: list[str] | None) -> Reply:
         """``count`` new rollouts, each with a live copy of this one's sandbox and its deadline."""
@@ -346,15 +346,17 @@ class Rollouts:
         return [await self.body(row) for row in self.store.of(tenant)]
 
 
-def _ms(started: float) -> float:
+def ms_since(started: float) -> float:
+    """Milliseconds since ``started`` (a ``time.perf_counter()``)."""
     return (time.perf_counter() - started) * 1000
 
 
-def _rollouts(request: Request) -> Rollouts:
+def app_rollouts(request: Request) -> Rollouts:
     return request.app.state.rollouts
 
 
-def _reply(reply: Reply) -> JSONResponse:
+def reply_response(reply: Reply) -> JSONResponse:
+    """A kept reply as the response, with the work's duration in ``X-Fanfold-Duration-Ms``."""
     status, body, ms = reply
     return JSONResponse(body, status, headers={"X-Fanfold-Duration-Ms": f"{ms:.1f}"})
 
@@ -363,7 +365,7 @@ async def check_rollout(request: Request, body: RolloutRequest, caller: str) -> 
     """What a new rollout names, checked before it is recorded: a bad source or limits fail now,
     not at the first tool call."""
     check_source(request, body.snapshot or body.image or "host", caller)
-    engine = _rollouts(request).engine
+    engine = app_rollouts(request).engine
     if body.snapshot is not None and engine.resolve_snapshot(body.snapshot) is None:
         raise SnapshotNotFound(f"no snapshot {body.snapshot!r}")
     if body.image not in (None, *BASES) and engine.resolve_snapshot(body.image) is None:
@@ -378,27 +380,27 @@ async def create_rollout(body: RolloutRequest, request: Request, caller: str = D
                          request_id: str | None = RequestID) -> JSONResponse:
     """A rollout; its sandbox is made on its first tool call or fork, and destroyed at its deadline."""
     await check_rollout(request, body, caller)
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     params = {"create": body.model_dump()}
-    return _reply(await rollouts.replies.once(caller, request_id, params, lambda: rollouts.create(caller, body)))
+    return reply_response(await rollouts.replies.once(caller, request_id, params, lambda: rollouts.create(caller, body)))
 
 
 @router.get("/rollouts", response_model=list[RolloutBody], responses=RESPONSES)
 async def list_rollouts(request: Request, caller: str = Depends(tenant)) -> list[dict[str, Any]]:
     """The caller's rollouts, oldest first (ended ones for an hour after their deadline)."""
-    return await _rollouts(request).list(caller)
+    return await app_rollouts(request).list(caller)
 
 
 @router.get("/rollouts/{rollout_id}", response_model=RolloutBody, responses=RESPONSES)
 async def get_rollout(request: Request, rollout_id: str = RolloutID, caller: str = Depends(tenant)) -> dict[str, Any]:
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     return await rollouts.body(rollouts.row(caller, rollout_id))
 
 
 @router.delete("/rollouts/{rollout_id}", status_code=204, responses=RESPONSES)
 async def delete_rollout(request: Request, rollout_id: str = RolloutID, caller: str = Depends(tenant)) -> Response:
     """End the rollout and destroy its sandbox; 204, then 404 for a second delete."""
-    await _rollouts(request).delete(caller, rollout_id)
+    await app_rollouts(request).delete(caller, rollout_id)
     return Response(status_code=204)
 
 
@@ -411,9 +413,9 @@ async def call_tool(body: FunctionCall, request: Request, rollout_id: str = Roll
                     caller: str = Depends(tenant), request_id: str | None = RequestID) -> JSONResponse:
     """Run a Responses API function_call in the rollout's sandbox (made now if this is its first use);
     the answer is its function_call_output. Retrying with the same X-Request-ID runs it once."""
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     params = {"tool": name, "rollout": rollout_id, "call": body.model_dump()}
-    return _reply(await rollouts.replies.once(caller, request_id, params,
+    return reply_response(await rollouts.replies.once(caller, request_id, params,
                                               lambda: rollouts.call(caller, rollout_id, name, body)))
 
 
@@ -421,9 +423,9 @@ async def call_tool(body: FunctionCall, request: Request, rollout_id: str = Roll
 async def fork_rollout(body: RolloutForkRequest, request: Request, rollout_id: str = RolloutID,
                        caller: str = Depends(tenant), request_id: str | None = RequestID) -> JSONResponse:
     """Fork the rollout's sandbox (processes and all) into ``count`` new rollouts with its deadline."""
-    rollouts = _rollouts(request)
+    rollouts = app_rollouts(request)
     params = {"fork": rollout_id, **body.model_dump()}
-    return _reply(await rollouts.replies.once(
+    return reply_response(await rollouts.replies.once(
         caller, request_id, params, lambda: rollouts.fork(caller, rollout_id, body.count, body.rollout_ids)))
 
 
