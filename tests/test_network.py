@@ -255,6 +255,11 @@ SERVICE = ("cd /tmp && echo inside > index.html && (setsid python3 -m http.serve
 
 
 def test_an_exposed_port_is_reached_from_the_host_and_survives_suspend(fleet):
+    exposed_port_survives_suspend(fleet)
+
+
+def exposed_port_survives_suspend(fleet) -> None:
+    """A service's port exposed on the host's loopback answers, and again after suspend and resume."""
     with fleet.create() as box:
         assert box.exec(SERVICE).ok
         url = box.expose(8000)

@@ -6,7 +6,6 @@ suspend and resume keeping the relay, and nothing left behind."""
 from __future__ import annotations
 
 import shutil
-import urllib.request
 import uuid
 
 import pytest
@@ -15,7 +14,7 @@ from fanfold import EngineConfig, Fleet
 from fanfold.errors import InvalidRequest
 
 from conftest import STATE_DIR
-from test_network import CURL, RAW, SERVICE, fetch, port_taken_is_refused, wait_until
+from test_network import CURL, RAW, exposed_port_survives_suspend, fetch, port_taken_is_refused, wait_until
 from test_runsc import runsc_leftovers
 
 if shutil.which("runsc") is None:
@@ -96,15 +95,7 @@ def test_fork_suspend_and_resume_keep_the_relay(rfleet, outside):
 
 
 def test_an_exposed_port_is_reached_from_the_host_and_survives_suspend(rfleet):
-    with rfleet.create() as box:
-        assert box.exec(SERVICE).ok
-        url = box.expose(8000)
-        assert urllib.request.urlopen(f"{url}/index.html", timeout=10).read() == b"inside\n"
-        box.suspend()
-        box.resume()
-        assert urllib.request.urlopen(f"{url}/index.html", timeout=10).read() == b"inside\n"
-    with pytest.raises(OSError):  # gone with its sandbox
-        urllib.request.urlopen(f"{url}/index.html", timeout=5)
+    exposed_port_survives_suspend(rfleet)
 
 
 def test_nothing_is_left_behind(rfleet, rconfig):

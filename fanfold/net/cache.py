@@ -106,18 +106,14 @@ class Cache:
         return writer
 
     def _commit(self, writer: CacheWriter, headers: list[list[str]]) -> None:
-        digest = writer.sha.hexdigest()
-        body = self.bodies / digest
-        if body.exists():
-            writer.temp.unlink()
-        else:
-            os.replace(writer.temp, body)
+        digest, new = writer.keep_in(self.bodies)
+        if new:
             self.size += writer.size
         staged = self.temp / f"entry-{secrets.token_hex(8)}"
         staged.write_text(json.dumps({"url": writer.url, "digest": digest, "size": writer.size, "headers": headers}))
         os.replace(staged, self._entry(writer.url))
         if self.size > self.max_bytes:
-            self.evict(keep=body)
+            self.evict(keep=self.bodies / digest)
 
     def evict(self, keep: Path | None = None) -> None:
         """Delete the least recently used bodies until the cache is under 90% of its cap."""
@@ -160,6 +156,19 @@ class HashedFile:
         self.sha.update(data)
         self.size += len(data)
 
+    def keep_in(self, directory: Path) -> tuple[str, bool]:
+        """Move the temporary file to ``directory``/<its sha256>, unless that content is there
+        already (one copy per content): the digest, and whether it was new."""
+        self.handle.close()
+        digest = self.sha.hexdigest()
+        final = directory / digest
+        if final.exists():
+            assert self.temp is not None
+            self.temp.unlink()
+            return digest, False
+        os.replace(self.temp, final)  # type: ignore[arg-type]
+        return digest, True
+
 
 class CacheWriter(HashedFile):
     """A download on its way into the cache: kept only if ``commit`` is called (a whole 200 response)."""
@@ -176,7 +185,6 @@ class CacheWriter(HashedFile):
 
     def commit(self, headers: Any) -> None:
         """Keep the body, with ``headers`` (less framing), once the response is whole."""
-        self.handle.close()
         try:
             self.cache._commit(self, stored_headers(headers))
         finally:

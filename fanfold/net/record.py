@@ -52,14 +52,7 @@ class BlobWriter(HashedFile):
 
     def commit(self) -> str:
         """Keep the body under its digest (one copy per content); its sha256."""
-        self.handle.close()
-        digest = self.sha.hexdigest()
-        final = self.directory / digest
-        if final.exists():
-            self.temp.unlink()
-        else:
-            os.replace(self.temp, final)
-        return digest
+        return self.keep_in(self.directory)[0]
 
     def discard(self) -> None:
         self.handle.close()
