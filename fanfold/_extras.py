@@ -18,6 +18,7 @@ EXTRAS = {
     "parquet": ("pyarrow",),
     "report": ("matplotlib",),
     "net": ("dns", "cryptography"),
+    "ray": ("ray",),
 }
 """The packages each extra brings, as pyproject's ``[project.optional-dependencies]`` lists them (by module name)."""
 DISTRIBUTIONS = {"dns": "dnspython"}

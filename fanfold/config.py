@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .ids import check_node_tag
+
 DEFAULT_STATE_DIR = "/var/lib/fanfold"
 RUNTIMES = ("crun", "runc")
 DEFAULT_SOCKET = "/run/fanfold.sock"
@@ -129,11 +131,15 @@ class EngineConfig:
     net_ca_file: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NET_CA_FILE") or None)
     """A CA bundle the egress proxy trusts, besides the system's, when it terminates TLS (record, replay,
     cache) and connects on to the real server (an internal registry's CA)."""
+    node_tag: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NODE_TAG") or None)
+    """In a cluster, this node's name in every sandbox and snapshot id it mints (``sb-<tag>-…``), so
+    clients route an id to its node; 1-12 lowercase letters and digits. None (default): ``sb-…``."""
     net_cache_mb: int = field(default_factory=lambda: _env_int("FANFOLD_NET_CACHE_MB", 4096))
     """Most disk the shared download cache (``network={"cache": True}``) takes; the least recently used go first."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
+        check_node_tag(self.node_tag)
         if self.disk not in DISKS:
             raise ValueError(f"FANFOLD_DISK (disk=) must be one of {', '.join(DISKS)}, got {self.disk!r}")
         if self.pull not in PULL_POLICIES:

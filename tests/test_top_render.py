@@ -104,3 +104,36 @@ def test_watch_once_and_live_survive_errors():
     watch(_Flaky(), source="http://fleet:8000", interval=0.0, console=live)  # returns quietly on Ctrl-C
     out = live.file.getvalue()
     assert "cannot read stats: connection refused" in out and "sb-2b341d1d55f6" in out
+
+
+def _cluster() -> dict:
+    """Two nodes' merged stats: one answering, one down."""
+    stats = copy.deepcopy(SAMPLE)
+    stats["sandboxes"] = [dict(sb, id=f"sb-n1a2b3-{sb['id'][3:]}", node="n1a2b3") for sb in SAMPLE["sandboxes"]]
+    stats["pools"] = [dict(SAMPLE["pools"][0], node="n1a2b3")]
+    stats["alerts"] = ["n9f8e7: node not answering"]
+    stats["nodes"] = [
+        {"node": "n1a2b3", "sandboxes": 2, "memory_committed_mb": 2048, "memory_available_mb": 23393, "creating": 1,
+         "waiting": 3, "create_p50_ms": 1.594, "exec_p50_ms": 84.38, "alive": True},
+        {"node": "n9f8e7", "alive": False},
+    ]
+    return stats
+
+
+def test_cluster_frame_shows_nodes_and_where_each_sandbox_is():
+    out = _text(_cluster())
+    assert "nodes" in out and "n9f8e7: node not answering" in out
+    node_row = next(line for line in out.splitlines() if "n1a2b3" in line and "yes" in line)
+    for figure in ("2,048 / 23,393", "1/3", "1.59", "84.4"):
+        assert figure in node_row, figure
+    down_row = next(line for line in out.splitlines() if "n9f8e7" in line and "no" in line.split())
+    assert down_row.count("-") >= 5
+    sandbox_row = next(line for line in out.splitlines() if "sb-n1a2b3-hotcpu000001" in line)
+    assert sandbox_row.split()[1] == "n1a2b3"
+    pool_row = next(line for line in out.splitlines() if "3/4" in line)
+    assert "n1a2b3" in pool_row
+
+
+def test_single_host_frame_has_no_node_column():
+    out = _text(SAMPLE)
+    assert "node" not in out.lower().replace("nodes", "")

@@ -647,12 +647,15 @@ def gc(ctx: click.Context) -> None:
 @click.option("--token", "tokens", multiple=True, help="Accept this bearer token, as its own tenant (repeatable).")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File of 'TENANT TOKEN' lines: one tenant each.")
+@click.option("--host-token", envvar="FANFOLD_HOST_TOKEN", default=None,
+              help="Accept this bearer token as the host's own tenant, as root on the socket is "
+                   "(a cluster's nodes and drivers use one; keep it secret).")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="Seconds calls in flight get to finish on shutdown before they are cancelled.")
 @click.option("--pool", "pools", multiple=True, metavar="IMAGE=SIZE",
               help="Keep SIZE sandboxes of IMAGE (default limits) warm from the start (repeatable; FANFOLD_POOLS).")
 @click.pass_context
-def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace, pools) -> None:  # type: ignore[no-untyped-def]
+def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_token, grace, pools) -> None:  # type: ignore[no-untyped-def]
     """Serve the HTTP API for this host's sandboxes until SIGINT or SIGTERM.
 
     Each token is a tenant that sees only its own sandboxes. On shutdown the server stops
@@ -670,6 +673,10 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, grace, p
     tenants = Tenants.from_file(tokens_file) if tokens_file else Tenants()
     for token in tokens:
         tenants.add(token)
+    if host_token:
+        from ..server.auth import LOCAL_TENANT
+
+        tenants.add(host_token, LOCAL_TENANT)
     if port is not None and not len(tenants):
         token = new_token()
         tenants.add(token, "default")

@@ -1,4 +1,5 @@
-"""``fanfold top``: a live terminal view of one host's ``/v1/stats``."""
+"""``fanfold top``: a live terminal view of one host's ``/v1/stats``, or a cluster's merged stats
+(which add a ``nodes`` list, and a ``node`` key on each pool and sandbox)."""
 
 from __future__ import annotations
 
@@ -130,11 +131,13 @@ def _pools(stats: dict) -> RenderableType:
     pools = stats.get("pools") or []
     if not pools:
         return Text("no warm pools", style="dim")
-    table = Table("pool", "ready/target", "filling", "handouts", "misses", "last error", title="pools")
+    cluster = "nodes" in stats
+    table = Table(*(["node"] if cluster else []), "pool", "ready/target", "filling", "handouts", "misses", "last error",
+                  title="pools")
     for pool in pools:
         error = pool.get("last_error")
         table.add_row(
-            _short(pool.get("source")), f"{pool.get('ready', 0)}/{pool.get('target', 0)}", str(pool.get("filling", 0)),
+            *([pool.get("node", "?")] if cluster else []), _short(pool.get("source")), f"{pool.get('ready', 0)}/{pool.get('target', 0)}", str(pool.get("filling", 0)),
             str(pool.get("handouts", 0)), str(pool.get("misses", 0)),
             Text(_short(error, 60), style="red") if error else "-",
         )
@@ -143,18 +146,37 @@ def _pools(stats: dict) -> RenderableType:
 
 def _sandboxes(stats: dict, limit: int) -> RenderableType:
     rows = sorted(stats.get("sandboxes") or [], key=lambda s: s.get("cpu_s") or 0.0, reverse=True)
-    table = Table("id", "state", "CPU s", "memory MB", "net out/in", "denied", "age", "rollout", title="sandboxes by CPU")
+    cluster = "nodes" in stats
+    table = Table(*(["node"] if cluster else []), "id", "state", "CPU s", "memory MB", "net out/in", "denied", "age",
+                  "rollout", title="sandboxes by CPU")
     for sb in rows[:limit]:
         memory = sb.get("memory_bytes")
         offline = sb.get("network", "none") == "none"
         table.add_row(
-            sb.get("id", "?"), sb.get("state", "?"), f"{sb.get('cpu_s') or 0.0:.2f}",
+            *([sb.get("node", "?")] if cluster else []), sb.get("id", "?"), sb.get("state", "?"), f"{sb.get('cpu_s') or 0.0:.2f}",
             "-" if memory is None else f"{memory / 2**20:,.1f}",
             "-" if offline else f"{_bytes(sb.get('net_bytes_up'))} / {_bytes(sb.get('net_bytes_down'))}",
             "-" if offline else str(sb.get("net_denied", 0)), _age(sb.get("age_s")), _short(sb.get("rollout_id")),
         )
     more = len(rows) - limit
     return Group(table, Text(f"... and {more} more", style="dim")) if more > 0 else table
+
+
+def _nodes(stats: dict) -> RenderableType:
+    """A cluster's nodes, one row each; a node not answering shows in red with dashes."""
+    table = Table("node", "alive", "sandboxes", "memory committed / free MB", "creating/waiting", "create p50 ms",
+                  "exec p50 ms", title="nodes")
+    for node in stats["nodes"]:
+        if not node.get("alive"):
+            table.add_row(Text(node.get("node", "?"), style=HOT), Text("no", style=HOT), *["-"] * 5)
+            continue
+        table.add_row(
+            node.get("node", "?"), Text("yes", style="green"), str(node.get("sandboxes", 0)),
+            f"{node.get('memory_committed_mb') or 0:,.0f} / {node.get('memory_available_mb') or 0:,.0f}",
+            f"{node.get('creating') or 0}/{node.get('waiting') or 0}",
+            _ms(node.get("create_p50_ms")), _ms(node.get("exec_p50_ms")),
+        )
+    return table
 
 
 def _alerts(stats: dict) -> RenderableType:
@@ -179,7 +201,8 @@ def render(stats: dict, *, source: str, limit: int = 20) -> RenderableType:
     """One frame of ``fanfold top`` for a ``/v1/stats`` dict; ``limit`` caps the sandbox rows."""
     counts = _row(_states(stats), _queue(stats), _host(stats))
     timing = _row(_latency(stats), _rates(stats), _network(stats))
-    return Group(_header(source), _alerts(stats), counts, timing, _pools(stats), _sandboxes(stats, limit))
+    nodes = [_nodes(stats)] if "nodes" in stats else []
+    return Group(_header(source), _alerts(stats), counts, timing, *nodes, _pools(stats), _sandboxes(stats, limit))
 
 
 def _frame(fleet: Any, source: str, limit: int, last: dict | None) -> tuple[RenderableType, dict | None]:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remot
 
 class AsyncFleet:
     """A handle on one host's sandboxes: ``AsyncFleet()`` embeds the engine in-process,
-    ``AsyncFleet(url, token=...)`` (or ``FANFOLD_URL``/``FANFOLD_TOKEN``) uses a server.
+    ``AsyncFleet(url, token=...)`` (or ``FANFOLD_URL``/``FANFOLD_TOKEN``) uses a server, and
+    ``AsyncFleet("ray://auto")`` every fanfold node of a Ray cluster.
 
     Use it as ``async with AsyncFleet() as fleet:``; closing destroys the sandboxes it
     created (except ``detached`` ones).
@@ -40,10 +41,27 @@ class AsyncFleet:
             self._transport, self.config = engine, engine.config
         elif config is not None:
             raise InvalidRequest("config= sets up an embedded engine; a remote fleet uses its server's")
+        elif self.url.startswith("ray://"):
+            from .._extras import require
+
+            require("ray", "a fleet on a Ray cluster (ray://)")
+            from ..cluster.transport import RayTransport
+
+            self._transport = RayTransport(ray_address(self.url), token=token, lease_ttl=env_lease_ttl())
+            self.config = None
         else:
             from ._http import HttpTransport
 
             self._transport, self.config = HttpTransport(self.url, token or env_token(), lease_ttl=env_lease_ttl()), None
+
+    @classmethod
+    def ray(cls, address: str | None = "auto", *, token: str | None = None) -> AsyncFleet:
+        """A fleet over every fanfold node of a Ray cluster (``fanfold ray start``): ``address`` is
+        Ray's (``auto`` on the cluster, ``ray://head:10001`` from outside, None to use this process's
+        Ray connection). The same as ``AsyncFleet("ray://auto")``."""
+        if address is None:
+            return cls("ray://", token=token)
+        return cls(address if address.startswith("ray://") else "ray://" + address, token=token)
 
     async def __aenter__(self) -> AsyncFleet:
         await self.start()
@@ -220,6 +238,15 @@ class AsyncFleet:
         """Delete the snapshots that are unnamed and that nothing needs, and (for the host's own
         callers) layers no image, snapshot or sandbox uses; returns what went."""
         return await self._transport.gc()
+
+
+def ray_address(url: str) -> str | None:
+    """Ray's address for a ``ray://`` fleet URL: ``ray://auto`` is ``auto``, a bare ``ray://`` this
+    process's Ray connection (or ``auto``), ``ray://host:port`` Ray Client's."""
+    rest = url.removeprefix("ray://")
+    if rest in ("", "auto"):
+        return rest or None
+    return url
 
 
 def _persistence(value: Persistence | str) -> str:

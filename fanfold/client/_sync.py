@@ -39,6 +39,11 @@ class Fleet:
         self.url = self._async.url
         self._portal: Portal | None = None
 
+    @classmethod
+    def ray(cls, address: str | None = "auto", *, token: str | None = None) -> Fleet:
+        """A fleet over every fanfold node of a Ray cluster; see ``AsyncFleet.ray``."""
+        return cls(AsyncFleet.ray(address, token=token).url, token=token)
+
     def __enter__(self) -> Fleet:
         self.start()
         return self

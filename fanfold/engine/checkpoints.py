@@ -55,7 +55,7 @@ class Checkpoints:
         sandbox_id = row["id"]
         await self.life.gone_if_dead(sandbox_id, row["pid"])
         img = self.life.sources.store.load_image(row["image_id"])
-        snapshot_id = snapmod.new_id()
+        snapshot_id = snapmod.new_id(self.life.config.node_tag)
         staged = self.life.snaps.staging(snapshot_id)
         try:
             pause_ms = await self.life.backend.checkpoint(

@@ -38,6 +38,7 @@ class Figures:
                     "net_requests": net.get("requests", 0), "net_denied": net.get("denied", 0),
                 })
         tasks, most_tasks = admission.kernel_tasks()
+        live = [dbmod.row_info(r).limits for r in self.life.db.rows() if r["state"] not in ("destroying", "suspended")]
         return {
             "sandboxes_by_state": by_state,
             "queue": {"waiting": self.life.admission.waiting, "creating": self.life.admission.creating,
@@ -45,7 +46,10 @@ class Figures:
             "pools": [pool.to_dict() for pool in self.pools.infos()],
             "host": {"memory_available_mb": admission.memory_available_mb(), "kernel_tasks": tasks,
                      "kernel_tasks_max": most_tasks, "shortage": self.life.admission.shortage(),
-                     "leases": self.life.db.count_leases()},
+                     "leases": self.life.db.count_leases(),
+                     # the limits its sandboxes (pooled too) may take: a cluster places creates by what is left
+                     "memory_committed_mb": sum(limits.memory_mb for limits in live),
+                     "cpus_committed": round(sum(limits.cpus for limits in live), 3)},
             **self.life.telemetry.summary(),
             "network": self.life.network.totals(),
             "sandboxes": listed,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from .._agent.client import AgentUnreachable
+from .. import ids
 from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError, InvalidRequest, SandboxGone, SandboxNotFound, ServiceFailed
 from ..host import procs, safefs
@@ -223,7 +224,7 @@ class Lifecycle:
     async def bring_up(self, info: SandboxInfo, deadline: float | None, owner: str, env: dict[str, str], tenant: str,
                        *, state: str = "running") -> SandboxInfo:
         """Insert the row, then start the sandbox; on any failure release all it got."""
-        sandbox_id = "sb-" + secrets.token_hex(6)
+        sandbox_id = ids.new_id(ids.SANDBOX, self.config.node_tag)
         now = dbmod.now()
         info = dataclasses.replace(
             info, id=sandbox_id, state="creating", created_at=now, deadline_at=now + deadline if deadline else None,

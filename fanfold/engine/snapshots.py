@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 import sqlite3
 import time
 from pathlib import Path
 
+from .. import ids
 from ..errors import InvalidRequest, SnapshotInUse, SnapshotNotFound
 from ..images import LayerStore
 from ..models import SnapshotInfo
@@ -28,8 +28,8 @@ TIER_FILE = "fanfold-backend"
 _ORPHAN_AGE_S = 300
 
 
-def new_id() -> str:
-    return PREFIX + secrets.token_hex(6)
+def new_id(node_tag: str | None = None) -> str:
+    return ids.new_id(PREFIX, node_tag)
 
 
 def check_name(name: str | None) -> str | None:

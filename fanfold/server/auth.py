@@ -41,7 +41,7 @@ class Tenants:
     def add(self, token: str, tenant: str | None = None) -> str:
         if len(token) < 16 or not token.isprintable() or " " in token:
             raise InvalidRequest("a token needs at least 16 printable characters and no spaces")
-        name = tenant or "t-" + _digest(token)[:12]
+        name = tenant if tenant is not None else "t-" + _digest(token)[:12]  # LOCAL_TENANT: the host's own
         self._by_digest[_digest(token)] = name
         return name
 

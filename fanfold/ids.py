@@ -1,0 +1,34 @@
+"""Sandbox and snapshot ids, and the node tag a cluster node's ids carry.
+
+On one host an id is ``sb-<12 hex>``; an engine given a node tag (``FANFOLD_NODE_TAG``, set by the
+cluster layer for each node) mints ``sb-<tag>-<12 hex>``, so a cluster client routes any id to the
+node that holds it without asking. Imports nothing else of fanfold.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+SANDBOX = "sb-"
+SNAPSHOT = "snap-"
+_TAG = re.compile(r"^[a-z0-9]{1,12}$")
+_ID = re.compile(r"^(?:sb|snap)-(?:(?P<tag>[a-z0-9]{1,12})-)?[0-9a-f]{12}$")
+
+
+def check_node_tag(tag: str | None) -> str | None:
+    """``tag`` if it is 1-12 lowercase letters and digits (or None), else ValueError."""
+    if tag is not None and not _TAG.match(tag):
+        raise ValueError(f"node tag {tag!r} must be 1-12 lowercase letters and digits")
+    return tag
+
+
+def new_id(prefix: str, node_tag: str | None = None) -> str:
+    """A fresh id: ``prefix`` + (``node_tag-``) + 12 random hex digits."""
+    return f"{prefix}{node_tag}-{secrets.token_hex(6)}" if node_tag else prefix + secrets.token_hex(6)
+
+
+def node_of(any_id: str) -> str | None:
+    """The node tag a sandbox or snapshot id carries, or None (a single host's id, or not an id)."""
+    match = _ID.match(any_id) if isinstance(any_id, str) else None
+    return match["tag"] if match else None

@@ -1,0 +1,234 @@
+"""fanfold on a real local Ray cluster: a head and two worker nodes (Ray's own test utility starts a
+raylet per node on this machine), each running its ``fanfold serve`` on its own state dir with the real
+runtime; the fleet is ``AsyncFleet("ray://")``, the same SDK as embedded and over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import STATE_DIR, leaks, stray_processes
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from fanfold import AsyncFleet, EngineConfig, ids  # noqa: E402
+from fanfold.cluster.node import ClusterConfig, start_cluster, stop_cluster  # noqa: E402
+from fanfold.engine import Engine  # noqa: E402
+from fanfold.host import disk  # noqa: E402
+
+NODE_MEMORY = 4 * 2**30
+"""Each worker node's Ray ``memory`` resource: the capacity placement shares out."""
+ROOT = STATE_DIR / "ray"
+
+
+def _node_args(**extra: object) -> dict[str, object]:
+    return {"num_cpus": 1, "resources": {"fanfold": 1}, "object_store_memory": 80 * 2**20, "memory": NODE_MEMORY,
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (no fanfold) plus two fanfold nodes; at the end every server, sandbox and Ray process is gone."""
+    shutil.rmtree(ROOT, ignore_errors=True)
+    ray_cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": 80 * 2**20, "include_dashboard": False})
+    for _ in range(2):
+        ray_cluster.add_node(**_node_args())
+    ray_cluster.wait_for_nodes()
+    ray.init(address=ray_cluster.address, namespace="fanfold", log_to_driver=False)
+    config = ClusterConfig(state_dir=str(ROOT / "{node_id}"), resource="fanfold", host="127.0.0.1")
+    try:
+        asyncio.run(start_cluster(config, address=None, nodes=2))
+        yield ray_cluster
+    finally:
+        asyncio.run(stop_cluster(address=None))
+        ray.shutdown()
+        ray_cluster.shutdown()
+    for state_dir in ROOT.iterdir():
+        node_config = EngineConfig(state_dir=state_dir)
+        assert leaks(node_config) == {"mounts": 0, "cgroups": 0, "containers": 0}, state_dir
+        assert not disk.ready(state_dir), f"{state_dir}'s disk is still mounted"
+    assert not [line for line in stray_processes() if "ray" in line or "fanfold" in line]
+    shutil.rmtree(ROOT, ignore_errors=True)
+
+
+@pytest.fixture
+async def fleet(cluster, monkeypatch):
+    monkeypatch.setenv("FANFOLD_LEASE_TTL", "3")  # a dead node's leases lapse within the test
+    async with AsyncFleet("ray://") as fleet:
+        yield fleet
+
+
+def _tags(fleet: AsyncFleet) -> list[str]:
+    return sorted(fleet._transport.nodes)
+
+
+async def test_ids_name_their_node_and_calls_go_there(fleet):
+    tags = _tags(fleet)
+    assert len(tags) == 2
+    boxes = [await fleet.create(memory_mb=256) for _ in range(4)]
+    assert {ids.node_of(box.id) for box in boxes} == set(tags), "four equal creates spread over both nodes"
+    for box in boxes:
+        result = await box.exec("cat /etc/hostname")  # a sandbox's hostname is its id
+        assert result.stdout.decode().strip() == box.id
+        await box.files.write("where", box.id)
+        assert await box.files.read("where") == box.id.encode()
+    for tag in tags:  # each node's own server holds exactly the ones named for it
+        node = fleet._transport.nodes[tag]
+        async with AsyncFleet(node.url, token=fleet._transport._token) as direct:
+            on_node = {info.id for info in await direct.list()}
+        assert {box.id for box in boxes if ids.node_of(box.id) == tag} <= on_node
+        assert not {box.id for box in boxes if ids.node_of(box.id) != tag} & on_node
+    assert {info.id for info in await fleet.list()} >= {box.id for box in boxes}
+    for box in boxes:
+        await box.kill()
+    assert not {info.id for info in await fleet.list()} & {box.id for box in boxes}
+
+
+async def test_placement_follows_headroom(fleet):
+    big = await fleet.create(memory_mb=3072)  # three quarters of a node's memory
+    follow = [await fleet.create(memory_mb=512) for _ in range(3)]
+    assert all(ids.node_of(box.id) != ids.node_of(big.id) for box in follow), "creates go where memory is left"
+    for box in (big, *follow):
+        await box.kill()
+
+
+async def test_placement_prefers_the_node_holding_the_image(fleet):
+    from fanfold import EnvSpec
+
+    spec = EnvSpec(base="host").run("echo locality > /marker")
+    image = await fleet.build(spec)
+    holder = [tag for tag, node in fleet._transport.nodes.items() if image.id in node.images]
+    assert len(holder) == 1, "a build runs on one node"
+    boxes = [await fleet.create(image, memory_mb=256) for _ in range(3)]
+    assert {ids.node_of(box.id) for box in boxes} == set(holder)
+    assert (await boxes[0].exec("cat /marker")).stdout == b"locality\n"
+    for box in boxes:
+        await box.kill()
+
+
+async def test_fork_and_memory_snapshot_stay_on_their_node(fleet):
+    parent = await fleet.create(memory_mb=256)
+    await parent.exec("echo parent > /state")
+    fork = await parent.fork(2)
+    async with fork:
+        assert {ids.node_of(child.id) for child in fork.children} == {ids.node_of(parent.id)}
+        for child in fork.children:
+            assert (await child.exec("cat /state")).stdout == b"parent\n"
+    snap = await parent.snapshot(memory=True, name="cluster-snap")
+    assert ids.node_of(snap.id) == ids.node_of(parent.id)
+    assert (await fleet.get_snapshot("cluster-snap")).id == snap.id
+    await parent.kill()
+    await fleet.delete_snapshot(snap.id)
+
+
+async def test_create_from_a_snapshot_taken_on_another_node(fleet):
+    tags = _tags(fleet)
+    parent = await fleet.create(memory_mb=256)
+    await parent.exec("echo moved > /payload")
+    snap = await parent.snapshot()
+    holder = ids.node_of(snap.id)
+    other = fleet._transport.nodes[next(tag for tag in tags if tag != holder)]
+    # Fill the holder (directly on its server) so placement sends the create from the snapshot elsewhere.
+    async with AsyncFleet(fleet._transport.nodes[holder].url, token=fleet._transport._token) as direct:
+        filler = await direct.create(memory_mb=3584)
+        assert ids.node_of(filler.id) == holder
+        await fleet._transport.refresh()
+        child = await fleet.create(snap, memory_mb=256)
+        assert ids.node_of(child.id) == other.tag, "the holder was full"
+        assert (await child.exec("cat /payload")).stdout == b"moved\n"
+        async with AsyncFleet(other.url, token=fleet._transport._token) as on_other:
+            assert snap.id in {info.id for info in await on_other.snapshots()}
+        for box in (child, parent):
+            await box.kill()
+        await fleet.delete_snapshot(snap.id)  # on both nodes
+        assert snap.id not in {info.id for info in await fleet.snapshots()}
+
+
+async def test_map_spreads_rollouts_over_every_node(fleet):
+    async def rollout(n: int) -> str:
+        async with await fleet.create(memory_mb=128) as box:
+            result = await box.exec(f"echo {n}")
+            assert result.stdout == f"{n}\n".encode()
+            return ids.node_of(box.id)
+
+    results = [r async for r in fleet.map(rollout, range(24), concurrency=8)]
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert {r.value for r in results} == set(_tags(fleet))
+    assert await fleet.list() == []
+
+
+async def test_cluster_metrics_have_every_node_and_the_totals(fleet):
+    boxes = [await fleet.create(memory_mb=256) for _ in range(2)]
+    await asyncio.gather(*(box.exec("true") for box in boxes))
+    stats = await fleet.metrics()
+    assert {row["node"] for row in stats["nodes"]} == set(_tags(fleet))
+    assert all(row["alive"] for row in stats["nodes"])
+    assert stats["sandboxes_by_state"].get("running", 0) >= 2
+    assert sum(row["sandboxes"] for row in stats["nodes"]) == len(stats["sandboxes"])
+    assert {s["node"] for s in stats["sandboxes"]} >= {ids.node_of(box.id) for box in boxes}
+    text = await fleet._transport.metrics_text()
+    for tag in _tags(fleet):
+        assert f'node="{tag}"' in text
+    for box in boxes:
+        await box.kill()
+
+
+async def test_a_node_dying_mid_fan_out_is_retried_elsewhere_and_leaks_nothing(cluster, fleet):
+    doomed = cluster.add_node(**_node_args())
+    survivors = set(_tags(fleet))
+    infos = await start_cluster(address=None, nodes=3)
+    victim = next(info for info in infos if info["tag"] not in survivors)
+    await fleet._transport.refresh()
+    assert victim["tag"] in fleet._transport.nodes
+    on_victim = asyncio.Event()
+
+    async def rollout(n: int) -> str:
+        async with await fleet.create(memory_mb=128) as box:
+            if ids.node_of(box.id) == victim["tag"]:
+                on_victim.set()
+            await box.exec("sleep 2")
+            return ids.node_of(box.id)
+
+    run = fleet.map(rollout, range(12), concurrency=6, retries=3, backoff=0.1)
+    collected: list = []
+
+    async def collect() -> None:
+        collected.extend([r async for r in run])
+
+    task = asyncio.create_task(collect())
+    await asyncio.wait_for(on_victim.wait(), 60)
+    died_at = time.time()
+    await asyncio.to_thread(cluster.remove_node, doomed)
+    await asyncio.wait_for(task, 180)
+    assert all(r.ok for r in collected), [(r.status, r.error) for r in collected if not r.ok]
+    assert any(r.infra_errors for r in collected), "some rollouts were on the dead node"
+    assert {r.value for r in collected} <= survivors | {victim["tag"]}
+    assert victim["tag"] not in fleet._transport.nodes
+    assert await fleet.list() == [], "nothing left on the survivors"
+    # The dead node's sandboxes outlive its server; its engine, started again on its state dir once the
+    # driver's lease there has lapsed, reaps them all.
+    state_dir = Path(victim["state_dir"])
+    _wait_leases_lapsed(state_dir, died_at)
+    engine = Engine(EngineConfig(state_dir=state_dir, node_tag=victim["tag"]))
+    await engine.start()
+    try:
+        assert await engine.list() == []
+    finally:
+        await engine.close()
+    assert leaks(EngineConfig(state_dir=state_dir)) == {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+def _wait_leases_lapsed(state_dir: Path, since: float) -> None:
+    """Block until every lease in the state dir's database has expired (they were renewed up to ``since``)."""
+    with sqlite3.connect(state_dir / "fanfold.db") as db:
+        latest = db.execute("SELECT MAX(expires_at) FROM leases").fetchone()[0] or since
+    if latest > time.time():
+        time.sleep(latest - time.time() + 0.1)  # a lease's expiry is a point in time: nothing to wait on
