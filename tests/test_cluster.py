@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from fanfold import AsyncFleet, EngineConfig, ids  # noqa: E402
+from fanfold import AsyncFleet, EngineConfig, Fleet, ids  # noqa: E402
+from fanfold.errors import SandboxNotFound  # noqa: E402
 from fanfold.cluster.node import ClusterConfig, start_cluster, stop_cluster  # noqa: E402
 from fanfold.engine import Engine  # noqa: E402
 from fanfold.host import disk  # noqa: E402
@@ -181,13 +182,47 @@ async def test_cluster_metrics_have_every_node_and_the_totals(fleet):
         await box.kill()
 
 
+def test_the_sync_sdk_works_the_same_on_the_cluster(cluster):
+    """The same calls as embedded and over HTTP, through ``Fleet.ray``: a user changes the address only."""
+    with Fleet.ray(None) as fleet:
+        box = fleet.create(memory_mb=256, labels={"task": "parity"})
+        assert box.exec("echo $((6 * 7))").stdout == b"42\n"
+        chunks = [item for item in box.exec_stream("echo out; echo err >&2")]
+        assert chunks[-1].exit_code == 0 and len(chunks) >= 2
+        box.files.write("notes/a.txt", "hello")
+        assert [entry.name for entry in box.files.list("notes")] == ["a.txt"]
+        assert box.suspend().state == "suspended"
+        assert box.resume().state == "running"
+        assert box.files.read("notes/a.txt") == b"hello"
+        assert box.reset().state == "running"
+        assert box.exec("test -e notes/a.txt").exit_code != 0, "reset: back to the image"
+        assert [info.id for info in fleet.list(labels={"task": "parity"})] == [box.id]
+        assert fleet.get(box.id).id == box.id
+        box.kill()
+        with pytest.raises(SandboxNotFound):
+            fleet.get(box.id)
+
+
+async def test_a_cluster_wide_pool_is_spread_over_the_nodes(fleet):
+    info = await fleet.pool("host", 4, memory_mb=128, wait=120)
+    assert (info.size, info.ready) == (4, 4)
+    per_node = (await fleet.metrics())["pools"]
+    assert {pool["node"] for pool in per_node if pool["ready"]} == set(_tags(fleet))
+    box = await fleet.create(memory_mb=128)
+    assert (await box.exec("true")).exit_code == 0
+    await box.kill()
+    (summed,) = await fleet.pools()
+    assert summed.handouts == 1, "the create came warm from one node's share"
+    info = await fleet.pool("host", 0, memory_mb=128)
+    assert info.ready == 0 and await fleet.pools() == []
+
+
 async def test_a_node_dying_mid_fan_out_is_retried_elsewhere_and_leaks_nothing(cluster, fleet):
     doomed = cluster.add_node(**_node_args())
     survivors = set(_tags(fleet))
-    infos = await start_cluster(address=None, nodes=3)
-    victim = next(info for info in infos if info["tag"] not in survivors)
-    await fleet._transport.refresh()
-    assert victim["tag"] in fleet._transport.nodes
+    await _until_nodes(fleet, 3)  # the controller's watch starts a server on the node that joined
+    (victim,) = [info for info in await fleet._transport._controller.list_nodes.remote()
+                 if info["tag"] not in survivors]
     on_victim = asyncio.Event()
 
     async def rollout(n: int) -> str:
@@ -224,6 +259,16 @@ async def test_a_node_dying_mid_fan_out_is_retried_elsewhere_and_leaks_nothing(c
     finally:
         await engine.close()
     assert leaks(EngineConfig(state_dir=state_dir)) == {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+async def _until_nodes(fleet: AsyncFleet, count: int, timeout: float = 120) -> None:
+    """Wait until the fleet sees ``count`` nodes (a node's server starts in a few seconds)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while len(fleet._transport.nodes) != count:
+        assert loop.time() < end, f"{len(fleet._transport.nodes)} nodes, not {count}, after {timeout} s"
+        await asyncio.sleep(0.2)  # polls the fleet's view, which refreshes itself every 2 s
+        await fleet._transport.refresh()
 
 
 def _wait_leases_lapsed(state_dir: Path, since: float) -> None:

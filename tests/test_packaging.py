@@ -100,3 +100,10 @@ def test_the_report_without_the_report_extra_names_it():
     done = python("sys.path.insert(0, 'examples')\nimport report", blocked=["matplotlib"])
     assert done.stderr.splitlines()[-1] == ("fanfold._extras.MissingExtra: the demo's HTML report needs matplotlib, "
                                             "which is not installed: pip install 'fanfold[report]'")
+
+
+def test_a_ray_fleet_without_the_ray_extra_names_it():
+    done = python("from fanfold import AsyncFleet\nAsyncFleet('ray://auto')", blocked=["ray"])
+    assert done.stderr.splitlines()[-1] == ("fanfold._extras.MissingExtra: a fleet on a Ray cluster (ray://) needs ray, "
+                                            "which is not installed: pip install 'fanfold[ray]'")
+

@@ -233,7 +233,12 @@ class Controller:
 def connect(address: str | None = "auto") -> None:
     """Join the Ray cluster at ``address`` (``auto``, ``ray://host:10001``) unless this process has."""
     if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING,
+                     log_to_driver=False)
+        except ConnectionError as err:
+            raise InvalidRequest(f"no Ray cluster at {address or 'auto'}: {err} (start one with `ray start --head`,"
+                                 " or pass its address)") from None
 
 
 def controller() -> Any:
