@@ -24,6 +24,7 @@ bench:
 	.venv/bin/python bench/tiers.py --json
 	.venv/bin/python bench/network.py --json
 	.venv/bin/python bench/integrations.py --json
+	.venv/bin/python bench/cluster.py --json
 
 clean:
 	rm -rf .venv build *.egg-info

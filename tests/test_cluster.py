@@ -214,7 +214,7 @@ async def test_a_cluster_wide_pool_is_spread_over_the_nodes(fleet):
     (summed,) = await fleet.pools()
     assert summed.handouts == 1, "the create came warm from one node's share"
     info = await fleet.pool("host", 0, memory_mb=128)
-    assert info.ready == 0 and await fleet.pools() == []
+    assert info.ready == 0 and all(pool.target == 0 for pool in await fleet.pools())
 
 
 async def test_a_node_dying_mid_fan_out_is_retried_elsewhere_and_leaks_nothing(cluster, fleet):
@@ -277,3 +277,124 @@ def _wait_leases_lapsed(state_dir: Path, since: float) -> None:
         latest = db.execute("SELECT MAX(expires_at) FROM leases").fetchone()[0] or since
     if latest > time.time():
         time.sleep(latest - time.time() + 0.1)  # a lease's expiry is a point in time: nothing to wait on
+
+
+# -- The `fanfold ray` command line, run as a subprocess against the module's cluster ---------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from conftest import run_cli  # noqa: E402
+
+from fanfold.cluster.node import controller  # noqa: E402
+
+ZERO_LEAKS = {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+def _ray_cli(cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    done = run_cli("ray", *args, "--address", cluster.address)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def _node_lines(out: str) -> dict[str, tuple[str, str]]:
+    """`fanfold ray start`'s stdout, ``TAG  URL  STATE_DIR`` a node, by tag."""
+    rows = [line.split() for line in out.splitlines()]
+    return {tag: (url, state_dir) for tag, url, state_dir in rows}
+
+
+def _alive_nodes() -> list[dict]:
+    """The controller's node servers on nodes Ray has alive, as this (test) process sees them."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    return [info for info in ray.get(controller().list_nodes.remote()) if info["node_id"] in alive]
+
+
+def test_cli_ray_status_lists_the_nodes_and_never_the_token(cluster):
+    nodes = _alive_nodes()
+    assert len(nodes) == 2
+    as_json = _ray_cli(cluster, "status", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    listed = [info for info in json.loads(as_json.stdout)["nodes"] if info["alive"]]
+    assert {info["tag"]: info["url"] for info in listed} == {info["tag"]: info["url"] for info in nodes}
+    assert all(info["running"] and info["memory_mb"] == NODE_MEMORY / 2**20 and info["cpus"] == 1 for info in listed)
+    done = _ray_cli(cluster, "status")
+    assert done.returncode == 0, done.stderr
+    for info in nodes:
+        (row,) = [line for line in done.stdout.splitlines() if line.startswith(info["tag"])]
+        assert row.split()[:4] == [info["tag"], info["node_id"][:12], info["url"], "running"]
+    assert "resource=fanfold" in done.stdout
+    token = ray.get(controller().token.remote())
+    assert token not in done.stdout + as_json.stdout
+
+
+def test_cli_ray_start_where_it_runs_changes_nothing_and_lists_the_nodes(cluster):
+    before = {info["tag"]: (info["url"], info["state_dir"]) for info in _alive_nodes()}
+    done = _ray_cli(cluster, "start", "--nodes", "2", "--port", "1")  # other settings: ignored, and said so
+    assert done.returncode == 0, done.stderr
+    assert _node_lines(done.stdout) == before, "the same servers, not new ones"
+    assert "runs on this Ray cluster already" in done.stderr and 'AsyncFleet("ray://auto")' in done.stderr
+
+
+def test_cli_ray_metrics_label_every_node(cluster):
+    done = _ray_cli(cluster, "metrics")
+    assert done.returncode == 0, done.stderr
+    for info in _alive_nodes():
+        samples = [line for line in done.stdout.splitlines() if f'node="{info["tag"]}"' in line]
+        assert any(line.startswith("fanfold_sandboxes{") for line in samples), samples[:5]
+
+
+def test_cli_top_on_the_cluster_shows_its_nodes(cluster):
+    done = run_cli("--url", "ray://auto", "top", "--once", env={"RAY_ADDRESS": cluster.address, "COLUMNS": "120"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.strip() == "nodes" for line in lines), done.stdout
+    for info in _alive_nodes():
+        assert any(info["tag"] in line and "yes" in line for line in lines), done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+async def test_cli_ray_stop_ends_the_servers_and_their_sandboxes_and_start_brings_them_back(cluster):
+    nodes = {info["tag"]: info for info in _alive_nodes()}
+    async with AsyncFleet("ray://") as fleet:
+        box = await fleet.create(memory_mb=128)
+        assert (await box.exec("true")).exit_code == 0
+        stopped = await asyncio.to_thread(_ray_cli, cluster, "stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert "stopped fanfold on 2 nodes" in stopped.stderr
+    for info in nodes.values():  # each server destroyed its sandboxes as it stopped
+        assert leaks(EngineConfig(state_dir=Path(info["state_dir"]))) == ZERO_LEAKS, info["tag"]
+    not_started = _ray_cli(cluster, "status")
+    assert not_started.returncode == 2
+    assert not_started.stderr.startswith("error: InvalidRequest: fanfold is not started on this Ray cluster")
+    again = _ray_cli(cluster, "stop")
+    assert again.returncode == 0 and "not running" in again.stderr
+    started = _ray_cli(cluster, "start", "--state-dir", str(ROOT / "{node_id}"), "--resource", "fanfold",
+                       "--host", "127.0.0.1", "--nodes", "2", "--timeout", "120")
+    assert started.returncode == 0, started.stderr
+    lines = _node_lines(started.stdout)
+    assert set(lines) == set(nodes), "each node keeps its tag (kept in its state dir)"
+    assert {state_dir for _, state_dir in lines.values()} == {info["state_dir"] for info in nodes.values()}
+    async with AsyncFleet("ray://") as fleet:
+        box = await fleet.create(memory_mb=128)
+        assert ids.node_of(box.id) in nodes
+        await box.kill()
+
+
+def test_cli_ray_with_no_cluster_at_the_address_is_one_line_at_once():
+    started = time.monotonic()
+    done = run_cli("ray", "status", "--address", "127.0.0.1:1", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: InfrastructureError: no Ray cluster answers at 127.0.0.1:1"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert time.monotonic() - started < 10, "not Ray's own minutes of retries"
+
+
+def test_cli_ray_without_ray_installed_names_the_extra():
+    blocked = "import sys\nsys.modules['ray'] = None\nfrom fanfold.cli import main\nmain(prog_name='fanfold')"
+    done = subprocess.run([sys.executable, "-c", blocked, "ray", "status"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: MissingExtra: fanfold on a Ray cluster needs ray, which is not installed:"
+                                   " pip install 'fanfold[ray]'")

@@ -64,8 +64,18 @@ def _fleet(ctx: click.Context, *, local: bool = False) -> Fleet:
     from ..client import Fleet
 
     if ctx.obj["url"] and not local:
+        _join_ray(ctx.obj["url"])
         return Fleet(ctx.obj["url"], token=ctx.obj["token"])
     return Fleet(config=_config(ctx))
+
+
+def _join_ray(url: str) -> None:
+    """For a ray:// URL, join its cluster now, in the main thread: no cluster there is then one line."""
+    if url.startswith("ray://"):
+        from ..client._async import ray_address
+        from ..cluster.joining import join
+
+        join(ray_address(url))
 
 
 def _resource_options(fn):  # type: ignore[no-untyped-def]
@@ -133,6 +143,8 @@ class FanfoldGroup(click.Group):
                                    " with network={\"record\": NAME}); --rm deletes some."),
         "port": _LazyCommand("port", "fanfold.cli.network:port", "Reach a port inside a sandbox from the host: print"
                              " its URL (embedded: forward it until Ctrl-C)."),
+        "ray": _LazyCommand("ray", "fanfold.cli.ray:ray", "fanfold on a Ray cluster: start, status, stop, metrics"
+                            " (a `fanfold serve` on every node)."),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -759,6 +771,7 @@ def top(ctx: click.Context, interval: float, once: bool, limit: int) -> None:
         url = f"unix://{DEFAULT_SOCKET}"
     if url is None:
         raise click.UsageError("fanfold top watches a server: start `fanfold serve`, or pass --url / FANFOLD_URL")
+    _join_ray(url)
     with Fleet(url, token=ctx.obj["token"]) as fleet:
         watch(fleet, source=url, interval=interval, once=once, limit=limit)
 

@@ -2,6 +2,6 @@
 fleet transport that routes each call straight to the node holding the sandbox.
 
 ``fanfold ray start`` (or ``start_cluster``) puts a controller on the cluster that keeps one
-``FanfoldNode`` on every node; ``AsyncFleet("ray://auto")`` finds them. Only this package imports
-``ray`` (the ``ray`` extra).
+``FanfoldNode`` on every node; ``AsyncFleet("ray://auto")`` finds them; ``trajectories.ClusterTrajectoryStore`` is one trajectory
+store that rollout workers on every node write to. Only this package imports ``ray`` (the ``ray`` extra).
 """

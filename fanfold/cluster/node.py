@@ -181,6 +181,8 @@ class Controller:
             for node_id in [n for n in self.nodes if n not in alive]:
                 self.nodes.pop(node_id, None)
                 self._actors.pop(node_id, None)
+            for node_id in [n for n in self.errors if n not in alive]:
+                del self.errors[node_id]
             await asyncio.gather(*(self._ensure(node_id, node) for node_id, node in alive.items()))
 
     def _serves(self, node: dict[str, Any]) -> bool:

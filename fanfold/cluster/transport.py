@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from .. import ids
 from ..client._http import LEASE_TTL_S, HttpTransport
-from ..errors import FanfoldError, InfrastructureError, InvalidRequest, NotFound, SandboxNotFound, SnapshotNotFound
+from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, NotFound, SandboxNotFound, SnapshotNotFound
 from ..images import Image
 from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..refs import BASES
@@ -160,6 +160,10 @@ class RayTransport:
             return
         node.stats, node.alive = stats, True
         node.images = frozenset(n for image in images for n in (image.id, *image.names))
+        for image in images:  # a pulled image can be pulled on any node: remember from where
+            if image.source.startswith("registry "):
+                ref = image.source.removeprefix("registry ")
+                self._refs.update(dict.fromkeys((image.id, *image.names), ref))
         node.snapshots = frozenset(n for snap in snapshots for n in (snap.id, snap.name) if n)
 
     def _alive(self) -> list[Node]:
@@ -271,6 +275,8 @@ class RayTransport:
                 node.commit(limits.memory_mb, limits.cpus)  # placement sees it before the next stats read
                 self._made[info.id] = limits
                 return info
+            except CapacityExceeded as err:  # its queue is full: the next candidate may have room
+                last = err
             except InfrastructureError as err:
                 last = err
                 if node.alive:
@@ -282,19 +288,26 @@ class RayTransport:
         raise last
 
     async def _candidates(self, source: str, limits: Limits) -> list[Node]:
+        """Nodes to try, best first: any node for a source every node can get, else only its holders."""
         nodes = self._best(source, limits.memory_mb, limits.cpus)
-        if ids.node_of(source) is None and not self._portable(source):
-            holders = [node for node in nodes if source in node.images or source in node.snapshots]
-            if not holders:
-                await self.refresh()
-                nodes = self._best(source, limits.memory_mb, limits.cpus)
-                holders = [node for node in nodes if source in node.images or source in node.snapshots]
-            return holders or nodes  # no holder: let a node say what is wrong with the name
-        return nodes
+        if self._anywhere(source):
+            return nodes
+        holders = [node for node in nodes if source in node.images]
+        if not holders:
+            await self.refresh()
+            nodes = self._best(source, limits.memory_mb, limits.cpus)
+            holders = [node for node in nodes if source in node.images]
+        return holders or nodes  # no holder: let a node say what is wrong with the name
 
-    def _portable(self, source: str) -> bool:
-        """Whether any node can get ``source``: a base, an image built or pulled here, a reference."""
-        return source in BASES or source in self._specs or source in self._refs or not source.startswith("img-")
+    def _anywhere(self, source: str) -> bool:
+        """Whether any node can have ``source``: a base, an image this driver built or any node pulled
+        (built again or pulled there), a snapshot (pulled from its node), or a reference none holds
+        (the chosen node pulls it). Not: an imported image, or one another driver built."""
+        if source in BASES or source in self._specs or source in self._refs:
+            return True
+        if ids.node_of(source) is not None or any(source in node.snapshots for node in self.nodes.values()):
+            return True
+        return not source.startswith("img-") and not any(source in node.images for node in self.nodes.values())
 
     async def _bring(self, source: str, node: Node) -> None:
         """Make ``source`` available on ``node`` if another node holds it."""
