@@ -119,6 +119,51 @@ async def test_a_lease_not_renewed_takes_its_sandboxes_with_it(config):
     assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
 
 
+async def test_a_create_whose_lease_ends_while_it_waits_leaves_nothing(config, monkeypatch):
+    """A burst cancelled by its client: the lease closes while creates still queue; each that comes
+    up afterwards is destroyed at once instead of living on under a lease that no longer exists."""
+    engine = Engine(config)
+    await engine.start()
+    queued, release = asyncio.Event(), asyncio.Event()
+    real = engine._create
+
+    async def held(*args, **kwargs):
+        queued.set()
+        await release.wait()  # the slot this create queues for frees only after the lease closed
+        return await real(*args, **kwargs)
+
+    try:
+        lease = await engine.open_lease(30)
+        monkeypatch.setattr(engine, "_create", held)
+        create = asyncio.create_task(engine.create(lease=lease.id))
+        await queued.wait()
+        assert await engine.close_lease(lease.id) == 0
+        release.set()
+        with pytest.raises(LeaseNotFound, match="ended while this create waited"):
+            await create
+        assert await engine.list() == []
+    finally:
+        await engine.close()
+    assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
+
+
+async def test_the_lease_heartbeat_is_not_starved_by_calls_holding_every_connection(server):
+    """A burst with every pooled connection busy for longer than the lease's ttl: the heartbeat has
+    its own connection, so the lease (and the sandboxes under it) live on."""
+    from fanfold.client._http import HttpTransport
+
+    transport = HttpTransport(server.unix_url, None, lease_ttl=1.5)
+    await transport.start()
+    try:
+        transport._client = transport._new_client(limit=2)  # a pool of two, both kept busy below
+        boxes = [await transport.create() for _ in range(2)]
+        slow = await asyncio.gather(*(transport.exec(box.id, "sleep 4") for box in boxes))
+        assert all(result.ok for result in slow), "the lease held: nothing was reaped under the execs"
+        assert {info.id for info in await transport.list()} >= {box.id for box in boxes}
+    finally:
+        await transport.close()
+
+
 async def test_exec_reports_cpu_time_and_peak_memory(afleet):
     async with await afleet.create(memory_mb=512) as sandbox:
         idle = await sandbox.exec("true")

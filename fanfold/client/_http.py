@@ -72,23 +72,28 @@ class HttpTransport:
         self._lease_ttl = lease_ttl
         self.lease: LeaseInfo | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._beat: Client | None = None
 
     # -- plumbing -----------------------------------------------------------------------------
 
     @property
     def client(self) -> Client:
         if self._client is None:  # made on first use, inside the loop that will drive it
-            parts = urlsplit(self._base)
-            tls = parts.scheme == "https"
-            self._client = Client(socket_path=self._socket, host=parts.hostname or "localhost",
-                                  port=parts.port or (443 if tls else 80), tls=tls, headers=self._headers)
+            self._client = self._new_client()
         return self._client
 
+    def _new_client(self, limit: int = 256) -> Client:
+        parts = urlsplit(self._base)
+        tls = parts.scheme == "https"
+        return Client(socket_path=self._socket, host=parts.hostname or "localhost",
+                      port=parts.port or (443 if tls else 80), tls=tls, headers=self._headers, limit=limit)
+
     @asynccontextmanager
-    async def _request(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[Response]:
+    async def _request(self, method: str, path: str, *, via: Client | None = None,
+                       **kwargs: Any) -> AsyncIterator[Response]:
         """A reply whose status is below 400; a fanfold error body raises its exception."""
         try:
-            async with self.client.request(method, path, **kwargs) as response:
+            async with (via or self.client).request(method, path, **kwargs) as response:
                 if response.status >= 400:
                     raise await _error(response)
                 yield response
@@ -141,7 +146,9 @@ class HttpTransport:
             await asyncio.sleep(self._lease_ttl / 3)
             try:
                 assert self.lease is not None
-                self.lease = LeaseInfo(**await self._json("POST", f"/v1/leases/{self.lease.id}/renew"))
+                if self._beat is None:  # its own connection: a burst holding every pooled one must not starve it
+                    self._beat = self._new_client(limit=1)
+                self.lease = LeaseInfo(**await self._json("POST", f"/v1/leases/{self.lease.id}/renew", via=self._beat))
             except LeaseNotFound:
                 log.warning("fanfold: the server reaped this client's sandboxes (lease %s expired); taking a new lease",
                             self.lease.id if self.lease else "?")
@@ -164,9 +171,10 @@ class HttpTransport:
             except FanfoldError:
                 pass  # expired already, or the server is gone: it reaps the lease itself
             self.lease = None
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        for client in (self._client, self._beat):
+            if client is not None:
+                await client.close()
+        self._client = self._beat = None
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
         try:
@@ -283,6 +291,11 @@ class HttpTransport:
     async def stats(self) -> dict[str, Any]:
         return await self._json("GET", "/v1/stats")
 
+    async def metrics_text(self) -> str:
+        """The server's Prometheus metrics, as text (not in ``EngineAPI``: a cluster gathers them)."""
+        async with self._request("GET", "/v1/metrics") as response:
+            return (await response.read()).decode()
+
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return wire.info_from_json(await self._json("GET", _sandbox(sandbox_id)))
 
@@ -361,6 +374,12 @@ class HttpTransport:
 
     async def gc(self) -> list[str]:
         return (await self._json("POST", "/v1/snapshots/gc"))["removed"]
+
+    async def import_snapshot(self, source_url: str, snapshot_id: str, *, token: str | None = None) -> SnapshotInfo:
+        """Have this server pull ``snapshot_id`` from the server at ``source_url`` (node to node) and keep it
+        under the same id; ``token`` is the source's (default: this client's). The host's own tenant only."""
+        body = {"source": source_url, "snapshot": snapshot_id, "token": token}
+        return wire.snapshot_from_json(await self._json("POST", "/v1/snapshots/import", json=body))
 
     async def exec(
         self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,

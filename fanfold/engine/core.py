@@ -15,13 +15,13 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterable, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Awaitable, Callable
 
 from .._agent.client import ExecControl
 from ..config import EngineConfig
 from ..errors import (
-    CapacityExceeded, FanfoldError, HostNotReady, InfrastructureError, InvalidRequest, PortUnreachable,
-    SandboxNotFound,
+    CapacityExceeded, FanfoldError, HostNotReady, InfrastructureError, InvalidRequest, LeaseNotFound,
+    PortUnreachable, SandboxNotFound,
 )
 from ..images import Image, LayerStore, users
 from ..host.stepnet import StepNetworks
@@ -52,6 +52,7 @@ from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
 from .sources import Sources
 from .telemetry import Telemetry
+from .transfer import Transfers
 
 if TYPE_CHECKING:
     from ..images.oci import OnPull
@@ -251,6 +252,9 @@ class Engine:
         finally:
             if task is not None:
                 self._creating.discard(task)
+        if lease is not None and self.life.db.lease(lease) is None:  # closed or reaped while this create waited
+            await asyncio.shield(self.life.destroy(info.id))
+            raise LeaseNotFound(f"lease {lease} ended while this create waited; its sandbox was destroyed")
         self.telemetry.created(info.source, time.perf_counter() - started, pooled=pooled)
         return info
 
@@ -535,6 +539,17 @@ class Engine:
         if tenant is None or tenant == "":
             removed += [f"layer:{name}" for name in await self.catalog.collect()]
         return removed
+
+    async def export_snapshot(self, ref: str, *, have: set[str], tenant: str | None = None) -> AsyncIterator[bytes]:
+        """A tar stream of snapshot ``ref`` (of ``tenant``, when given) for another engine's ``import_snapshot``:
+        its row, the rows, image and layers it stacks on (less the layers named in ``have``) and its memory."""
+        return await Transfers(self.db, self.store, self.snaps).export(ref, have=have, tenant=tenant)
+
+    async def import_snapshot(self, source_url: str, snapshot_id: str, *, token: str | None = None,
+                              tenant: str = "") -> SnapshotInfo:
+        """Fetch snapshot ``snapshot_id`` from the server at ``source_url`` (its export route, with ``token``)
+        and keep it here under the same id and name, owned by ``tenant``; one already here is returned."""
+        return await Transfers(self.db, self.store, self.snaps).pull(source_url, snapshot_id, token=token, tenant=tenant)
 
     # -- leases -------------------------------------------------------------------------------
 

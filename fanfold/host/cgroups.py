@@ -49,6 +49,19 @@ def sandbox_dirs(parent: str, sandbox_id: str | None = None) -> list[Path]:
     return [root / rel for root in (*v1_roots().values(), *v2_roots())]
 
 
+def ensure_parent(parent: str) -> None:
+    """The engine's parent group in every v1 hierarchy, cpuset's cpus and mems filled from the root,
+    as a runtime makes it on a create: a restore by CRIU, which makes only the sandbox's own group
+    and cannot fill an empty cpuset parent, needs it there first (cgroup2 needs nothing)."""
+    for name, root in v1_roots().items():
+        directory = root / parent
+        directory.mkdir(exist_ok=True)
+        if name == "cpuset":
+            for key in ("cpuset.cpus", "cpuset.mems"):
+                if not (directory / key).read_text().strip():
+                    (directory / key).write_text((root / key).read_text())
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()

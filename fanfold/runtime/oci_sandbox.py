@@ -202,6 +202,7 @@ async def restore(
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
     binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})
     cgroup = f"/{config.cgroup_parent}/{sandbox_id}"
+    await on_thread(cgroups.ensure_parent, config.cgroup_parent)  # a host's first sandbox may be a restore
     if base is not None:
         own = images.with_name(f"{images.name}.{sandbox_id}")
         # CRIU binds the root into the restored mount namespace without its submounts, which a

@@ -118,6 +118,15 @@ class SnapshotRequest(_Body):
         return name
 
 
+class SnapshotImportRequest(_Body):
+    source: str = Field(min_length=1, max_length=2048, description="The server holding it: http(s)://host:port.")
+    snapshot: str = Field(min_length=1, max_length=64, pattern=r"^snap-[a-z0-9-]+$",
+                          description="Its id there; it keeps that id (and its name) here.")
+    token: str | None = Field(None, min_length=1, max_length=4096, description=(
+        "The bearer token the source takes, of the snapshot's owner; default: the caller's own. The snapshot"
+        " belongs here to the tenant this server knows that token as, else to the caller."))
+
+
 class ForkRequest(_Body):
     count: int = Field(ge=1, le=MAX_FORK, description="How many children to restore from one checkpoint of the parent.")
     cmd: str | list[str] | None = Field(None, description=(
