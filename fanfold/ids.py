@@ -32,3 +32,8 @@ def node_of(any_id: str) -> str | None:
     """The node tag a sandbox or snapshot id carries, or None (a single host's id, or not an id)."""
     match = _ID.match(any_id) if isinstance(any_id, str) else None
     return match["tag"] if match else None
+
+
+def is_snapshot_id(text: object) -> bool:
+    """Whether ``text`` is a snapshot id (``snap-…``, with or without a node tag), not a name."""
+    return isinstance(text, str) and text.startswith(SNAPSHOT) and _ID.match(text) is not None

@@ -5,21 +5,26 @@ runtime; the fleet is ``AsyncFleet("ray://")``, the same SDK as embedded and ove
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import STATE_DIR, leaks, stray_processes
+from conftest import STATE_DIR, leaks, run_cli, stray_processes
 
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from fanfold import AsyncFleet, EngineConfig, Fleet, ids  # noqa: E402
-from fanfold.errors import SandboxNotFound  # noqa: E402
+from fanfold.errors import InfrastructureError, SandboxNotFound  # noqa: E402
 from fanfold.cluster.node import ClusterConfig, start_cluster, stop_cluster  # noqa: E402
 from fanfold.engine import Engine  # noqa: E402
 from fanfold.host import disk  # noqa: E402
@@ -123,9 +128,15 @@ async def test_fork_and_memory_snapshot_stay_on_their_node(fleet):
         assert {ids.node_of(child.id) for child in fork.children} == {ids.node_of(parent.id)}
         for child in fork.children:
             assert (await child.exec("cat /state")).stdout == b"parent\n"
+    await parent.exec("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /count; sleep 0.05; done' >/dev/null 2>&1 &")
     snap = await parent.snapshot(memory=True, name="cluster-snap")
     assert ids.node_of(snap.id) == ids.node_of(parent.id)
     assert (await fleet.get_snapshot("cluster-snap")).id == snap.id
+    async with await fleet.create("cluster-snap", memory_mb=256) as restored:  # by name: found on its node
+        assert ids.node_of(restored.id) == ids.node_of(parent.id), "locality: the holder has room"
+        first = int((await restored.exec("cat /count")).stdout)
+        await restored.exec("sleep 0.3")
+        assert int((await restored.exec("cat /count")).stdout) > first, "the loop runs on: memory was restored"
     await parent.kill()
     await fleet.delete_snapshot(snap.id)
 
@@ -217,6 +228,33 @@ async def test_a_cluster_wide_pool_is_spread_over_the_nodes(fleet):
     assert info.ready == 0 and all(pool.target == 0 for pool in await fleet.pools())
 
 
+async def test_a_crashed_node_server_is_started_again_and_the_fleet_follows(fleet):
+    tag = _tags(fleet)[0]
+    old = fleet._transport.nodes[tag]
+    info = next(i for i in await fleet._transport._controller.list_nodes.remote() if i["tag"] == tag)
+    os.kill(info["pid"], signal.SIGKILL)  # the node's fanfold serve dies; its Ray node lives on
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 120
+    while tag not in fleet._transport.nodes or fleet._transport.nodes[tag].url == old.url:
+        assert loop.time() < end, "the controller did not start the node's server again"
+        await asyncio.sleep(0.2)  # polls the fleet's view, which refreshes itself every 2 s
+        await fleet._transport.refresh()
+    with pytest.raises(InfrastructureError):
+        await old.http.stats()  # the old server's connection was given up
+    box = await fleet.create(memory_mb=128)
+    assert (await box.exec("true")).ok
+    await box.kill()
+
+
+async def test_a_controller_restart_costs_no_sandbox(fleet):
+    box = await fleet.create(memory_mb=128)
+    ray.kill(fleet._transport._controller, no_restart=False)  # Ray starts it again, with its settings
+    await fleet._transport.refresh()  # through the restarted controller
+    assert set(_tags(fleet)) and (await box.exec("echo alive")).stdout == b"alive\n"
+    assert box.id in {info.id for info in await fleet.list()}
+    await box.kill()
+
+
 async def test_a_node_dying_mid_fan_out_is_retried_elsewhere_and_leaks_nothing(cluster, fleet):
     doomed = cluster.add_node(**_node_args())
     survivors = set(_tags(fleet))
@@ -251,7 +289,7 @@ async def test_a_node_dying_mid_fan_out_is_retried_elsewhere_and_leaks_nothing(c
     # The dead node's sandboxes outlive its server; its engine, started again on its state dir once the
     # driver's lease there has lapsed, reaps them all.
     state_dir = Path(victim["state_dir"])
-    _wait_leases_lapsed(state_dir, died_at)
+    await _leases_lapsed(state_dir, died_at)
     engine = Engine(EngineConfig(state_dir=state_dir, node_tag=victim["tag"]))
     await engine.start()
     try:
@@ -271,22 +309,16 @@ async def _until_nodes(fleet: AsyncFleet, count: int, timeout: float = 120) -> N
         await fleet._transport.refresh()
 
 
-def _wait_leases_lapsed(state_dir: Path, since: float) -> None:
-    """Block until every lease in the state dir's database has expired (they were renewed up to ``since``)."""
+async def _leases_lapsed(state_dir: Path, since: float) -> None:
+    """Return once every lease in the state dir's database has expired (they were renewed up to ``since``)."""
     with sqlite3.connect(state_dir / "fanfold.db") as db:
         latest = db.execute("SELECT MAX(expires_at) FROM leases").fetchone()[0] or since
     if latest > time.time():
-        time.sleep(latest - time.time() + 0.1)  # a lease's expiry is a point in time: nothing to wait on
+        await asyncio.sleep(latest - time.time() + 0.1)  # a lease's expiry is a point in time: nothing to wait on
 
 
 # -- The `fanfold ray` command line, run as a subprocess against the module's cluster ---------------------
 
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-from conftest import run_cli  # noqa: E402
 
 from fanfold.cluster.node import controller  # noqa: E402
 

@@ -57,11 +57,11 @@ class AsyncFleet:
     @classmethod
     def ray(cls, address: str | None = "auto", *, token: str | None = None) -> AsyncFleet:
         """A fleet over every fanfold node of a Ray cluster (``fanfold ray start``): ``address`` is
-        Ray's (``auto`` on the cluster, ``ray://head:10001`` from outside, None to use this process's
-        Ray connection). The same as ``AsyncFleet("ray://auto")``."""
-        if address is None:
-            return cls("ray://", token=token)
-        return cls(address if address.startswith("ray://") else "ray://" + address, token=token)
+        Ray's (``auto`` on the cluster, the head's ``HOST:6379``, ``ray://head:10001`` from outside
+        through Ray Client, None for this process's Ray connection). ``ray()`` is ``AsyncFleet("ray://auto")``."""
+        fleet = cls("ray://", token=token)
+        fleet._transport.address = address  # type: ignore[attr-defined] - a RayTransport: the GCS's HOST:PORT too
+        return fleet
 
     async def __aenter__(self) -> AsyncFleet:
         await self.start()

@@ -73,11 +73,14 @@ class HttpTransport:
         self.lease: LeaseInfo | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._beat: Client | None = None
+        self._abandoned = False
 
     # -- plumbing -----------------------------------------------------------------------------
 
     @property
     def client(self) -> Client:
+        if self._abandoned:
+            raise InfrastructureError(f"lost the fanfold server at {self.url}: its node left the cluster")
         if self._client is None:  # made on first use, inside the loop that will drive it
             self._client = self._new_client()
         return self._client
@@ -174,6 +177,19 @@ class HttpTransport:
         for client in (self._client, self._beat):
             if client is not None:
                 await client.close()
+        self._client = self._beat = None
+
+    def abandon(self) -> None:
+        """Give the server up for lost, without a word to it: stop the heartbeat (its lease lapses and
+        the server, if it lives, reaps this client's sandboxes) and hang up every connection, so calls
+        in flight fail at once with InfrastructureError; later calls fail the same way."""
+        self._abandoned = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        for client in (self._client, self._beat):
+            if client is not None:
+                client.abort()
         self._client = self._beat = None
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
@@ -288,8 +304,9 @@ class HttpTransport:
     async def pools_info(self) -> list[PoolInfo]:
         return [wire.pool_from_json(p) for p in await self._json("GET", "/v1/pools")]
 
-    async def stats(self) -> dict[str, Any]:
-        return await self._json("GET", "/v1/stats")
+    async def stats(self, *, sandboxes: bool = True) -> dict[str, Any]:
+        """The server's figures; ``sandboxes=False`` leaves out the per-sandbox list (a cheap poll)."""
+        return await self._json("GET", "/v1/stats" if sandboxes else "/v1/stats?sandboxes=false")
 
     async def metrics_text(self) -> str:
         """The server's Prometheus metrics, as text (not in ``EngineAPI``: a cluster gathers them)."""

@@ -42,7 +42,9 @@ class Fleet:
     @classmethod
     def ray(cls, address: str | None = "auto", *, token: str | None = None) -> Fleet:
         """A fleet over every fanfold node of a Ray cluster; see ``AsyncFleet.ray``."""
-        return cls(AsyncFleet.ray(address, token=token).url, token=token)
+        fleet = cls("ray://", token=token)
+        fleet._async = AsyncFleet.ray(address, token=token)
+        return fleet
 
     def __enter__(self) -> Fleet:
         self.start()

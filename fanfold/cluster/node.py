@@ -43,7 +43,7 @@ _LISTENING = re.compile(r"listening on (\S+)")
 class ClusterConfig:
     """How the controller starts ``fanfold serve`` on each node."""
 
-    token: str = field(default_factory=lambda: "ff_" + secrets.token_urlsafe(32))
+    token: str = field(default_factory=lambda: "ff_" + secrets.token_urlsafe(32), repr=False)
     """The host token every node server accepts (the host's own tenant there) and drivers use."""
     state_dir: str = "/var/lib/fanfold"
     """Each node's state dir; ``{node_id}`` is replaced by the Ray node id (several nodes on one machine)."""
@@ -80,8 +80,11 @@ def node_tag(state_dir: Path) -> str:
         return tag
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child may not dlopen
+
+
 def _die_with_parent() -> None:  # the server goes when its actor's process does (PR_SET_PDEATHSIG)
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    _PRCTL(1, signal.SIGKILL)
 
 
 class FanfoldNode:
@@ -162,8 +165,6 @@ class Controller:
     async def start(self) -> list[dict[str, Any]]:
         """Start the node servers missing now (waiting for them), then keep watching."""
         await self.reconcile()
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._watch())
         return await self.list_nodes()
 
     async def _watch(self) -> None:
@@ -176,6 +177,8 @@ class Controller:
 
     async def reconcile(self) -> None:
         """One pass: forget nodes that left, check the others' servers, start the missing ones."""
+        if self._loop_task is None:  # Ray restarted this actor: its watch starts with the first call
+            self._loop_task = asyncio.get_running_loop().create_task(self._watch())
         async with self._pass:
             alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and self._serves(n)}
             for node_id in [n for n in self.nodes if n not in alive]:
@@ -204,6 +207,11 @@ class Controller:
             self.nodes.pop(node_id, None)
             self._actors.pop(node_id, None)
             return
+        if not info["running"]:  # its server exited: restarting the actor starts a new one on the state dir
+            self.errors[node_id] = f"fanfold serve exited; restarting it (log: {info['state_dir']}/serve.log)"
+            self.nodes.pop(node_id, None)
+            ray.kill(actor, no_restart=False)
+            return
         resources = node["Resources"]
         info.update(memory_mb=resources.get("memory", 0) / 2**20, cpus=resources.get("CPU", 0.0),
                     address=node.get("NodeManagerAddress"))
@@ -211,6 +219,8 @@ class Controller:
         self.nodes[node_id] = info
 
     async def list_nodes(self) -> list[dict[str, Any]]:
+        if self._loop_task is None:
+            await self.reconcile()
         return sorted(self.nodes.values(), key=lambda info: info["tag"])
 
     async def status(self) -> dict[str, Any]:
@@ -224,12 +234,25 @@ class Controller:
         if self._loop_task is not None:
             self._loop_task.cancel()
         async with self._pass:
-            actors = list(self._actors.values())
+            actors = list(self._actors.values()) + _named_nodes(exclude=set(self._actors))
             await asyncio.gather(*(actor.stop.remote() for actor in actors), return_exceptions=True)
             for actor in actors:
                 ray.kill(actor, no_restart=True)
             self._actors.clear()
             self.nodes.clear()
+
+
+def _named_nodes(exclude: set[str]) -> list[Any]:
+    """Node actors found by name (those a restarted controller has not met again yet)."""
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        node_id = entry["name"].removeprefix(NODE_PREFIX)
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith(NODE_PREFIX) and node_id not in exclude:
+            try:
+                found.append(ray.get_actor(entry["name"], namespace=NAMESPACE))
+            except ValueError:
+                pass  # gone meanwhile
+    return found
 
 
 def connect(address: str | None = "auto") -> None:
@@ -257,9 +280,10 @@ async def start_cluster(config: ClusterConfig | None = None, *, address: str | N
     """Start fanfold on the Ray cluster (a no-op where it runs already) and return its node servers,
     waiting until at least ``nodes`` of them answer."""
     connect(address)
+    here = ray.get_runtime_context().get_node_id()  # the head, as a rule: preferred, not required
     actor = ray.remote(Controller).options(
         name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_restarts=-1, max_concurrency=64,
+        max_restarts=-1, max_concurrency=64, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
     ).remote(config or ClusterConfig())
     infos = await actor.start.remote()
     loop = asyncio.get_running_loop()

@@ -10,11 +10,13 @@ creates are placed by headroom with affinity to the nodes holding the image or s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 from .. import ids
 from ..client._http import LEASE_TTL_S, HttpTransport
@@ -23,6 +25,7 @@ from ..images import Image
 from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..refs import BASES
 from . import node as nodemod
+from .joining import join
 from .merge import merge_stats
 from .placement import NodeLoad, rank, split_pool
 
@@ -35,8 +38,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("fanfold.cluster")
 T = TypeVar("T")
 
+LOAD_TIMEOUT_S = 10.0
+"""How long a node may take to report its load before it counts as down until the next refresh."""
+CONTROLLER_WAIT_S = 30.0
+"""How long a call waits for the controller while Ray restarts it."""
 REFRESH_S = 2.0
 """How often the node list and each node's load are read again."""
+HOLDINGS_EVERY = 5
+"""Every how many refreshes each node's images and snapshots are listed again (this driver's own
+builds, pulls and snapshots are counted as they happen)."""
 
 
 @dataclass
@@ -91,48 +101,81 @@ class RayTransport:
         """Images built through this transport, by id: rebuilt (from cache where layers are) on a node lacking one."""
         self._refs: dict[str, str] = {}
         """Images pulled through this transport: pulled again on a node lacking one."""
+        self._departed: set[str] = set()
+        """Tags of nodes given up: calls on their ids fail at once, without a refresh each."""
+        self._refreshed_at = 0.0
         self._made: dict[str, Limits] = {}
         """The limits of the sandboxes this transport made, counted on their node until killed."""
 
     # -- nodes ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        nodemod.connect(self.address)
-        self._controller = nodemod.controller()
-        if self._token is None:
-            self._token = await self._controller.token.remote()
-        await self.refresh()
-        if not self.nodes:
-            raise InfrastructureError("no fanfold node is up on this Ray cluster yet: see `fanfold ray status`")
-        self._refresher = asyncio.create_task(self._refresh_forever())
+        """Join the Ray cluster, find the node servers and take a lease on each; on failure keep nothing."""
+        try:
+            join(self.address)  # in this thread: Ray wants its driver's signal handlers on the main one
+            with _ray_errors("find fanfold on the Ray cluster"):
+                self._controller = nodemod.controller()
+                if self._token is None:
+                    self._token = await self._ask("token")
+            await self.refresh()
+            if not self.nodes:
+                raise InfrastructureError("no fanfold node is up on this Ray cluster yet: see `fanfold ray status`")
+            self._refresher = asyncio.create_task(self._refresh_forever())
+        except BaseException:
+            await self.close()
+            raise
 
     async def close(self) -> None:
         """Close every node's connection (each destroys this driver's sandboxes there)."""
         if self._refresher is not None:
             self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+            self._refresher = None
         await asyncio.gather(*(node.http.close() for node in self.nodes.values()), return_exceptions=True)
         self.nodes.clear()
 
     async def _refresh_forever(self) -> None:
-        while True:
+        for passes in itertools.count(1):
             await asyncio.sleep(REFRESH_S)
             try:
-                await self.refresh()
+                await self.refresh(holdings=passes % HOLDINGS_EVERY == 0)
             except Exception as err:  # noqa: BLE001 - the next pass tries again; calls go on meanwhile
                 log.warning("fanfold: cannot refresh the cluster's nodes: %s", err)
 
-    async def refresh(self) -> None:
-        """Read the node list (new nodes get a connection, nodes gone are dropped) and every node's load."""
+    async def refresh(self, *, holdings: bool = True) -> None:
+        """Read the node list (new nodes get a connection, nodes gone are dropped) and every node's load,
+        with ``holdings`` what each holds too (a node that joined: always)."""
         async with self._refreshing:
-            infos = {info["tag"]: info for info in await self._controller.list_nodes.remote()}
-            alive = {n["NodeID"] for n in await asyncio.to_thread(_alive_nodes)}
-            for tag in [t for t in self.nodes if t not in infos or infos[t]["node_id"] not in alive]:
+            with _ray_errors("read the cluster's nodes"):
+                infos = {info["tag"]: info for info in await self._ask("list_nodes")}
+                alive = {n["NodeID"] for n in await asyncio.to_thread(_alive_nodes)}
+            # Dropped only when Ray has the node dead or its server moved: a controller that restarted
+            # and lists nothing yet must not cost the sandboxes on healthy nodes.
+            for tag in [t for t, node in self.nodes.items()
+                        if node.node_id not in alive or (t in infos and infos[t]["url"] != node.url)]:
                 self._drop(tag)
             fresh = [info for tag, info in infos.items()
                      if info["node_id"] in alive and (tag not in self.nodes or self.nodes[tag].url != info["url"])]
             await asyncio.gather(*(self._join(info) for info in fresh))
-            await asyncio.gather(*(self._read_load(node) for node in list(self.nodes.values())))
+            joined = [self.nodes[info["tag"]] for info in fresh if info["tag"] in self.nodes]
+            await asyncio.gather(*(self._read_load(node, holdings or node in joined)
+                                   for node in list(self.nodes.values())))
             self._made.clear()  # the fresh stats count them; kills from now on show at the next read
+            self._refreshed_at = time.monotonic()
+
+    async def _ask(self, method: str) -> Any:
+        """A call to the controller that rides out its restart (Ray brings it back within seconds)."""
+        from ray.exceptions import ActorUnavailableError
+
+        loop = asyncio.get_running_loop()
+        end = loop.time() + CONTROLLER_WAIT_S
+        while True:
+            try:
+                return await getattr(self._controller, method).remote()
+            except ActorUnavailableError:
+                if loop.time() > end:
+                    raise
+            await asyncio.sleep(0.2)  # "the actor is restarting": ask again shortly
 
     async def _join(self, info: dict[str, Any]) -> None:
         if info["tag"] in self.nodes:
@@ -147,18 +190,23 @@ class RayTransport:
                                        memory_mb=info["memory_mb"], cpus=info["cpus"], http=http)
 
     def _drop(self, tag: str) -> None:
+        """Give up a node whose server is gone or replaced: calls in flight there fail at once (retryable)."""
         node = self.nodes.pop(tag, None)
-        if node is not None:  # its server is gone or replaced: its lease (and sandboxes) go with it
-            asyncio.get_running_loop().create_task(_quietly(node.http.close()))
+        if node is not None:
+            self._departed.add(tag)
+            node.http.abandon()
 
-    async def _read_load(self, node: Node) -> None:
+    async def _read_load(self, node: Node, holdings: bool) -> None:
+        """A node's counts, and with ``holdings`` what it holds (images, snapshots)."""
         try:
-            stats, images, snapshots = await asyncio.gather(
-                node.http.stats(), node.http.images(), node.http.snapshots())
-        except InfrastructureError:
+            async with asyncio.timeout(LOAD_TIMEOUT_S):  # a vanished machine must not stall every refresh
+                node.stats, node.alive = await node.http.stats(sandboxes=False), True
+                if not holdings:
+                    return
+                images, snapshots = await asyncio.gather(node.http.images(), node.http.snapshots())
+        except (InfrastructureError, TimeoutError):
             node.alive = False
             return
-        node.stats, node.alive = stats, True
         node.images = frozenset(n for image in images for n in (image.id, *image.names))
         for image in images:  # a pulled image can be pulled on any node: remember from where
             if image.source.startswith("registry "):
@@ -177,8 +225,8 @@ class RayTransport:
         tag = ids.node_of(any_id)
         if tag is None:
             raise missing(f"{any_id!r} is not an id of a cluster node's sandbox or snapshot")
-        if tag not in self.nodes:
-            await self.refresh()
+        if tag not in self.nodes and tag not in self._departed and time.monotonic() - self._refreshed_at > 0.5:
+            await self.refresh()  # a node that joined since; not once per call on a node that left
         node = self.nodes.get(tag)
         if node is None:
             raise InfrastructureError(f"node {tag} of {any_id} has left the cluster (or its server stopped)")
@@ -316,7 +364,10 @@ class RayTransport:
         if ids.node_of(source) is not None or any(source in other.snapshots for other in self.nodes.values()):
             await self._import_snapshot(source, node)
         elif source in self._specs:
-            await self._on(node, node.http.build(self._specs[source]))
+            image = await self._on(node, node.http.build(self._specs[source]))
+            if image.id != source:
+                raise InvalidRequest(f"image {source} built again on node {node.tag} came out as {image.id} (its base"
+                                     " differs there): build it on every node, or pass the image id it has there")
             node.images |= {source}
         elif source in self._refs:
             await self._on(node, node.http.pull(self._refs[source]))
@@ -497,17 +548,21 @@ class RayTransport:
         await self._to(sandbox_id, lambda http: http.remove_file(sandbox_id, path, recursive))
 
 
+@contextmanager
+def _ray_errors(doing: str) -> Iterator[None]:
+    """Ray's own failures (the controller gone, the GCS unreachable) as InfrastructureError."""
+    from ray.exceptions import RayError
+
+    try:
+        yield
+    except RayError as err:
+        raise InfrastructureError(f"cannot {doing}: {type(err).__name__}: {str(err).splitlines()[0][:300]}") from None
+
+
 def _alive_nodes() -> list[dict[str, Any]]:
     import ray
 
     return [node for node in ray.nodes() if node["Alive"]]
-
-
-async def _quietly(call: Awaitable[Any]) -> None:
-    try:
-        await call
-    except Exception:  # noqa: BLE001 - a dropped node's connection closes as best it can
-        pass
 
 
 def _first_or_raise(results: list[Any]) -> Any:

@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Awaitable
 from urllib.parse import quote, urlsplit
 
 from .. import wire
+from ..ids import is_snapshot_id
 from ..client._h1 import Client, ConnectionLost
 from ..errors import (
     FanfoldError, ImageCorrupt, ImageNotFound, InfrastructureError, InvalidRequest, NotFound, Retryable,
@@ -55,17 +56,14 @@ MAX_HAVE_BYTES = 48 * 1024
 """How much of a URL a puller fills with the layers it holds (a server takes 64 KiB of head); a layer
 it holds but leaves out is sent again, and kept once."""
 TAR = "application/x-tar"
-_SNAPSHOT_ID = re.compile(r"^snap-(?:[a-z0-9]{1,12}-)?[0-9a-f]{12}$")
+IDLE_TIMEOUT_S = 60.0
+"""How long an import waits for the source's next bytes before it gives up."""
 _LAYER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _XATTR = "SCHILY.xattr."
 _F_SETPIPE_SZ = 1031
 _TAR_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fanfold-transfer")
 """Where archives are written and unpacked: a slow peer holds a thread for as long as it takes, so not the
 loop's default pool, which the rest of the engine waits on."""
-
-
-def is_snapshot_id(text: object) -> bool:
-    return isinstance(text, str) and bool(_SNAPSHOT_ID.match(text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,11 +345,19 @@ async def _body(response: Any) -> Any:
 
 
 async def _body_chunks(chunks: AsyncIterator[bytes], base: str) -> AsyncIterator[bytes]:
+    """The body's chunks; a source silent for ``IDLE_TIMEOUT_S`` ends the import (it holds gc off)."""
     try:
-        async for chunk in chunks:
+        while True:
+            try:
+                async with asyncio.timeout(IDLE_TIMEOUT_S):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
             yield chunk
     except ConnectionLost as err:
         raise InfrastructureError(f"the transfer from {base} broke off: {err}") from None
+    except TimeoutError:
+        raise InfrastructureError(f"the transfer from {base} stalled: nothing came for {IDLE_TIMEOUT_S:g} s") from None
 
 
 def _source_error(base: str, snapshot_id: str, status: int, body: Any) -> FanfoldError:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
 from ..models import Limits
 from .auth import LOCAL_TENANT
@@ -55,10 +55,12 @@ async def list_pools(request: Request, caller: str = Depends(tenant)) -> list[di
 
 
 @router.get("/stats", responses=ERRORS)
-async def stats(request: Request, caller: str = Depends(tenant)) -> dict[str, Any]:
+async def stats(request: Request, caller: str = Depends(tenant),
+                sandboxes: bool = Query(True, description="List the sandboxes with their usage (false: the counts "
+                                                          "only, cheap to poll).")) -> dict[str, Any]:
     """The host at a glance (``fanfold top``): counts, queue, pools, latency percentiles, error
     rates and alerts; the sandbox list holds the caller's only, the pool list too but for the host's tenant."""
-    figures = await engine(request).stats(tenant=caller)
+    figures = await engine(request).stats(tenant=caller, sandboxes=sandboxes)
     if caller != LOCAL_TENANT:  # the host's tenant sees every pool, as `fanfold top` on the host
         figures["pools"] = [pool.to_dict() for pool in await engine(request).pools_info(tenant=caller)]
     return figures
