@@ -148,6 +148,24 @@ async def test_fork_of_a_fork_and_of_a_suspended_sandbox(sfleet):
             await child.kill()
 
 
+async def test_resume_frees_the_suspend_images_without_waiting_on_their_removal(config):
+    async with AsyncFleet(config=config) as fleet:
+        engine = fleet._transport
+        async with await fleet.create() as sandbox:
+            await sandbox.exec(COUNTER)
+            await sandbox.suspend()
+            snapshot_id = engine.db.get(sandbox.id)["suspended_to"]
+            memory = engine.snaps.memory_dir(snapshot_id)
+            assert memory.is_dir()
+            await sandbox.resume()
+            assert not memory.exists(), "renamed aside as the resume returns"
+            assert await advances(sandbox)
+            deadline = time.monotonic() + 30
+            while list(memory.parent.glob(".drop-*")) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # its own thread removes it
+            assert not list(memory.parent.glob(".drop-*"))
+
+
 async def test_a_listening_server_answers_after_resume_and_in_a_restored_copy(sfleet):
     async with await sfleet.create() as sandbox:
         await sandbox.exec(SERVER)
