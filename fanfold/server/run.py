@@ -55,7 +55,7 @@ def serve(
             raise InvalidRequest("nothing to serve on: give a socket path or a TCP port")
         drain = Drain(create_app(config, tenants))
         server = _Server(uvicorn.Config(
-            drain, lifespan="on", log_level="warning", access_log=False,
+            drain, lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=math.ceil(grace_s) + BACKSTOP_S, backlog=4096, **_fast_parts(),
         ), lambda: announce(urls), drain, grace_s)
         server.run(sockets=sockets)
@@ -102,6 +102,10 @@ class _Server(uvicorn.Server):
 
 BACKSTOP_S = 5
 """How long after the grace uvicorn cancels calls that did not end when told to."""
+KEEP_ALIVE_S = 120
+"""How long an idle client connection is kept: longer than clients keep theirs (httpx 5 s, aiohttp
+15 s, reqwest 90 s), so the client hangs up first and never sends on a connection the server is
+closing (the request would meet a reset, which most clients do not retry)."""
 MAX_HEADER_BYTES = 64 * 1024
 """Largest request line plus headers; h11 enforces this itself, httptools does not."""
 
