@@ -26,7 +26,8 @@ SERVER = (
     "nohup python3 -c \"import http.server, socketserver; socketserver.TCPServer(('127.0.0.1', 8000),"
     " http.server.SimpleHTTPRequestHandler).serve_forever()\" >/dev/null 2>&1 &"
 )
-LOOPS = ["pgrep", "-c", "-f", "while :"]  # argv, so no shell of ours matches
+# argv, so no shell of ours matches; -P 1, so a loop's fork that has not exec'd sleep yet does not either
+LOOPS = ["pgrep", "-c", "-P", "1", "-f", "while :"]
 GET = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/').status)\""
 
 
