@@ -27,9 +27,9 @@ def join(address: str | None) -> None:
     try:
         node.connect(address)
     except (ConnectionError, RuntimeError) as err:
-        raise InfrastructureError(f"cannot join the Ray cluster at {address or 'auto'}: {_first_line(err)}") from None
+        raise InfrastructureError(f"cannot join the Ray cluster at {address or 'auto'}: {first_line(err)}") from None
     except ValueError as err:  # a malformed address, or ray:// without Ray Client's packages (ray[client])
-        raise InvalidRequest(f"cannot join the Ray cluster at {address or 'auto'}: {_first_line(err)}") from None
+        raise InvalidRequest(f"cannot join the Ray cluster at {address or 'auto'}: {first_line(err)}") from None
 
 
 def _check_reachable(address: str) -> None:
@@ -60,5 +60,6 @@ def _endpoint(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An error's first line (Ray's messages run on with tracebacks), or its type's name."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..errors import InfrastructureError, InvalidRequest, NotFound
 from ..rl.store import TrajectoryStore, default_path
 from ..rl.trajectory import Episode, Step
+from .joining import first_line
 from .node import NAMESPACE, connect
 
 STORE_NAME = "fanfold-trajectories"
@@ -215,11 +216,7 @@ def _result(name: str, ref: Any) -> Any:
             raise err.cause from None
         raise InfrastructureError(f"trajectory store {name!r}: {err.cause!r}") from None
     except ray.exceptions.RayActorError as err:
-        raise InfrastructureError(f"trajectory store {name!r}: its actor is gone or unreachable ({_first_line(err)});"
+        raise InfrastructureError(f"trajectory store {name!r}: its actor is gone or unreachable ({first_line(err)});"
                                   " what it wrote stays in its file") from None
     except ray.exceptions.RayError as err:
-        raise InfrastructureError(f"trajectory store {name!r}: {_first_line(err)}") from None
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise InfrastructureError(f"trajectory store {name!r}: {first_line(err)}") from None

@@ -25,7 +25,7 @@ from ..images import Image
 from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..refs import BASES
 from . import node as nodemod
-from .joining import join
+from .joining import first_line, join
 from .merge import merge_stats
 from .placement import NodeLoad, rank, split_pool
 
@@ -288,16 +288,16 @@ class RayTransport:
         return image
 
     async def remove_image(self, ref: str, *, force: bool = False) -> str:
-        holders = [node for node in self._alive() if ref in node.images] or self._alive()
-        results = await asyncio.gather(*(self._on(n, n.http.remove_image(ref, force=force)) for n in holders),
-                                       return_exceptions=True)
-        return _first_or_raise(results)
+        return await self._on_holders(ref, lambda http: http.remove_image(ref, force=force))
 
     async def share_image(self, ref: str, shared: bool = True) -> Image:
+        return await self._on_holders(ref, lambda http: http.share_image(ref, shared))
+
+    async def _on_holders(self, ref: str, verb: Callable[[HttpTransport], Awaitable[T]]) -> T:
+        """``verb`` on every node holding image ``ref`` (every node when none is known to): the first answer."""
         holders = [node for node in self._alive() if ref in node.images] or self._alive()
-        results = await asyncio.gather(*(self._on(n, n.http.share_image(ref, shared)) for n in holders),
-                                       return_exceptions=True)
-        return _first_or_raise(results)
+        return _first_or_raise(await asyncio.gather(*(self._on(n, verb(n.http)) for n in holders),
+                                                    return_exceptions=True))
 
     async def login(self, registry: str, username: str, password: str) -> None:
         await self._each(lambda http: http.login(registry, username, password))
@@ -556,7 +556,7 @@ def _ray_errors(doing: str) -> Iterator[None]:
     try:
         yield
     except RayError as err:
-        raise InfrastructureError(f"cannot {doing}: {type(err).__name__}: {str(err).splitlines()[0][:300]}") from None
+        raise InfrastructureError(f"cannot {doing}: {type(err).__name__}: {first_line(err)[:300]}") from None
 
 
 def _alive_nodes() -> list[dict[str, Any]]:
