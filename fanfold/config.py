@@ -105,6 +105,11 @@ class EngineConfig:
     userns: bool = field(default_factory=lambda: os.environ.get("FANFOLD_USERNS", "1") not in ("0", "false", "no"))
     """Each sandbox in a user namespace of its own (default): its root is an unprivileged host uid, a
     range no other live sandbox has. ``FANFOLD_USERNS=0``: sandbox root is host root, as in a Docker default."""
+    lazy_restore: bool = field(
+        default_factory=lambda: os.environ.get("FANFOLD_LAZY_RESTORE", "1") not in ("0", "false", "no"))
+    """Memory snapshots restore lazily (default): resume, create from a memory snapshot and fork's children
+    start with no page copied, and CRIU's page server copies each page in when the sandbox first touches it
+    (``fanfold.runtime.lazy``). ``FANFOLD_LAZY_RESTORE=0``: every page is copied before the restore returns."""
     pool_auto_max: int = 64
     """The most sandboxes a demand-sized pool (``size=None``) keeps warm."""
     pool_window_s: float = 60.0

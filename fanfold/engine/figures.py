@@ -36,6 +36,7 @@ class Figures:
                     "source": row["source"], "network": json.loads(row["network"] or '"none"'),
                     "net_bytes_up": net.get("bytes_up", 0), "net_bytes_down": net.get("bytes_down", 0),
                     "net_requests": net.get("requests", 0), "net_denied": net.get("denied", 0),
+                    "memory_pages": self.life.backend.page_counts(row["id"]),
                 })
         tasks, most_tasks = admission.kernel_tasks()
         live = [dbmod.row_info(r).limits for r in self.life.db.rows() if r["state"] not in ("destroying", "suspended")]

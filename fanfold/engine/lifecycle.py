@@ -215,7 +215,10 @@ class Lifecycle:
         if await _init_survives(self.backend, Handle(sandbox_id, pid), within):
             return
         self.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
+        lost = self.backend.lost_why(sandbox_id)
         await asyncio.shield(self.destroy(sandbox_id))
+        if lost:
+            raise SandboxGone(f"{lost}; the sandbox was destroyed")
         raise SandboxGone(f"sandbox {sandbox_id}'s init process died (killed from outside or crashed);"
                           " the sandbox was destroyed" + (f" ({why})" if why else ""))
 

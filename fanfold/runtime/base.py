@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 import socket
-from typing import TYPE_CHECKING, Awaitable, Callable, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Literal, Protocol
 
 from .._agent.client import AgentClient, ExecControl, ExecUser, OnChunk, RawExec
 from ..models import Limits
@@ -167,6 +167,15 @@ class Backend(ABC):
     @abstractmethod
     def usage(self, handle: Handle) -> tuple[float, int]:
         """CPU seconds used so far and memory in use now (bytes)."""
+
+    def page_counts(self, sandbox_id: str) -> dict[str, Any] | None:
+        """A lazily restored sandbox's page server counters: pages ``copied`` in so far, ``total`` in its
+        images, ``faults``, ``state`` (None: it was not restored lazily, or its memory is all in)."""
+        return None
+
+    def lost_why(self, sandbox_id: str) -> str | None:
+        """Why the backend ended the sandbox itself, if it did (its memory's page server died)."""
+        return None
 
     @abstractmethod
     def root(self, sandbox_id: str) -> Path:

@@ -83,7 +83,7 @@ class Criu:
 
     async def restore(
         self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int | None,
-        lo_first: bool = True,
+        lo_first: bool = True, lazy: bool = False,
     ) -> int:
         """Restore ``images`` as a new tree rooted at ``root``, in cgroup ``cgroup``; return its PID 1.
 
@@ -91,7 +91,8 @@ class Criu:
         ``netns`` is an fd of the network namespace to restore into (None: the image has its own, made
         empty, and with ``lo_first`` lo comes up before the sockets are restored; without, the caller
         raises it). ``work`` (the new sandbox's own dir) takes the log and pid file, so restores of
-        one image can run at once.
+        one image can run at once. ``lazy``: the memory is left to the page server serving ``work``
+        (``lazy.PageSource``), which must be listening.
         """
         self.check_installed()
         pidfile = work / "restored.pid"
@@ -108,6 +109,8 @@ class Criu:
                 argv += ["--action-script", str(self.lo_up)]
         for key, path in binds.items():
             argv += ["--external", f"mnt[{key}]:{path}"]
+        if lazy:
+            argv.append("--lazy-pages")
         done = await run(argv, fds=None if netns is None else {NETNS_FD: netns}, timeout=300)
         if done.returncode != 0 or not pidfile.exists():
             raise CheckpointFailed(f"CRIU could not restore the snapshot: {_log_errors(work / 'restore.log')}")

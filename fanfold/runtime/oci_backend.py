@@ -24,7 +24,7 @@ from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
 from ..host import cgroups, disk, idmap, mounts, netns, procs, setup
 from ..host.offload import host_errors, on_thread
 from ..images.rootfs import copy_upper
-from . import get_runtime, oci_sandbox, seccomp
+from . import get_runtime, lazy, oci_sandbox, seccomp
 from .base import Backend, Capabilities, Handle, SandboxSpec
 from .criu import Criu
 
@@ -42,6 +42,10 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     """User namespaces for the idmaps of sandboxes' layers, one per uid range."""
     userns: bool = False
     """Whether new sandboxes get a user namespace (``config.userns``, where the host allows)."""
+    page_sources: dict[str, lazy.PageSource]
+    """The page server of each sandbox restored lazily whose memory is not all in yet."""
+    lost: dict[str, str]
+    """Sandboxes this backend killed because their page server died, and why."""
 
     @property
     def quota(self) -> bool:
@@ -59,6 +63,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu, lo_up=self.agent_path)
+        self.page_sources, self.lost = {}, {}
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
@@ -67,6 +72,9 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             self.userns = await asyncio.to_thread(_idmaps_work, cfg, self.users, self.disk_hold is not None)
 
     async def close(self, *, idle: bool = True) -> None:
+        for source in self.page_sources.values():  # sandboxes that outlive this engine: their memory all in
+            source.let_go()
+        self.page_sources.clear()
         await self.close_host(idle=idle)
         self.users.close()
 
@@ -77,8 +85,11 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         if spec.restore is not None:
+            sources = self.page_sources if self.config.lazy_restore else None
             pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec, quota=self.quota,
-                                            users=self.users)
+                                            users=self.users, page_sources=sources)
+            if spec.id in self.page_sources:
+                self.page_sources[spec.id].watch(lambda why: self._lose(spec.id, pid, why))
         else:
             pid = await oci_sandbox.provision(self.config, self.store, self.runtime, self.agent_path, spec,
                                               quota=self.quota, users=self.users if self.userns else None)
@@ -108,7 +119,42 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
         with host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):
+            source = self.page_sources.pop(sandbox_id, None)
+            if source is not None:
+                await source.stop()
+            else:  # one a crashed engine started
+                lazy.kill_orphan(oci_sandbox.paths(self.config, sandbox_id).bundle)
             await oci_sandbox.release(self.config, self.runtime, sandbox_id, handle.pid if handle else None)
+        self.lost.pop(sandbox_id, None)
+
+    def page_counts(self, sandbox_id: str) -> dict[str, int | str] | None:
+        counts = lazy.read_counts(oci_sandbox.paths(self.config, sandbox_id).bundle)
+        return counts.to_dict() if counts else None
+
+    def lost_why(self, sandbox_id: str) -> str | None:
+        return self.lost.get(sandbox_id)
+
+    def _lose(self, sandbox_id: str, pid: int, why: str) -> None:
+        """The page server of a lazily restored sandbox died: the pages it had not copied read as zeros
+        now, so the sandbox ends at once, and its calls say why."""
+        self.page_sources.pop(sandbox_id, None)
+        self.lost[sandbox_id] = f"sandbox {sandbox_id} was ended: {why}"
+        log.error("%s", self.lost[sandbox_id])
+        if oci_sandbox.in_sandbox_cgroup(pid, f"/{self.config.cgroup_parent}/{sandbox_id}"):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+    async def _memory_all_in(self, sandbox_id: str) -> None:
+        """Before a checkpoint: CRIU dumps only the pages a process has, so a lazily restored sandbox's
+        page server first copies in the rest."""
+        source = self.page_sources.get(sandbox_id)
+        if source is not None:
+            await source.drain()
+            self.page_sources.pop(sandbox_id, None)
+        else:
+            await lazy.settle_orphan(oci_sandbox.paths(self.config, sandbox_id).bundle)
 
     def alive(self, handle: Handle) -> bool:
         return procs.running(handle.pid)
@@ -151,6 +197,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         frozen: bool = False,
     ) -> float:
         where = oci_sandbox.paths(self.config, handle.id)
+        await self._memory_all_in(handle.id)
         await _agent_settled(handle.pid)
         frozen_at = time.perf_counter()
         try:

@@ -25,7 +25,7 @@ from ..images.rootfs import mount_rootfs
 from ..models import Limits
 from ..host.netns import new_netns, raise_lo
 from ..host.spawn import log_tail, run
-from . import criu_images, seccomp
+from . import criu_images, lazy, seccomp
 from .base import Handle, SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
 from .criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
@@ -183,13 +183,15 @@ async def provision(
 
 async def restore(
     config: EngineConfig, store: LayerStore, criu: Criu, agent: Path, spec: SandboxSpec, *, quota: bool = False,
-    users: idmap.Namespaces,
+    users: idmap.Namespaces, page_sources: dict[str, lazy.PageSource] | None = None,
 ) -> int:
     """Mount a new disk and root over the spec's layers and restore its memory images into them.
 
     A checkpoint of a sandbox in a user namespace restores into a uid range of its own (its image
     rewritten to it), in an empty network namespace CRIU makes (``Criu.restore``): one made here
     would be owned by the host's user namespace, which the restored root cannot join.
+    With ``page_sources``, the restore is lazy: a page server (``lazy.PageSource``, kept there under
+    the sandbox's id) copies each page in when the sandbox first touches it.
     Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
     """
     sandbox_id, host_dirs, images = spec.id, spec.host_dirs, spec.restore
@@ -214,8 +216,11 @@ async def restore(
         lo_first = not (images / NO_INET_FILE).exists()
         try:
             await on_thread(criu_images.private_copy, images, own, base)
+            lazy_ = await _serve_pages(criu, own, where.bundle, sandbox_id, page_sources)
             pid = await criu.restore(own, work=where.bundle, root=bare, cgroup=cgroup, binds=binds, netns=None,
-                                     lo_first=lo_first)
+                                     lo_first=lo_first, lazy=lazy_)
+            if page_sources is not None:
+                await page_sources[sandbox_id].opened()  # before its image dir goes
         finally:
             await on_thread(shutil.rmtree, own, True)
         if not lo_first:
@@ -223,10 +228,13 @@ async def restore(
     else:
         netns = await on_thread(new_netns, discard=os.close)  # unshare and raising lo take milliseconds
         try:
+            lazy_ = await _serve_pages(criu, images, where.bundle, sandbox_id, page_sources)
             pid = await criu.restore(images, work=where.bundle, root=where.rootfs, cgroup=cgroup, binds=binds,
-                                     netns=netns)
+                                     netns=netns, lazy=lazy_)
         finally:
             os.close(netns)  # the restored processes hold the namespace now
+        if page_sources is not None:
+            await page_sources[sandbox_id].opened()  # a resume removes the images next
     # The image holds the source's freezer state (frozen while it was dumped) and hostname: the
     # restored processes run only once thawed, after their channel dir (CRIU bound the agent's
     # socket in it again) is locked.
@@ -238,6 +246,16 @@ async def restore(
     if done.returncode != 0:
         raise InfrastructureError(f"naming restored sandbox {sandbox_id} failed: {done.stderr.decode()[-300:]}")
     return pid
+
+
+async def _serve_pages(
+    criu: Criu, images: Path, work: Path, sandbox_id: str, page_sources: dict[str, lazy.PageSource] | None,
+) -> bool:
+    """Start the page server of a lazy restore (kept in ``page_sources``, whose owner stops it); False: eager."""
+    if page_sources is None:
+        return False
+    page_sources[sandbox_id] = await lazy.PageSource.start(criu.binary, images, work)
+    return True
 
 
 def mount_disk(
