@@ -110,6 +110,9 @@ class EngineConfig:
     """Memory snapshots restore lazily (default): resume, create from a memory snapshot and fork's children
     start with no page copied, and CRIU's page server copies each page in when the sandbox first touches it
     (``fanfold.runtime.lazy``). ``FANFOLD_LAZY_RESTORE=0``: every page is copied before the restore returns."""
+    images_cold_s: float = field(default_factory=lambda: _env_float_or("FANFOLD_IMAGES_COLD_S", 300.0))
+    """Memory snapshots' images no restore used for this long are dropped from the page cache (they stay
+    on disk); hot ones are read from it."""
     pool_auto_max: int = 64
     """The most sandboxes a demand-sized pool (``size=None``) keeps warm."""
     pool_window_s: float = 60.0
@@ -206,6 +209,11 @@ def _env_hosts(text: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 PULL_POLICIES = ("missing", "never")
 DISKS = ("btrfs", "tmpfs")
+
+
+def _env_float_or(name: str, default: float) -> float:
+    value = _env_float(name)
+    return default if value is None else value
 
 
 def _env_float(name: str) -> float | None:

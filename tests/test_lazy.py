@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import select
 import stat
+import subprocess
 
 import pytest
 
@@ -179,3 +180,26 @@ async def test_eager_restore_is_a_switch(config, holder_snapshot):
             assert await pages(fleet, child.id) is None
             assert not (bundle(config, child.id) / lazy.PID_FILE).exists()
             assert await touch(child, 1, 1) == 0
+
+
+def resident(files) -> int:
+    """Bytes of ``files`` in the page cache (util-linux's fincore)."""
+    done = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                          capture_output=True, text=True, check=True)
+    return sum(int(line) for line in done.stdout.split())
+
+
+async def test_images_no_restore_used_lately_leave_the_page_cache(config):
+    cold = EngineConfig(state_dir=config.state_dir, images_cold_s=0)
+    async with AsyncFleet(config=cold) as fleet:
+        async with await fleet.create() as sandbox:
+            snapshot = await sandbox.snapshot(memory=True)
+        try:
+            images = sorted((config.state_dir / "snapshots" / snapshot.id / "memory").glob("pages-*.img"))
+            assert images and resident(images) > 0  # just written: hot
+            await fleet._transport.backend.sweep(thorough=True)
+            assert resident(images) == 0
+            async with await fleet.create(snapshot.id) as copy:  # read from disk again
+                assert (await copy.exec("echo back")).text == "back\n"
+        finally:
+            await fleet.delete_snapshot(snapshot.id)

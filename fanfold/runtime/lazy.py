@@ -24,6 +24,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -248,6 +249,34 @@ async def settle_orphan(work: Path, timeout: float = DRAIN_TIMEOUT_S) -> None:
                                f" {counts.copied if counts else '?'} of {counts.total if counts else '?'} pages")
     (work / STATS_FILE).unlink(missing_ok=True)
     (work / PID_FILE).unlink(missing_ok=True)
+
+
+def cool_images(snapshots: Path, last_used: dict[str, float], cooled: set[str], cold_s: float) -> set[str]:
+    """Drop from the page cache the memory images of snapshots no restore used for ``cold_s`` seconds
+    (since ``last_used``, else since they were written) and not dropped before (``cooled``); returns
+    the images dropped now. Blocking; the caller passes copies.
+
+    While hot, a snapshot's pages are read from the page cache, as cheap as tmpfs here and reclaimable
+    (tmpfs would pin them without swap); cold, they wait on disk and cost no memory."""
+    now, dropped = time.time(), set()
+    for memory in snapshots.glob("*/memory"):
+        key = str(memory)
+        if key in cooled:
+            continue
+        try:
+            if now - max(last_used.get(key, 0.0), memory.stat().st_mtime) < cold_s:
+                continue
+            for image in memory.glob("pages-*.img"):
+                fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fdatasync(fd)  # dirty pages would stay
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        except OSError:
+            continue  # deleted meanwhile
+        dropped.add(key)
+    return dropped
 
 
 def kill_orphan(work: Path) -> None:

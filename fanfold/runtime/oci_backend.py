@@ -46,6 +46,9 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     """The page server of each sandbox restored lazily whose memory is not all in yet."""
     lost: dict[str, str]
     """Sandboxes this backend killed because their page server died, and why."""
+    images_used: dict[str, float]
+    """When a restore last read each memory snapshot's images (``lazy.cool_images``)."""
+    images_cooled: set[str]
 
     @property
     def quota(self) -> bool:
@@ -63,7 +66,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu, lo_up=self.agent_path)
-        self.page_sources, self.lost = {}, {}
+        self.page_sources, self.lost, self.images_used, self.images_cooled = {}, {}, {}, set()
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
@@ -78,6 +81,16 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         await self.close_host(idle=idle)
         self.users.close()
 
+    async def sweep(self, *, thorough: bool = False) -> None:
+        await super().sweep(thorough=thorough)
+        if thorough:
+            self.images_cooled |= await asyncio.to_thread(
+                lazy.cool_images, self.config.state_dir / "snapshots", dict(self.images_used), set(self.images_cooled),
+                self.config.images_cold_s)
+            live = {str(path) for path in (self.config.state_dir / "snapshots").glob("*/memory")}
+            self.images_cooled &= live
+            self.images_used = {key: at for key, at in self.images_used.items() if key in live}
+
     async def list_ids(self) -> set[str]:
         return {i for i in await self.runtime.list_ids() if i.startswith("sb-")} | self.host_ids()
 
@@ -85,6 +98,8 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         if spec.restore is not None:
+            self.images_used[str(spec.restore)] = time.time()
+            self.images_cooled.discard(str(spec.restore))
             sources = self.page_sources if self.config.lazy_restore else None
             pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec, quota=self.quota,
                                             users=self.users, page_sources=sources)
