@@ -25,7 +25,8 @@ SAMPLE = {
         {"id": "sb-2b341d1d55f6", "state": "running", "cpu_s": 0.095, "memory_bytes": 1048576, "age_s": 12.3,
          "rollout_id": None, "source": "img-c4be15c69f12676b"},
         {"id": "sb-hotcpu000001", "state": "running", "cpu_s": 7.5, "memory_bytes": 3 * 2**20, "age_s": 125.0,
-         "rollout_id": "ro-7", "source": "img-c4be15c69f12676b"},
+         "rollout_id": "ro-7", "source": "img-c4be15c69f12676b",
+         "memory_pages": {"copied": 170, "total": 16990, "faults": 170, "state": "serving"}},
     ],
 }
 
@@ -52,7 +53,7 @@ def test_sample_frame_shows_the_figures():
     out = _text(SAMPLE)
     for figure in ("http://fleet:8000", "no alerts", "running", "max_creating", "1.59", "28.3", "84.4",
                    "23,393 MB", "98 / 32,768", "img-c4be15c69f12676b", "3/4", "sb-2b341d1d55f6", "1.0", "2m05s",
-                   "ro-7", "last 300 s"):
+                   "ro-7", "last 300 s", "paged in", " 1%"):
         assert figure in out, figure
     assert out.index("sb-hotcpu000001") < out.index("sb-2b341d1d55f6")  # busiest first
 

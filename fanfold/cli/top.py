@@ -147,19 +147,26 @@ def _pools(stats: dict) -> RenderableType:
 def _sandboxes(stats: dict, limit: int) -> RenderableType:
     rows = sorted(stats.get("sandboxes") or [], key=lambda s: s.get("cpu_s") or 0.0, reverse=True)
     cluster = "nodes" in stats
-    table = Table(*(["node"] if cluster else []), "id", "state", "CPU s", "memory MB", "net out/in", "denied", "age",
-                  "rollout", title="sandboxes by CPU")
+    table = Table(*(["node"] if cluster else []), "id", "state", "CPU s", "memory MB", "paged in", "net out/in", "denied",
+                  "age", "rollout", title="sandboxes by CPU")
     for sb in rows[:limit]:
         memory = sb.get("memory_bytes")
         offline = sb.get("network", "none") == "none"
         table.add_row(
             *([sb.get("node", "?")] if cluster else []), sb.get("id", "?"), sb.get("state", "?"), f"{sb.get('cpu_s') or 0.0:.2f}",
-            "-" if memory is None else f"{memory / 2**20:,.1f}",
+            "-" if memory is None else f"{memory / 2**20:,.1f}", _paged_in(sb.get("memory_pages")),
             "-" if offline else f"{_bytes(sb.get('net_bytes_up'))} / {_bytes(sb.get('net_bytes_down'))}",
             "-" if offline else str(sb.get("net_denied", 0)), _age(sb.get("age_s")), _short(sb.get("rollout_id")),
         )
     more = len(rows) - limit
     return Group(table, Text(f"... and {more} more", style="dim")) if more > 0 else table
+
+
+def _paged_in(pages: dict | None) -> str:
+    """How much of a lazily restored sandbox's memory its page server copied in ("-": all of it, or eager)."""
+    if not pages or pages.get("state") == "done" or not pages.get("total"):
+        return "-"
+    return f"{100 * pages.get('copied', 0) / pages['total']:.0f}%"
 
 
 def _nodes(stats: dict) -> RenderableType:
