@@ -77,10 +77,20 @@ def veth_gone(iflink: str, timeout: float = 5.0) -> bool:
     """Whether the host's end of a build's veth (its ifindex) is gone; a namespace's devices go a moment after it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if iflink not in {(p / "ifindex").read_text().strip() for p in Path("/sys/class/net").iterdir()}:
+        if iflink not in _ifindexes():
             return True
         time.sleep(0.05)
     return False
+
+
+def _ifindexes() -> set[str]:
+    found = set()
+    for device in Path("/sys/class/net").iterdir():
+        try:
+            found.add((device / "ifindex").read_text().strip())
+        except OSError:
+            pass  # a device going away meanwhile (EINVAL, ENOENT)
+    return found
 
 
 @pytest.fixture(scope="module")
