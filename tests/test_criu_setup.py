@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from fanfold.host import doctor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,3 +44,12 @@ def test_criu_check_uses_the_configured_binary(tmp_path, monkeypatch):
 
 def test_criu_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "criu.sh")], check=True)
+
+
+def test_lazy_restore_check_sees_the_patched_page_server_and_says_what_the_kernel_tracks(tmp_path):
+    check = doctor.check_lazy_restore()
+    if not check.ok and "no CRIU" in check.detail:
+        pytest.skip("CRIU is not built here")
+    assert check.ok and "on-demand page server" in check.detail and "dirty tracking" in check.detail
+    stock = doctor.check_lazy_restore(str(fake_criu(tmp_path, "Looks good.", 0)))
+    assert not stock.ok and "lacks fanfold's on-demand page server" in stock.detail and "criu.sh" in stock.fix

@@ -131,6 +131,30 @@ def check_criu(criu: str | None = None) -> Check:
     return Check("criu", False, f"{version} ({path}): `criu check` failed: {tail}", fix, required=False)
 
 
+def check_lazy_restore(criu: str | None = None) -> Check:
+    """What lazy restore needs (userfaultfd, fanfold's page server patch), and whether the kernel
+    tracks dirty pages (a fork's parent would then be frozen only while what changed is written)."""
+    configured = criu or EngineConfig().criu
+    path = configured if "/" in configured else shutil.which(configured)
+    fix = "run `bash scripts/criu.sh`: it builds CRIU with scripts/criu/lazy-pages-on-demand.patch"
+    if path is None or not os.access(path, os.X_OK):
+        return Check("lazy restore", False, "no CRIU", fix, required=False)
+    code, out = _run([path, "check", "--feature", "uffd-noncoop"], timeout=10)
+    if code != 0:
+        return Check("lazy restore", False, f"this kernel's userfaultfd is not enough: {out.splitlines()[-1:]}",
+                     "use Linux 4.18 or newer with CONFIG_USERFAULTFD, or FANFOLD_LAZY_RESTORE=0", required=False)
+    try:
+        patched = b"CRIU_LAZY_CONTROL_FD" in Path(path).read_bytes()
+    except OSError:
+        patched = False
+    if not patched:
+        return Check("lazy restore", False, f"{path} lacks fanfold's on-demand page server", fix, required=False)
+    dirty, _ = _run([path, "check", "--feature", "mem_dirty_track"], timeout=10)
+    tracking = ("dirty tracking on" if dirty == 0 else
+                "no dirty tracking (CONFIG_MEM_SOFT_DIRTY): a fork's parent stays frozen while every page is written")
+    return Check("lazy restore", True, f"userfaultfd and the on-demand page server; {tracking}", required=False)
+
+
 def check_debootstrap() -> Check:
     ok = shutil.which("debootstrap") is not None
     return Check("debootstrap", ok, "present (debian:bookworm base)" if ok else "missing: only the host base works",
@@ -170,6 +194,6 @@ def check_build_network() -> Check:
 def run_checks(runtime: str) -> list[Check]:
     return [
         check_root(), check_kernel(), check_namespaces(), check_overlayfs(), check_cgroups(), check_cgroup_attach(),
-        check_runtime(runtime), check_compiler(), check_criu(), check_debootstrap(), check_disks(),
-        check_image_tools(), check_build_network(), check_gvisor(runtime == "runsc"),
+        check_runtime(runtime), check_compiler(), check_criu(), check_lazy_restore(), check_debootstrap(),
+        check_disks(), check_image_tools(), check_build_network(), check_gvisor(runtime == "runsc"),
     ]
