@@ -629,6 +629,29 @@ async def test_a_release_that_failed_is_retried_by_the_reaper(cfg: EngineConfig,
         assert failed == [sandbox.id] and sandbox.id not in await engine.backend.list_ids()
 
 
+async def test_the_reaper_leaves_a_sandbox_being_suspended_whose_processes_are_gone(
+        cfg: EngineConfig, monkeypatch: pytest.MonkeyPatch):
+    """Between CRIU ending the processes and the row saying suspended, reaper passes see a running
+    row with a dead PID 1: a slow suspend (a large memory) must not be destroyed as crashed."""
+    async with AsyncFleet(config=cfg) as fleet:
+        engine = engine_of(fleet)
+        sandbox = await fleet.create()
+        checkpoint = engine.backend.checkpoint
+
+        async def then_reaper_passes(handle, dest, host_dirs, **kwargs):  # type: ignore[no-untyped-def]
+            paused = await checkpoint(handle, dest, host_dirs, **kwargs)
+            assert not engine.backend.alive(handle)
+            for _ in range(3):
+                await engine.reaper._pass(sweep=False)
+            return paused
+
+        monkeypatch.setattr(engine.backend, "checkpoint", then_reaper_passes)
+        assert (await sandbox.suspend()).state == "suspended"
+        monkeypatch.undo()
+        assert (await sandbox.exec("echo back")).text == "back\n"
+        await sandbox.kill()
+
+
 # -- fake only --------------------------------------------------------------------------------
 
 

@@ -125,7 +125,8 @@ class Reaper:
     def _crashed(self, row: Any) -> bool:
         """PID 1 of a running sandbox died, seen on two passes in a row: a suspend (of any
         engine) releases the processes a moment before the row says suspended."""
-        if row["state"] not in ("running", "pooled") or self.life.backend.alive(dbmod.row_handle(row)):
+        busy = row["claimed_by"] and process_alive(row["claimed_by"])  # a live engine is suspending it
+        if row["state"] not in ("running", "pooled") or busy or self.life.backend.alive(dbmod.row_handle(row)):
             self._dead_seen.discard(row["id"])
             return False
         if row["id"] in self._dead_seen:
