@@ -60,8 +60,8 @@ async def pages(fleet, sandbox_id: str) -> dict | None:
     return listed[sandbox_id]["memory_pages"]
 
 
-def bundle(config: EngineConfig, sandbox_id: str):
-    return oci_sandbox.paths(config, sandbox_id).bundle
+def lazy_dir(config: EngineConfig, sandbox_id: str):
+    return oci_sandbox.paths(config, sandbox_id).lazy
 
 
 def wait_gone(pid: int, timeout: float = 60) -> bool:
@@ -125,7 +125,7 @@ async def test_a_lazy_sandbox_is_drained_before_a_checkpoint_and_loses_nothing(h
 async def test_a_killed_page_server_ends_its_sandbox_and_says_why(holder_snapshot, config):
     fleet, snapshot = holder_snapshot
     child = await fleet.create(snapshot.id, memory_mb=MB + 192)
-    pid = int((bundle(config, child.id) / lazy.PID_FILE).read_text().split()[0])
+    pid = int((lazy_dir(config, child.id) / lazy.PID_FILE).read_text().split()[0])
     os.kill(pid, 9)
     assert wait_gone(pid)
     with pytest.raises(SandboxGone, match="page server .* was killed by signal 9 after copying"):
@@ -160,7 +160,7 @@ async def test_a_sandbox_outliving_its_engine_gets_all_its_memory(holder_snapsho
     fleet, snapshot = holder_snapshot
     async with AsyncFleet(config=config) as other:
         kept = await other.create(snapshot.id, memory_mb=MB + 192, detached=True)
-        pid = int((bundle(config, kept.id) / lazy.PID_FILE).read_text().split()[0])
+        pid = int((lazy_dir(config, kept.id) / lazy.PID_FILE).read_text().split()[0])
     try:
         assert wait_gone(pid), "the page server did not finish after its engine closed"
         assert (await pages(fleet, kept.id))["copied"] >= PAGES
@@ -178,7 +178,7 @@ async def test_eager_restore_is_a_switch(config, holder_snapshot):
     async with AsyncFleet(config=eager) as fleet:
         async with await fleet.create(snapshot.id, memory_mb=MB + 192) as child:
             assert await pages(fleet, child.id) is None
-            assert not (bundle(config, child.id) / lazy.PID_FILE).exists()
+            assert not (lazy_dir(config, child.id) / lazy.PID_FILE).exists()
             assert await touch(child, 1, 1) == 0
 
 

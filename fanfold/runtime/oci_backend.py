@@ -134,16 +134,18 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
         with host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):
+            where = oci_sandbox.paths(self.config, sandbox_id)
             source = self.page_sources.pop(sandbox_id, None)
             if source is not None:
                 await source.stop()
             else:  # one a crashed engine started
-                lazy.kill_orphan(oci_sandbox.paths(self.config, sandbox_id).bundle)
+                lazy.kill_orphan(where.lazy)
             await oci_sandbox.release(self.config, self.runtime, sandbox_id, handle.pid if handle else None)
+            await asyncio.to_thread(shutil.rmtree, where.lazy, True)
         self.lost.pop(sandbox_id, None)
 
     def page_counts(self, sandbox_id: str) -> dict[str, int | str] | None:
-        counts = lazy.read_counts(oci_sandbox.paths(self.config, sandbox_id).bundle)
+        counts = lazy.read_counts(oci_sandbox.paths(self.config, sandbox_id).lazy)
         return counts.to_dict() if counts else None
 
     def lost_why(self, sandbox_id: str) -> str | None:
@@ -169,7 +171,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             await source.drain()
             self.page_sources.pop(sandbox_id, None)
         else:
-            await lazy.settle_orphan(oci_sandbox.paths(self.config, sandbox_id).bundle)
+            await lazy.settle_orphan(oci_sandbox.paths(self.config, sandbox_id).lazy)
 
     def alive(self, handle: Handle) -> bool:
         return procs.running(handle.pid)

@@ -53,6 +53,12 @@ class Paths:
         return self.channel / "agent.sock"
 
     @property
+    def lazy(self) -> Path:
+        """Where a lazy restore's CRIU and page server meet (its socket), and the page server's log, pid
+        file and counters: beside the channel dir, since the page server starts before the root exists."""
+        return self.channel.with_name(f"lazy-{self.channel.name}")
+
+    @property
     def subvolume(self) -> Path:
         """The sandbox's disk on the quota filesystem, ``<state>/disk/<id>``, when it has one."""
         return disk.sandbox_disk(self.root.parent.parent, self.root.name)
@@ -198,8 +204,17 @@ async def restore(
     assert images is not None
     in_userns = criu_images.has_userns(images)
     base = idmap.claim(sandbox_id) if in_userns else None
-    where = await on_thread(mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota,
-                            base, users if in_userns else None)
+    # A lazy restore's page server starts while the disk is mounted (it reads the images as they are:
+    # a user namespace's rewritten map is none of its business).
+    serving = asyncio.ensure_future(_serve_pages(criu, images, paths(config, sandbox_id).lazy, sandbox_id,
+                                                 page_sources))
+    try:
+        where = await on_thread(mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota,
+                                base, users if in_userns else None)
+    finally:
+        await asyncio.wait([serving])  # started (kept in page_sources, so released with the sandbox) or failed
+    lazy_ = serving.result()
+    work = where.lazy if lazy_ else where.bundle  # where CRIU's restore and the page server meet
     where.bundle.mkdir()
     binds = {AGENT_KEY: str(agent), CHANNEL_KEY: str(where.channel)}
     binds.update({host_dir_key(d): str(where.rootfs / d.lstrip("/")) for d in host_dirs})
@@ -216,11 +231,8 @@ async def restore(
         lo_first = not (images / NO_INET_FILE).exists()
         try:
             await on_thread(criu_images.private_copy, images, own, base)
-            lazy_ = await _serve_pages(criu, own, where.bundle, sandbox_id, page_sources)
-            pid = await criu.restore(own, work=where.bundle, root=bare, cgroup=cgroup, binds=binds, netns=None,
+            pid = await criu.restore(own, work=work, root=bare, cgroup=cgroup, binds=binds, netns=None,
                                      lo_first=lo_first, lazy=lazy_)
-            if page_sources is not None:
-                await page_sources[sandbox_id].opened()  # before its image dir goes
         finally:
             await on_thread(shutil.rmtree, own, True)
         if not lo_first:
@@ -228,13 +240,12 @@ async def restore(
     else:
         netns = await on_thread(new_netns, discard=os.close)  # unshare and raising lo take milliseconds
         try:
-            lazy_ = await _serve_pages(criu, images, where.bundle, sandbox_id, page_sources)
-            pid = await criu.restore(images, work=where.bundle, root=where.rootfs, cgroup=cgroup, binds=binds,
-                                     netns=netns, lazy=lazy_)
+            pid = await criu.restore(images, work=work, root=where.rootfs, cgroup=cgroup, binds=binds, netns=netns,
+                                     lazy=lazy_)
         finally:
             os.close(netns)  # the restored processes hold the namespace now
-        if page_sources is not None:
-            await page_sources[sandbox_id].opened()  # a resume removes the images next
+    if lazy_:
+        await page_sources[sandbox_id].opened()  # a resume removes the images next
     # The image holds the source's freezer state (frozen while it was dumped) and hostname: the
     # restored processes run only once thawed, after their channel dir (CRIU bound the agent's
     # socket in it again) is locked.
@@ -254,8 +265,14 @@ async def _serve_pages(
     """Start the page server of a lazy restore (kept in ``page_sources``, whose owner stops it); False: eager."""
     if page_sources is None:
         return False
+    await on_thread(_fresh_dir, work)
     page_sources[sandbox_id] = await lazy.PageSource.start(criu.binary, images, work)
     return True
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(mode=0o700)
 
 
 def mount_disk(
