@@ -95,6 +95,10 @@ async def test_untouched_pages_are_never_copied_and_touched_ones_once(holder_sna
         first = await pages(fleet, child.id)
         assert first["state"] == "serving" and first["total"] >= PAGES
         assert first["copied"] < first["total"] // 20, "only what restoring and one exec touched is in"
+        # its argv is on its main stack, restored eagerly: other processes read it (remote reads of a
+        # page not yet copied would fail)
+        assert "python3 /tmp/holder.py" in (await child.exec("ps -eo args")).text
+        first = await pages(fleet, child.id)
         assert await touch(child, 1, 100) == 0  # 1% of the state, every page as it was
         after = await pages(fleet, child.id)
         assert ONE_PCT <= after["copied"] - first["copied"] < 3 * ONE_PCT
