@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import time
 from typing import Any, Awaitable, Callable
 
@@ -80,7 +79,7 @@ class Checkpoints:
             await self.life.gone_if_dead(sandbox_id, row["pid"], within=0.25, why=str(err))
             raise
         finally:
-            shutil.rmtree(staged, ignore_errors=True)
+            await on_thread(self.life.snaps.discard, staged, executor=None)  # and a layer taken by reference
 
     def _check_memory_checkpoints(self, what: str) -> None:
         if self.life.backend.capabilities.memory == "none":

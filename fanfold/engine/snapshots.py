@@ -1,7 +1,9 @@
 """Snapshots on disk and in SQLite: their layers, memory images, lineage and collection.
 
 A snapshot's disk is one layer (``layers/snap-…``) stacked on its parent's layers, so a
-sandbox made from it mounts the stack like any image. A memory snapshot also keeps CRIU's
+sandbox made from it mounts the stack like any image. Taken from a sandbox whose disk is a btrfs
+subvolume, the layer is a snapshot of that subvolume (``<state>/disk/layers/snap-…``, linked from
+``layers/``): taken by reference, not copied. A memory snapshot also keeps CRIU's
 images in ``snapshots/snap-…/memory``. Both are written under temporary names and renamed
 into place before the row is inserted, so a crash leaves no half snapshot behind a row.
 """
@@ -27,6 +29,7 @@ PREFIX = "snap-"
 TIER_FILE = "fanfold-backend"
 """In a memory checkpoint: the name of the backend that took it."""
 _ORPHAN_AGE_S = 300
+_UNLINKED_AGE_S = 60
 
 
 def new_id(node_tag: str | None = None) -> str:
@@ -66,14 +69,43 @@ class SnapshotStore:
             return "fake" if (memory / "fake.json").exists() else "oci"
 
     def staging(self, snapshot_id: str) -> Path:
-        """A private dir for a snapshot being taken; ``commit`` moves it into place."""
+        """A private dir for a snapshot being taken; ``commit`` moves it into place, ``discard`` removes it."""
+        self._discard_unlinked()
         path = self.dir / f".tmp-{os.getpid()}-{snapshot_id}"
         path.mkdir()
         return path
 
+    def discard(self, staged: Path) -> None:
+        """Remove a staged snapshot that was not committed, and the subvolume its layer links to."""
+        layer = staged / "layer"
+        if layer.is_symlink():
+            self.layers.delete_referenced(Path(os.readlink(layer)).parent.name)
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def _discard_unlinked(self) -> None:
+        """Delete the subvolumes of snapshots taken by reference whose staging dir was removed without
+        ``discard`` (a checkpoint that failed after its disk was taken), once a minute old: the link to
+        one comes a moment after it is made."""
+        taken = self.layers.referenced(staged=True)
+        if not taken:
+            return
+        linked = set()
+        for staged in self.dir.glob(".tmp-*"):
+            try:
+                linked.add(Path(os.readlink(staged / "layer")).parent.name)
+            except OSError:
+                continue
+        old = time.time() - _UNLINKED_AGE_S
+        for path in taken:
+            try:
+                if path.name not in linked and os.lstat(path).st_mtime < old:
+                    self.layers.delete_referenced(path.name)
+            except FileNotFoundError:
+                continue
+
     def commit(self, staged: Path, info: SnapshotInfo, layers: tuple[str, ...], tenant: str) -> SnapshotInfo:
         """Move a staged snapshot (``layer/``, maybe ``memory/``) into place and record it."""
-        os.rename(staged / "layer", self.layers.layer_path(info.id))
+        self.layers.commit(staged / "layer", info.id)
         os.rename(staged, self.dir / info.id)
         size = _size(self.layers.layer_path(info.id)) + _size(self.dir / info.id)
         info = dataclasses.replace(info, size_bytes=size)
@@ -149,7 +181,7 @@ class SnapshotStore:
         self._remove_files(snapshot_id)
 
     def _remove_files(self, snapshot_id: str) -> None:
-        shutil.rmtree(self.layers.layer_path(snapshot_id), ignore_errors=True)
+        self.layers.remove_layer(snapshot_id)
         shutil.rmtree(self.dir / snapshot_id, ignore_errors=True)
 
     def discard_orphans(self) -> int:
@@ -162,9 +194,18 @@ class SnapshotStore:
                 removed += 1
         known = {row["id"] for row in self.db.snapshot_rows()}
         old = time.time() - _ORPHAN_AGE_S
-        for path in [*self.dir.glob(PREFIX + "*"), *self.layers.layers_dir.glob(PREFIX + "*")]:
-            if path.name not in known and path.stat().st_mtime < old:
-                shutil.rmtree(path, ignore_errors=True)
+        leftovers = [*self.dir.glob(PREFIX + "*"), *self.layers.layers_dir.glob(PREFIX + "*"),
+                     *(p for p in self.layers.referenced() if p.name.startswith(PREFIX))]
+        for path in leftovers:
+            try:
+                young = path.name in known or os.lstat(path).st_mtime >= old  # lstat: a link's own age
+            except FileNotFoundError:
+                continue  # removed meanwhile (its layer's link, then its subvolume)
+            if not young:
+                if path.parent == self.dir:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    self.layers.remove_layer(path.name)
                 removed += 1
         return removed
 

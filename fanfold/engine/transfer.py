@@ -609,7 +609,10 @@ def _move_in(staged: Path, target: Path, *, replace: bool = False) -> None:
     if os.path.lexists(target):
         if not replace:
             return
-        shutil.rmtree(target, ignore_errors=True)
+        if os.path.islink(target):  # a snapshot's layer taken by reference: its subvolume goes with the snapshot
+            os.unlink(target)
+        else:
+            shutil.rmtree(target, ignore_errors=True)
     os.utime(staged)
     try:
         os.rename(staged, target)

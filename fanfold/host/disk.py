@@ -19,6 +19,7 @@ as with the cgroup parent, so a state dir that is thrown away leaves no mount be
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import shutil
@@ -33,11 +34,16 @@ from . import mounts
 
 _IOC_SUBVOL_CREATE = 0x5000940E  # _IOW(0x94, 14, struct btrfs_ioctl_vol_args)
 _IOC_SNAP_DESTROY = 0x5000940F  # _IOW(0x94, 15, struct btrfs_ioctl_vol_args)
+_IOC_SNAP_CREATE_V2 = 0x50009417  # _IOW(0x94, 23, struct btrfs_ioctl_vol_args_v2)
 _IOC_QUOTA_CTL = 0xC0109428  # _IOWR(0x94, 40, struct btrfs_ioctl_quota_ctl_args)
 _IOC_QGROUP_LIMIT = 0x8030942B  # _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args)
 _QUOTA_CTL_ENABLE = 1
 _LIMIT_MAX_RFER = 1
+_LIMIT_MAX_EXCL = 2
+_LIMIT_CLEAR = (1 << 64) - 1  # a limit of this value removes it
+_libc = ctypes.CDLL(None, use_errno=True)
 _SUBVOLUME_INO = 256  # every subvolume's root directory has this inode number
+LAYERS = "layers"
 
 
 def disk_dir(state_dir: Path) -> Path:
@@ -48,6 +54,11 @@ def disk_dir(state_dir: Path) -> Path:
 def sandbox_disk(state_dir: Path, sandbox_id: str) -> Path:
     """One sandbox's subvolume (it may not exist)."""
     return disk_dir(state_dir) / sandbox_id
+
+
+def layers_dir(state_dir: Path) -> Path:
+    """Where snapshots' layers taken by reference live: a subvolume each, ``<state>/disk/layers/<name>``."""
+    return disk_dir(state_dir) / LAYERS
 
 
 def ready(state_dir: Path) -> bool:
@@ -111,14 +122,40 @@ def make(state_dir: Path, sandbox_id: str, disk_mb: int) -> Path:
     finally:
         os.close(parent)
     path = sandbox_disk(state_dir, sandbox_id)
+    _limit(path, _LIMIT_MAX_RFER, disk_mb << 20, 0)
+    return path
+
+
+def make_from(state_dir: Path, sandbox_id: str, layer: Path, disk_mb: int) -> Path:
+    """A subvolume for ``sandbox_id`` that is a writable snapshot of ``layer`` (a snapshot's layer
+    taken by reference), capped at ``disk_mb`` MiB of blocks it does not share: what it inherits
+    costs it nothing until it rewrites it. The snapshot carries its source's limit, which goes."""
+    path = sandbox_disk(state_dir, sandbox_id)
+    snapshot(layer, path)
+    _limit(path, _LIMIT_MAX_RFER | _LIMIT_MAX_EXCL, _LIMIT_CLEAR, disk_mb << 20)
+    return path
+
+
+def sync(path: Path) -> None:
+    """Write out the dirty pages of the filesystem ``path`` is on (syncfs(2): Python 3.11 has no binding)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _limit(path: Path, flags: int, max_rfer: int, max_excl: int) -> None:
     subvol = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        # qgroup id 0: the subvolume the fd is in.
-        limit = struct.pack("=QQQQQQ", 0, _LIMIT_MAX_RFER, disk_mb << 20, 0, 0, 0)
+        # struct btrfs_qgroup_limit_args: qgroupid (0: the fd's subvolume), then btrfs_qgroup_limit
+        # (flags, max_rfer, max_excl, rsv_rfer, rsv_excl)
+        limit = struct.pack("=QQQQQQ", 0, flags, max_rfer, max_excl, 0, 0)
         fcntl.ioctl(subvol, _IOC_QGROUP_LIMIT, bytearray(limit))
     finally:
         os.close(subvol)
-    return path
 
 
 def remove(state_dir: Path, sandbox_id: str) -> None:
@@ -126,14 +163,45 @@ def remove(state_dir: Path, sandbox_id: str) -> None:
     has freed its blocks (seconds later). A missing one is not an error."""
     path = sandbox_disk(state_dir, sandbox_id)
     try:
-        if os.lstat(path).st_ino != _SUBVOLUME_INO:
+        if not is_subvolume(path):
             shutil.rmtree(path, ignore_errors=True)  # a plain dir (made by hand): not ours to keep
             return
     except FileNotFoundError:
         return
-    parent = os.open(disk_dir(state_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    delete(path)
+
+
+def is_subvolume(path: Path) -> bool:
+    """True when ``path`` is the root of a btrfs subvolume (FileNotFoundError when it is missing)."""
+    return os.lstat(path).st_ino == _SUBVOLUME_INO
+
+
+def snapshot(source: Path, target: Path) -> None:
+    """A writable snapshot of subvolume ``source`` at ``target`` (on the same btrfs): its tree as it
+    is now, sharing every block, in one ioctl whose cost does not grow with what the tree holds (the
+    filesystem writes out ``source``'s dirty pages first, and quotas account the new subvolume)."""
+    source_fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.ioctl(parent, _IOC_SNAP_DESTROY, _vol_args(sandbox_id))
+        parent = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            # struct btrfs_ioctl_vol_args_v2: fd, transid, flags, 32 bytes unused, name[4040]
+            args = struct.pack("=qQQ32x4040s", source_fd, 0, 0, target.name.encode())
+            fcntl.ioctl(parent, _IOC_SNAP_CREATE_V2, bytearray(args))
+        finally:
+            os.close(parent)
+    finally:
+        os.close(source_fd)
+
+
+def delete(path: Path) -> None:
+    """Delete subvolume ``path``, files and all; the filesystem frees its blocks
+    in the background. A missing one is not an error."""
+    try:
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.ioctl(parent, _IOC_SNAP_DESTROY, _vol_args(path.name))
     except FileNotFoundError:
         pass
     finally:

@@ -5,11 +5,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Callable
 
-from ..host import mounts
+from ..errors import HostNotReady
+from ..host import disk, mounts
 from .store import LayerStore
+
+
+LOWER_PREFIX = ".lower-"
+"""In a disk made from a layer taken by reference: its copy of each such layer it stands on."""
 
 
 def _upper_name(host_dir: str) -> str:
@@ -18,7 +24,7 @@ def _upper_name(host_dir: str) -> str:
 
 def mount_rootfs(
     store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[str, ...], target: Path, scratch: Path, *,
-    volatile: bool = False, remap: Callable[[Path], Path] | None = None,
+    volatile: bool = False, remap: Callable[[Path], Path] | None = None, inherited: Path | None = None,
 ) -> None:
     """Mount ``layers`` (bottom first) at ``target``, writes going to dirs under ``scratch``
     (``volatile``: never synced, see ``mounts.mount_overlay``).
@@ -27,10 +33,12 @@ def mount_rootfs(
     lowest layer is the host's directory itself, so writes there stay in the sandbox.
     On failure everything mounted so far is unmounted again. ``remap`` gives the directory to
     use in place of each lower one (an idmapped clone of it, for a sandbox in a user namespace).
+    ``inherited``: a disk made by ``inherit_layer``, whose copies of layers taken by reference
+    (``.lower-<name>``) stand in for the layers themselves.
     """
     same: Callable[[Path], Path] = lambda path: path  # noqa: E731
     mapped = remap or same
-    lowers = [store.layer_path(d) for d in reversed(layers)]
+    lowers = [_lower(store, d, inherited) for d in reversed(layers)]
     try:
         (scratch / "upper").mkdir(exist_ok=True)
         (scratch / "work").mkdir(exist_ok=True)
@@ -46,9 +54,44 @@ def mount_rootfs(
             dir_lowers = [p for p in dir_lowers if any(p.iterdir())] + [Path(host_dir)]
             mounts.mount_overlay(target / rel, [mapped(p) for p in dir_lowers], scratch / f"{name}-upper",
                                  scratch / f"{name}-work", volatile=volatile)
-    except BaseException:
+    except BaseException as err:
         unmount_rootfs(target)
+        if isinstance(err, OSError):
+            _explain_missing(lowers, err)
         raise
+
+
+def _lower(store: LayerStore, layer: str, inherited: Path | None) -> Path:
+    """Where layer ``layer`` is read from: the disk's own copy of it, else the store's.
+
+    overlayfs takes layers on one filesystem as one inode space, but each btrfs subvolume numbers
+    its inodes from the same start: a layer taken by reference must be read from the disk's own
+    subvolume, where the inode numbers of what the sandbox writes continue past the layers'."""
+    if inherited is not None and (own := inherited / f"{LOWER_PREFIX}{layer}").is_dir():
+        return own
+    return store.layer_path(layer)
+
+
+def inherit_layer(store: LayerStore, layers: tuple[str, ...], make_from: Callable[[Path], Path]) -> Path | None:
+    """When the top of ``layers`` was taken by reference: the sandbox's disk made by ``make_from``
+    (a writable snapshot of that layer's subvolume), its copy of the layer moved aside to
+    ``.lower-<name>``, beside those the layer itself inherited; None for any other stack."""
+    if not layers or (subvolume := store.referenced_subvolume(layers[-1])) is None:
+        return None
+    scratch = make_from(subvolume)
+    os.rename(scratch / "upper", scratch / f"{LOWER_PREFIX}{layers[-1]}")
+    return scratch
+
+
+def _explain_missing(lowers: list[Path], err: OSError) -> None:
+    """A mount that failed because a layer is not there: a snapshot's layer taken by reference is a
+    subvolume of the sandboxes' btrfs, there only while an engine with ``disk="btrfs"`` has it mounted."""
+    missing = [path.name for path in lowers if not path.is_dir()]
+    if missing:
+        raise HostNotReady(
+            f"layers {', '.join(missing[:3])} are missing ({err.strerror}): a snapshot's layer taken from a"
+            " btrfs disk lives on it (<state>/disk/layers), mounted while an engine with disk='btrfs' runs"
+        ) from None
 
 
 def unmount_rootfs(target: Path) -> None:
@@ -67,11 +110,17 @@ def fold_host_uppers(scratch: Path, host_dirs: tuple[str, ...]) -> Path:
 
 
 def copy_upper(scratch: Path, host_dirs: tuple[str, ...], target: Path) -> None:
-    """Copy a live sandbox's writes (``scratch`` uppers) into ``target`` as one layer tree.
+    """Take a live sandbox's writes (``scratch`` uppers) as one layer tree at ``target``.
 
-    Blocking: run it off the event loop, with the sandbox frozen so the copy is consistent.
-    ``cp -a`` keeps what makes a tree a layer: whiteout devices and opaque-dir xattrs.
+    Blocking: run it off the event loop, with the sandbox frozen so the tree is consistent.
+    A disk that is a btrfs subvolume is taken by reference (``snapshot_upper``): ``target`` becomes
+    a link to a snapshot of it, in a time that does not grow with what the sandbox wrote. Any other
+    (a tmpfs) is copied with ``cp -a``, which keeps what makes a tree a layer: whiteout devices and
+    opaque-dir xattrs.
     """
+    if _by_reference(scratch):
+        snapshot_upper(scratch, host_dirs, target)
+        return
     copy_tree(scratch / "upper", target)
     for host_dir in host_dirs:
         source = scratch / f"{_upper_name(host_dir)}-upper"
@@ -80,6 +129,35 @@ def copy_upper(scratch: Path, host_dirs: tuple[str, ...], target: Path) -> None:
             copy_tree(source, staged)
             _merge(staged, target / host_dir.lstrip("/"))
             shutil.rmtree(staged, ignore_errors=True)
+
+
+def snapshot_upper(subvolume: Path, host_dirs: tuple[str, ...], target: Path) -> None:
+    """Snapshot a sandbox's disk (``<state>/disk/<id>``) into ``<state>/disk/layers/.tmp-PID-…`` and
+    link ``target`` to its ``upper``, the layer tree: the host dirs' writes are moved into it, and the
+    overlays' work dirs removed (renames and a few empty dirs: the copy of the files is the
+    filesystem's, by reference). ``LayerStore.commit`` gives the snapshot its layer's name."""
+    home = subvolume.parent / disk.LAYERS
+    home.mkdir(exist_ok=True)
+    taken = home / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    disk.snapshot(subvolume, taken)
+    try:
+        fold_host_uppers(taken, host_dirs)
+        for entry in taken.iterdir():  # work dirs and emptied host uppers: not the layer's
+            if entry.name != "upper" and not entry.name.startswith(LOWER_PREFIX):  # those its children read
+                shutil.rmtree(entry)
+        os.utime(taken)  # dated now, not when the sandbox was made: discard_orphans goes by its age
+        target.symlink_to(taken / "upper")
+    except BaseException:
+        disk.delete(taken)
+        raise
+
+
+def _by_reference(scratch: Path) -> bool:
+    """Whether a sandbox's disk is a btrfs subvolume, whose snapshots are layers taken by reference."""
+    try:
+        return disk.is_subvolume(scratch)
+    except FileNotFoundError:
+        return False
 
 
 def copy_tree(source: str | Path, target: Path) -> None:

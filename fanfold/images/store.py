@@ -2,6 +2,9 @@
 
 A layer is a directory in overlayfs' upper format (whiteouts included), written once
 under a temporary name and renamed into place, so a crash never leaves a partial layer.
+``layers/<name>`` is that directory, or a link to it: to a registry layer's unpacked tree, or to
+the ``upper`` of a snapshot taken by reference, a subvolume ``<state>/disk/layers/<name>`` on the
+sandboxes' btrfs (``rootfs.snapshot_upper``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from ..errors import ImageNotFound
-from ..host import mounts
+from ..host import disk, mounts
 from ..spec import BASES
 
 
@@ -85,6 +88,8 @@ class LayerStore:
         self.images_dir = state_dir / "images"
         self.locks_dir = state_dir / "locks"
         self.refs_dir = state_dir / "refs"
+        self.referenced_dir = disk.layers_dir(state_dir)
+        """Snapshots' layers taken by reference: subvolumes of the sandboxes' btrfs, there while it is mounted."""
         for directory in (self.layers_dir, self.images_dir, self.locks_dir, self.refs_dir):
             directory.mkdir(parents=True, exist_ok=True)
         self._local_locks: dict[str, asyncio.Lock] = {}
@@ -146,20 +151,71 @@ class LayerStore:
         return path
 
     def commit(self, tree: Path, digest: str) -> Path:
-        """Move a finished tree into place as layer ``digest``."""
+        """Move a finished tree into place as layer ``digest``; a link to a snapshot's ``upper``
+        (``rootfs.snapshot_upper``) moves its subvolume to the layer's name, and links to that."""
         target = self.layer_path(digest)
-        tree.rename(target)
+        if not tree.is_symlink():
+            tree.rename(target)
+            return target
+        subvolume = self.referenced_dir / target.name
+        os.rename(Path(os.readlink(tree)).parent, subvolume)
+        # Relative: the state dir may be reached by another path (a bind mount, a moved dir).
+        target.symlink_to(os.path.relpath(subvolume / "upper", target.parent))
+        tree.unlink()
         return target
 
+    def remove_layer(self, digest: str) -> None:
+        """Delete layer ``digest``: its tree, or its link and the snapshot it links to. A missing one is
+        not an error. Blocking (a big tree takes a while to remove): call off the event loop."""
+        path = self.layer_path(digest)
+        if path.is_symlink():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        self.delete_referenced(path.name)
+
+    def referenced(self, *, staged: bool = False) -> list[Path]:
+        """The subvolumes of layers taken by reference, or with ``staged`` of those not yet committed
+        (none while the sandboxes' btrfs is not mounted)."""
+        try:
+            return [p for p in self.referenced_dir.iterdir() if p.name.startswith(".tmp-") == staged]
+        except FileNotFoundError:
+            return []
+
+    def referenced_subvolume(self, digest: str) -> Path | None:
+        """The subvolume of layer ``digest`` when it was taken by reference and is there, else None."""
+        path = self.layer_path(digest)
+        if not path.is_symlink():
+            return None
+        subvolume = self.referenced_dir / path.name
+        try:
+            return subvolume if disk.is_subvolume(subvolume) else None
+        except FileNotFoundError:
+            return None
+
+    def delete_referenced(self, name: str) -> None:
+        """Delete ``<state>/disk/layers/<name>``, a snapshot's subvolume; a missing one is not an error."""
+        path = self.referenced_dir / name
+        try:
+            if not disk.is_subvolume(path):
+                shutil.rmtree(path, ignore_errors=True)
+                return
+        except FileNotFoundError:
+            return
+        disk.delete(path)
+
     def discard_scratch(self) -> None:
-        """Remove temporary trees left by builders that died."""
+        """Remove temporary trees left by builders that died, and snapshots by reference that their
+        engine died before it committed them."""
         for path in self.layers_dir.glob(".tmp-*"):
-            pid = path.name.split("-")[1]
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            if _dead(path):
                 for point in mounts.mounts_under(path):
                     mounts.umount(point)
                 if not mounts.mounts_under(path):  # never delete through a live mount
                     shutil.rmtree(path, ignore_errors=True)
+        for path in self.referenced(staged=True):
+            if _dead(path):
+                self.delete_referenced(path.name)
 
     def save_image(self, image: Image) -> None:
         tmp = self.images_dir / f".{image.id}.{uuid.uuid4().hex[:6]}"
@@ -225,3 +281,9 @@ class LayerStore:
 
     def images(self) -> list[Image]:
         return [Image.from_json(p.read_text()) for p in sorted(self.images_dir.glob("img-*.json"))]
+
+
+def _dead(path: Path) -> bool:
+    """Whether the process named in a ``.tmp-PID-…`` name is gone."""
+    pid = path.name.split("-")[1]
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()

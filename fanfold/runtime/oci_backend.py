@@ -216,6 +216,9 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         where = oci_sandbox.paths(self.config, handle.id)
         await self._memory_all_in(handle.id)
         await _agent_settled(handle.pid)
+        if not frozen and where.subvolume.is_dir():
+            # Snapshotting a subvolume first writes out its dirty pages: here, not in the pause.
+            await on_thread(disk.sync, where.subvolume)
         frozen_at = time.perf_counter()
         try:
             if not frozen:

@@ -21,7 +21,7 @@ from .._agent.client import AgentClient
 from ..host import cgroups, disk, idmap, mounts, procs, safefs, setup, stepnet
 from ..host.offload import on_thread, read_once
 from ..images import LayerStore
-from ..images.rootfs import mount_rootfs
+from ..images.rootfs import inherit_layer, mount_rootfs
 from ..models import Limits
 from ..host.netns import new_netns, raise_lo
 from ..host.spawn import log_tail, run
@@ -286,11 +286,13 @@ def mount_disk(
     if quota:
         # The subvolume's quota caps writes at disk_mb; its page cache is reclaimable memory.
         mounts.mount_tmpfs(where.root, BUNDLE_MB)
-        scratch = disk.make(config.state_dir, sandbox_id, limits.disk_mb)
+        inherited = inherit_layer(store, layers, lambda layer: disk.make_from(config.state_dir, sandbox_id, layer,
+                                                                               limits.disk_mb))
+        scratch = inherited or disk.make(config.state_dir, sandbox_id, limits.disk_mb)
     else:
         # A tmpfs caps writes at disk_mb too, but charges them to the memory cgroup as memory.
         mounts.mount_tmpfs(where.root, limits.disk_mb)
-        scratch = where.root
+        scratch, inherited = where.root, None
     # volatile: a disk lives only as long as its sandbox, and unmounting a synced overlay
     # would commit the whole btrfs (~2.5 ms, and a wait on every other sandbox's writes).
     os.chmod(where.root, 0o700)  # the sandbox's files and its bundle are no other host user's business
@@ -301,7 +303,7 @@ def mount_disk(
         remap = _idmapper(where.root / "mapped", users.fd(base))
         scratch = remap(scratch)
     with idmap.as_mapped_root(base):  # the overlay's dirs and copy-ups: uid 0 on disk, root inside
-        mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota, remap=remap)
+        mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota, remap=remap, inherited=inherited)
         name_host(where.rootfs, sandbox_id)
     where.channel.mkdir(mode=0o700)
     if base is not None:
