@@ -213,6 +213,7 @@ class Catalog:
                 continue
             if path.is_symlink():
                 path.unlink()
+                self.store.delete_referenced(path.name)  # a snapshot's layer taken by reference: its subvolume
             else:
                 shutil.rmtree(path, ignore_errors=True)
             (self.store.layers_dir / f".size-{path.name}").unlink(missing_ok=True)
