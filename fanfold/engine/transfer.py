@@ -178,9 +178,10 @@ class Transfers:
         if tenant:
             self.db.grant_image(manifest.image.id, tenant)
         rows = {row["id"] for row in self.db.snapshot_rows()}
-        for name in manifest.layers:  # a snapshot's layer with no row here is a crash's leftover: replaced
-            _move_in(staged / "layers" / name, self.store.layers_dir / name,
-                     replace=name.startswith(PREFIX) and name not in rows)
+        for name in manifest.layers:
+            if name.startswith(PREFIX) and name not in rows:  # a crash's leftover: replaced, with its subvolume
+                self.store.remove_layer(name)
+            _move_in(staged / "layers" / name, self.store.layers_dir / name)
         missing = [layer for layer in (*manifest.image.layers, *stack) if not self.store.layer_path(layer).is_dir()]
         if missing:  # one named as held was deleted meanwhile (a snapshot of it deleted here)
             raise InfrastructureError(f"layers {', '.join(missing[:3])} of {top.id} went away during the import: retry")
@@ -609,10 +610,7 @@ def _move_in(staged: Path, target: Path, *, replace: bool = False) -> None:
     if os.path.lexists(target):
         if not replace:
             return
-        if os.path.islink(target):  # a snapshot's layer taken by reference: its subvolume goes with the snapshot
-            os.unlink(target)
-        else:
-            shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)
     os.utime(staged)
     try:
         os.rename(staged, target)
