@@ -40,7 +40,7 @@ from typing import Any
 from .._agent.build import agent_binary
 from .._agent.client import AgentUnreachable
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError, InvalidRequest
-from ..host import cgroups, doctor, procs, setup
+from ..host import cgroups, disk, doctor, procs, setup
 from ..host.offload import host_errors, on_thread
 from ..host.spawn import Finished, log_tail, run
 from ..images.rootfs import copy_upper
@@ -336,6 +336,8 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
     ) -> float:
         sandbox_id = handle.id
         where = oci_sandbox.paths(self.config, sandbox_id)
+        if not frozen and where.subvolume.is_dir():
+            await on_thread(disk.sync, where.subvolume)  # as the oci backend: the snapshot's flush, before the pause
         started = time.perf_counter()
         touched = memory or not frozen  # a frozen sandbox is thawed for the `q` of a memory checkpoint
         token = secrets.token_hex(16) if memory else None
