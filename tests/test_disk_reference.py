@@ -77,6 +77,9 @@ def assert_gone(state_dir: Path, *snapshot_ids: str) -> None:
     done = subprocess.run(["btrfs", "qgroup", "show", "--raw", str(disk.disk_dir(state_dir))],
                           capture_output=True, text=True, check=True)
     assert "inconsistent" not in done.stderr + done.stdout  # quotas still count right: disk_mb holds
+    live = {line.split()[1] for line in btrfs("subvolume", "list", str(disk.disk_dir(state_dir))).splitlines()}
+    groups = {row.split()[0].split("/")[1] for row in done.stdout.splitlines() if row.startswith("0/")}
+    assert groups - live - {"5"} == set(), "quota groups of deleted subvolumes are left"
 
 
 async def test_a_fork_takes_its_layer_by_reference_and_deleting_everything_frees_it(dfleet, config):
