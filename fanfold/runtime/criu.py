@@ -8,8 +8,11 @@ own paths. The rest (proc, dev, tmpfs, sysfs, the network namespace) CRIU carrie
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import CheckpointFailed, HostNotReady
@@ -23,6 +26,10 @@ NETNS_FD = 3
 # Restoring: CRIU's network lock would run iptables four times (~50 ms); nothing in a
 # frozen sandbox talks to the outside, so there is nothing to lock.
 COMMON = ["--network-lock", "skip", "--tcp-established", "--file-locks", "--manage-cgroups=full", "-v2"]
+
+
+YARDS = Path("/run/fanfold")
+"""Where the cgroup yards CRIU is given live (``cgroup_yard``), beside the engines' run dirs."""
 
 
 def host_dir_key(host_dir: str) -> str:
@@ -77,6 +84,7 @@ class Criu:
             argv += ["--external", f"net[{netns_inode(pid)}]:{NETNS_KEY}"]
         if leave_running:
             argv.append("--leave-running")
+        argv += yard_args()
         done = await run(argv, timeout=300)
         if done.returncode != 0:
             raise CheckpointFailed(f"CRIU could not checkpoint the sandbox: {_log_errors(images / 'dump.log')}")
@@ -99,7 +107,7 @@ class Criu:
         pidfile.unlink(missing_ok=True)
         argv = [self.binary, "restore", "-D", str(images), "-W", str(work), "-o", "restore.log", "--root", str(root),
                 "--cgroup-root", cgroup, "--restore-detached", "--pidfile", str(pidfile), "--ext-mount-map", "auto",
-                *COMMON]
+                *COMMON, *yard_args()]
         if netns is not None:
             argv += ["--inherit-fd", f"fd[{NETNS_FD}]:{NETNS_KEY}"]
         else:
@@ -115,6 +123,66 @@ class Criu:
         if done.returncode != 0 or not pidfile.exists():
             raise CheckpointFailed(f"CRIU could not restore the snapshot: {_log_errors(work / 'restore.log')}")
         return int(pidfile.read_text().strip())
+
+
+def yard_args() -> list[str]:
+    yard = cgroup_yard()
+    return [] if yard is None else ["--cgroup-yard", str(yard)]
+
+
+def cgroup_yard() -> Path | None:
+    """A dir naming each cgroup hierarchy as CRIU does (``memory``, ``cpu,cpuacct``, ``systemd``,
+    ``unified``), each a link to where the host has it mounted; None where one is not mounted.
+
+    Without it CRIU mounts every hierarchy itself, at each dump and restore (~13-15 ms); and its
+    mount of cgroup2, lacking ``favordynmods``, turns that option off for the whole host, undoing
+    ``setup.favor_dynamic_cgroups`` (each later cgroup attach waits for an RCU grace period again).
+    Named after its links, so engines sharing the host share one, made once and never changed."""
+    links = _hierarchy_links()
+    if links is None:
+        return None
+    digest = hashlib.sha256(repr(links).encode()).hexdigest()[:12]
+    yard = YARDS / f"criu-cgroups-{digest}"
+    if not yard.is_dir():
+        YARDS.mkdir(parents=True, exist_ok=True)
+        made = Path(tempfile.mkdtemp(prefix=".criu-cgroups-", dir=YARDS))
+        made.chmod(0o755)
+        for name, target in links:
+            (made / name).symlink_to(target)
+        try:
+            made.rename(yard)
+        except OSError:  # another engine made it first: the same links
+            shutil.rmtree(made, ignore_errors=True)
+    return yard
+
+
+@lru_cache(maxsize=1)
+def _hierarchy_links() -> tuple[tuple[str, str], ...] | None:
+    """CRIU's name of each hierarchy this process is in (``/proc/self/cgroup``) and its mount point,
+    read once: the host's mount table grows with every live sandbox."""
+    mounted: dict[str, str] = {}
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        for line in handle:
+            pre, _, post = line.partition(" - ")
+            fstype, _source, options = post.split()[:3]
+            _id, _parent, _dev, root, point = pre.split()[:5]
+            if root != "/":  # a bind of a group below the hierarchy's root
+                continue
+            if fstype == "cgroup2":
+                mounted.setdefault("", point)
+            elif fstype == "cgroup":
+                for option in options.split(","):
+                    mounted.setdefault(option, point)
+    links = {}
+    with open("/proc/self/cgroup", encoding="utf-8") as handle:
+        for line in handle:
+            controllers = line.split(":")[1]
+            first = controllers.split(",")[0]
+            point = mounted.get(first)
+            if point is None or "\\" in point:
+                return None
+            links["unified" if not controllers else controllers.removeprefix("name=")] = point
+    return tuple(sorted(links.items())) or None
 
 
 def _log_errors(log: Path, lines: int = 6) -> str:
