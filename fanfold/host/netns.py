@@ -15,6 +15,7 @@ from ..errors import InfrastructureError
 
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUTS = 0x04000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 
@@ -78,6 +79,21 @@ def raise_lo(pid: int) -> None:
         _lo_up()
 
     _on_a_thread(work, f"bringing lo up in sandbox process {pid}'s network")
+
+
+def set_hostname(pid: int, name: str) -> None:
+    """Set the hostname in the UTS namespace of ``pid`` (a restored sandbox comes back with its source's),
+    from a thread that enters it: no ``nsenter`` and ``hostname`` processes to start."""
+
+    def work() -> None:
+        target = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _check(_libc.setns(target, CLONE_NEWUTS))
+        finally:
+            os.close(target)
+        socket.sethostname(name)
+
+    _on_a_thread(work, f"naming sandbox process {pid}'s host {name}")
 
 
 NOT_INET = frozenset({"UNIX", "UNIX-STREAM", "NETLINK", "PACKET", "AF_VSOCK", "XDP", "KEY", "PF_KEY"})

@@ -23,8 +23,8 @@ from ..host.offload import on_thread, read_once
 from ..images import LayerStore
 from ..images.rootfs import inherit_layer, mount_rootfs
 from ..models import Limits
-from ..host.netns import new_netns, raise_lo
-from ..host.spawn import log_tail, run
+from ..host.netns import new_netns, raise_lo, set_hostname
+from ..host.spawn import log_tail
 from . import criu_images, lazy, seccomp
 from .base import Handle, SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
@@ -253,9 +253,7 @@ async def restore(
     if spec.before_run is not None:
         await spec.before_run(Handle(sandbox_id, pid))
     cgroups.thaw(config.cgroup_parent, sandbox_id)
-    done = await run(["nsenter", "-t", str(pid), "-u", "hostname", sandbox_id], timeout=30)
-    if done.returncode != 0:
-        raise InfrastructureError(f"naming restored sandbox {sandbox_id} failed: {done.stderr.decode()[-300:]}")
+    await on_thread(set_hostname, pid, sandbox_id)
     return pid
 
 
