@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -211,11 +210,7 @@ class Catalog:
         for path in self.store.layers_dir.iterdir():
             if path.name.startswith(".") or path.name in keep:
                 continue
-            if path.is_symlink():
-                path.unlink()
-                self.store.delete_referenced(path.name)  # a snapshot's layer taken by reference: its subvolume
-            else:
-                shutil.rmtree(path, ignore_errors=True)
+            self.store.remove_layer(path.name)  # a link to a layer taken by reference takes its subvolume
             (self.store.layers_dir / f".size-{path.name}").unlink(missing_ok=True)
             removed.append(path.name)
         return removed

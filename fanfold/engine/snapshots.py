@@ -29,7 +29,6 @@ PREFIX = "snap-"
 TIER_FILE = "fanfold-backend"
 """In a memory checkpoint: the name of the backend that took it."""
 _ORPHAN_AGE_S = 300
-_UNLINKED_AGE_S = 60
 
 
 def new_id(node_tag: str | None = None) -> str:
@@ -70,7 +69,6 @@ class SnapshotStore:
 
     def staging(self, snapshot_id: str) -> Path:
         """A private dir for a snapshot being taken; ``commit`` moves it into place, ``discard`` removes it."""
-        self._discard_unlinked()
         path = self.dir / f".tmp-{os.getpid()}-{snapshot_id}"
         path.mkdir()
         return path
@@ -81,27 +79,6 @@ class SnapshotStore:
         if layer.is_symlink():
             self.layers.delete_referenced(Path(os.readlink(layer)).parent.name)
         shutil.rmtree(staged, ignore_errors=True)
-
-    def _discard_unlinked(self) -> None:
-        """Delete the subvolumes of snapshots taken by reference whose staging dir was removed without
-        ``discard`` (a checkpoint that failed after its disk was taken), once a minute old: the link to
-        one comes a moment after it is made."""
-        taken = self.layers.referenced(staged=True)
-        if not taken:
-            return
-        linked = set()
-        for staged in self.dir.glob(".tmp-*"):
-            try:
-                linked.add(Path(os.readlink(staged / "layer")).parent.name)
-            except OSError:
-                continue
-        old = time.time() - _UNLINKED_AGE_S
-        for path in taken:
-            try:
-                if path.name not in linked and os.lstat(path).st_mtime < old:
-                    self.layers.delete_referenced(path.name)
-            except FileNotFoundError:
-                continue
 
     def commit(self, staged: Path, info: SnapshotInfo, layers: tuple[str, ...], tenant: str) -> SnapshotInfo:
         """Move a staged snapshot (``layer/``, maybe ``memory/``) into place and record it."""

@@ -161,7 +161,12 @@ def _limit(path: Path, flags: int, max_rfer: int, max_excl: int) -> None:
 def remove(state_dir: Path, sandbox_id: str) -> None:
     """Delete a sandbox's subvolume, files and all; its quota group goes once the filesystem
     has freed its blocks (seconds later). A missing one is not an error."""
-    path = sandbox_disk(state_dir, sandbox_id)
+    remove_at(sandbox_disk(state_dir, sandbox_id))
+
+
+def remove_at(path: Path) -> None:
+    """Delete the subvolume at ``path`` (a plain dir there, made by hand, goes with rmtree); a missing
+    one is not an error."""
     try:
         if not is_subvolume(path):
             shutil.rmtree(path, ignore_errors=True)  # a plain dir (made by hand): not ours to keep

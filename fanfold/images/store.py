@@ -195,14 +195,7 @@ class LayerStore:
 
     def delete_referenced(self, name: str) -> None:
         """Delete ``<state>/disk/layers/<name>``, a snapshot's subvolume; a missing one is not an error."""
-        path = self.referenced_dir / name
-        try:
-            if not disk.is_subvolume(path):
-                shutil.rmtree(path, ignore_errors=True)
-                return
-        except FileNotFoundError:
-            return
-        disk.delete(path)
+        disk.remove_at(self.referenced_dir / name)
 
     def discard_scratch(self) -> None:
         """Remove temporary trees left by builders that died, and snapshots by reference that their

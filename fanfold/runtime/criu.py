@@ -87,7 +87,7 @@ class Criu:
         argv += yard_args()
         done = await run(argv, timeout=300)
         if done.returncode != 0:
-            raise CheckpointFailed(f"CRIU could not checkpoint the sandbox: {_log_errors(images / 'dump.log')}")
+            raise CheckpointFailed(f"CRIU could not checkpoint the sandbox: {log_errors(images / 'dump.log')}")
 
     async def restore(
         self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int | None,
@@ -121,7 +121,7 @@ class Criu:
             argv.append("--lazy-pages")
         done = await run(argv, fds=None if netns is None else {NETNS_FD: netns}, timeout=300)
         if done.returncode != 0 or not pidfile.exists():
-            raise CheckpointFailed(f"CRIU could not restore the snapshot: {_log_errors(work / 'restore.log')}")
+            raise CheckpointFailed(f"CRIU could not restore the snapshot: {log_errors(work / 'restore.log')}")
         return int(pidfile.read_text().strip())
 
 
@@ -185,7 +185,8 @@ def _hierarchy_links() -> tuple[tuple[str, str], ...] | None:
     return tuple(sorted(links.items())) or None
 
 
-def _log_errors(log: Path, lines: int = 6) -> str:
+def log_errors(log: Path, lines: int = 6) -> str:
+    """The error lines of a CRIU log (else its last lines), for a message."""
     try:
         text = log.read_text(errors="replace").splitlines()
     except OSError:

@@ -32,6 +32,7 @@ from typing import Callable
 from ..errors import CheckpointFailed, InfrastructureError
 from ..host import procs
 from ..host.spawn import WAITING
+from .criu import log_errors
 
 STATS_FILE = "lazy-pages.stats"
 PID_FILE = "lazy-pages.pid"
@@ -112,7 +113,7 @@ class PageSource:
         if ready != b"\0" or read_counts(work) is None:
             await source.stop()
             raise InfrastructureError(
-                f"CRIU's page server did not start ({_log_tail(work)}); lazy restore needs the CRIU"
+                f"CRIU's page server did not start ({log_errors(work / LOG_FILE, 3)}); lazy restore needs the CRIU"
                 " that `bash scripts/criu.sh` builds (with scripts/criu/lazy-pages-on-demand.patch)")
         return source
 
@@ -211,7 +212,8 @@ class PageSource:
         how = (f"was killed by signal {-self._status}" if self._status is not None and self._status < 0
                else f"exited with status {self._status}")
         served = f" after copying {counts.copied} of {counts.total} pages" if counts else ""
-        return f"its memory's page server (CRIU lazy-pages, pid {self.pid}) {how}{served}; {_log_tail(self.work)}"
+        return (f"its memory's page server (CRIU lazy-pages, pid {self.pid}) {how}{served}; its log:"
+                f" {log_errors(self.work / LOG_FILE, 3)}")
 
     def _close(self) -> None:
         if self._control >= 0:
@@ -306,11 +308,3 @@ def _daemon_pid(work: Path) -> int | None:
         return None
     return int(pid) if len(fields) > 19 and fields[19] == start else None
 
-
-def _log_tail(work: Path) -> str:
-    try:
-        lines = [line for line in (work / LOG_FILE).read_text(errors="replace").splitlines()
-                 if "Error" in line and "RLIMIT_NOFILE" not in line]
-    except OSError:
-        return "no log"
-    return " | ".join(lines[-3:])[-600:] or "its log shows no error"

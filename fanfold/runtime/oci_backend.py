@@ -157,11 +157,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         self.page_sources.pop(sandbox_id, None)
         self.lost[sandbox_id] = f"sandbox {sandbox_id} was ended: {why}"
         log.error("%s", self.lost[sandbox_id])
-        if oci_sandbox.in_sandbox_cgroup(pid, f"/{self.config.cgroup_parent}/{sandbox_id}"):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        oci_sandbox.kill_init(self.config, sandbox_id, pid)
 
     async def _memory_all_in(self, sandbox_id: str) -> None:
         """Before a checkpoint: CRIU dumps only the pages a process has, so a lazily restored sandbox's

@@ -367,17 +367,24 @@ def in_sandbox_cgroup(pid: int, cgroup: str) -> bool:
         return False
 
 
-async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: int | None = None) -> None:
-    """Release everything a sandbox may hold, in reverse order; safe on partial state."""
-    where = paths(config, sandbox_id)
-    # Killing PID 1 ourselves ends the whole pid namespace in well under a millisecond;
-    # the runtime's own forced delete polls for the exit and takes ~10 ms longer.
+def kill_init(config: EngineConfig, sandbox_id: str, pid: int | None) -> str:
+    """SIGKILL the sandbox's PID 1, which ends its whole pid namespace, if ``pid`` still is it (a
+    recycled pid is in another cgroup); returns the sandbox's cgroup."""
     cgroup = f"/{config.cgroup_parent}/{sandbox_id}"
     if pid and in_sandbox_cgroup(pid, cgroup):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return cgroup
+
+
+async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: int | None = None) -> None:
+    """Release everything a sandbox may hold, in reverse order; safe on partial state."""
+    where = paths(config, sandbox_id)
+    # Killing PID 1 ourselves ends the whole pid namespace in well under a millisecond;
+    # the runtime's own forced delete polls for the exit and takes ~10 ms longer.
+    cgroup = kill_init(config, sandbox_id, pid)
     await setup.reap(pid)
     # PID 1 gone means its whole pid namespace is: the runtime has nothing left to kill.
     await runtime.delete(sandbox_id, stopped=bool(pid) and not in_sandbox_cgroup(pid, cgroup))
