@@ -12,7 +12,7 @@ SUITE="deb http://deb.debian.org/debian bookworm-backports main"
 die() { echo "setup: runsc: $*" >&2; exit 1; }
 (( EUID == 0 )) || die "must run as root"
 
-installed="$(runsc --version 2>/dev/null | sed -n 's/^runsc version 0\.0~\([0-9]\{8\}\).*/\1/p')"
+installed="$(runsc --version 2>/dev/null | sed -n 's/^runsc version 0\.0~\([0-9]\{8\}\).*/\1/p' || true)"
 if [[ -n "$installed" && "$installed" -ge "$MIN_VERSION" ]]; then
     exit 0
 fi
