@@ -9,11 +9,15 @@
 # network). Otherwise the source is fetched through a private apt configuration (the
 # host's sources are left alone), verified against the archive's SHA256, built in a
 # temporary directory and installed atomically.
+#
+#   --install-only  build and install, but do not run `criu check` against this kernel
+#                   (set-up's host stage, `fanfold doctor`, checks it)
+#   --check         install nothing: exit 0 when the installed CRIU is current, 1 when not
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive LC_ALL=C
 
 here="$(cd "$(dirname "$0")" && pwd)"
-DEST_DIR=/usr/local/lib/fanfold/criu
+DEST_DIR="${FANFOLD_CRIU_DIR:-/usr/local/lib/fanfold/criu}"  # the override is for tests of the probes
 BIN="$DEST_DIR/criu"
 STAMP="$DEST_DIR/criu.stamp"
 SUITE_SOURCE="deb-src http://deb.debian.org/debian trixie main"
@@ -23,7 +27,15 @@ RUNDIR=/dev/shm
 
 die() { echo "setup: criu: $*" >&2; exit 1; }
 
-(( EUID == 0 )) || die "must run as root"
+install_only=0 check=0
+for arg in "$@"; do
+    case "$arg" in
+        --install-only) install_only=1 ;;
+        --check) check=1 ;;
+        *) die "unknown option '$arg' (--install-only, --check)" ;;
+    esac
+done
+(( check )) || (( EUID == 0 )) || die "must run as root"
 
 # What the build depends on: build options and patches (the version is added once known).
 recipe="rundir=$RUNDIR"
@@ -34,19 +46,27 @@ for p in "${patches[@]}"; do
     recipe+=$'\n'"patch=$(basename "$p") sha256:$(sha256sum "$p" | cut -d' ' -f1)"
 done
 
+# The probes: each answers for an absent or broken binary too, and never ends the script.
+binary_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p' || true; }
+looks_good() { local out; out="$("$1" check 2>&1)" && [[ "$out" == *"Looks good"* ]]; }
+current() {  # the installed binary is this recipe's build (and, unless install-only, works here)
+    [[ -x "$BIN" && -f "$STAMP" ]] || return 1
+    local version
+    version="$(binary_version "$BIN")"
+    [[ -n "$version" && "$(cat "$STAMP")" == "version=$version"$'\n'"$recipe" ]] || return 1
+    (( install_only )) || looks_good "$BIN"
+}
+
+if (( check )); then
+    current && exit 0
+    echo "setup: missing: CRIU >= $MIN_VERSION with fanfold's patches at $BIN"
+    exit 1
+fi
+
 mkdir -p "$DEST_DIR"
 exec 9>"$DEST_DIR/.lock"
 flock 9 || die "cannot lock $DEST_DIR/.lock"
-
-binary_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p'; }
-looks_good() { local out; out="$("$1" check 2>&1)" && [[ "$out" == *"Looks good"* ]]; }
-
-if [[ -x "$BIN" && -f "$STAMP" ]]; then
-    version="$(binary_version "$BIN" || true)"
-    if [[ -n "$version" && "$(cat "$STAMP")" == "version=$version"$'\n'"$recipe" ]] && looks_good "$BIN"; then
-        exit 0
-    fi
-fi
+current && exit 0
 
 # Build and runtime dependencies (only the missing ones). CRIU restores network
 # namespaces with `ip` and `iptables-restore`.
@@ -118,5 +138,6 @@ mv -f "$BIN.tmp.$$" "$BIN"
 printf 'version=%s\n%s\n' "$version" "$recipe" >"$STAMP.tmp.$$"
 mv -f "$STAMP.tmp.$$" "$STAMP"
 
+(( install_only )) && exit 0
 out="$("$BIN" check 2>&1)" || true
 [[ "$out" == *"Looks good"* ]] || { echo "$out" >&2; die "\`$BIN check\` failed on this kernel ($(uname -r))"; }

@@ -10,12 +10,24 @@ MIN_VERSION=20240729
 SUITE="deb http://deb.debian.org/debian bookworm-backports main"
 
 die() { echo "setup: runsc: $*" >&2; exit 1; }
-(( EUID == 0 )) || die "must run as root"
+check=0
+case "${1:-}" in
+    "") ;;
+    --check) check=1 ;;  # install nothing: exit 0 when a recent enough runsc is installed, 1 when not
+    *) die "unknown option '$1' (--check)" ;;
+esac
 
-installed="$(runsc --version 2>/dev/null | sed -n 's/^runsc version 0\.0~\([0-9]\{8\}\).*/\1/p' || true)"
-if [[ -n "$installed" && "$installed" -ge "$MIN_VERSION" ]]; then
-    exit 0
+# The probe: empty for an absent or unparsable runsc, and never ends the script.
+installed_version() { runsc --version 2>/dev/null | sed -n 's/^runsc version 0\.0~\([0-9]\{8\}\).*/\1/p' || true; }
+current() { local v; v="$(installed_version)"; [[ -n "$v" && "$v" -ge "$MIN_VERSION" ]]; }
+
+if (( check )); then
+    current && exit 0
+    echo "setup: missing: gVisor's runsc >= $MIN_VERSION"
+    exit 1
 fi
+(( EUID == 0 )) || die "must run as root"
+current && exit 0
 if [[ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" != bookworm ]]; then
     apt-get install -y -qq --no-install-recommends runsc >/dev/null  # later Debians ship a recent one
     exit 0
@@ -31,5 +43,4 @@ apt-get -qq "${apt_private[@]}" update >/dev/null || die "cannot reach bookworm-
 (cd "$work" && apt-get -qq "${apt_private[@]}" download "runsc/bookworm-backports" >/dev/null) \
     || die "cannot download runsc from bookworm-backports"
 dpkg -i "$work"/runsc_*.deb >/dev/null
-installed="$(runsc --version | sed -n 's/^runsc version 0\.0~\([0-9]\{8\}\).*/\1/p')"
-[[ -n "$installed" && "$installed" -ge "$MIN_VERSION" ]] || die "runsc $installed installed, $MIN_VERSION needed"
+current || die "runsc '$(installed_version)' installed, $MIN_VERSION or later needed"

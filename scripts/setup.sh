@@ -1,40 +1,82 @@
 #!/usr/bin/env bash
-# Idempotent set-up of a fresh Debian 12 machine, as root: system packages, a
-# virtual environment with fanfold, and the host fixes `fanfold doctor --fix` makes.
+# Idempotent set-up of a fresh Debian 12 machine, as root, in two stages:
+#   install: system packages, CRIU (scripts/criu.sh), runsc (scripts/runsc.sh) and a virtual
+#            environment with fanfold; nothing else on the host changes;
+#   host:    the host fixes `fanfold doctor --fix` makes (cgroup hybrid mode, favordynmods).
+#
+#   bash scripts/setup.sh                 both stages (what `make demo` and `make test` run)
+#   bash scripts/setup.sh --install-only  the install stage alone (CI runs it in a bare Debian root)
+#   bash scripts/setup.sh --bench         both, plus the peers the benchmarks compare with
+#   bash scripts/setup.sh --check         install nothing: list what is missing, exit 1 if anything is
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,10s/^# \{0,1\}//p' "$0"; }
+install_only=0 bench=0 check=0
+for arg in "$@"; do
+    case "$arg" in
+        --install-only) install_only=1 ;;
+        --bench) bench=1 ;;
+        --check) check=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "setup: unknown option '$arg'" >&2; usage >&2; exit 2 ;;
+    esac
+done
 
 PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 nftables procps python3 python3-venv ca-certificates
           skopeo containers-storage golang-github-containers-common libseccomp2 btrfs-progs docker-registry
           apache2-utils openssl)
-if [[ "${1:-}" == "--bench" ]]; then
+if (( bench )); then
     PACKAGES+=(bubblewrap podman uidmap)
 fi
+PYTHON="${PYTHON:-python3}"
+VENV="${FANFOLD_VENV:-.venv}"
+STAMP="$VENV/.fanfold-installed"
 
-missing=()
-for pkg in "${PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
+# The probes: each says what is missing and never fails because a tool is absent.
+missing_packages() {
+    local pkg
+    for pkg in "${PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || echo "$pkg"
+    done
+    return 0
+}
+venv_current() { [[ -x "$VENV/bin/python" && -f "$STAMP" && ! pyproject.toml -nt "$STAMP" ]]; }
+
+if (( check )); then
+    status=0
+    mapfile -t missing < <(missing_packages)
+    if (( ${#missing[@]} )); then echo "setup: missing packages: ${missing[*]}"; status=1; fi
+    venv_current || { echo "setup: missing: the virtual environment $VENV with fanfold"; status=1; }
+    bash scripts/criu.sh --check --install-only || status=1  # installed, not run against this kernel
+    bash scripts/runsc.sh --check || status=1
+    (( status )) || echo "setup: everything is installed"
+    exit "$status"
+fi
+
+mapfile -t missing < <(missing_packages)
 if (( ${#missing[@]} )); then
     echo "setup: installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-PYTHON="${PYTHON:-python3}"
-if [[ ! -x .venv/bin/python ]]; then
-    "$PYTHON" -m venv .venv
-fi
-stamp=.venv/.fanfold-installed
-if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
-    .venv/bin/pip install -q --disable-pip-version-check -e '.[all,test]'  # every extra: demo and tests use them
-    touch "$stamp"
+if ! venv_current; then
+    [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+    echo "setup: installing fanfold and its extras into $VENV"
+    "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[all,test]'  # every extra: demo and tests use them
+    touch "$STAMP"
 fi
 
 # CRIU >= 4.1 for memory snapshots, fork and suspend (Debian 12's 3.17 fails `criu check`).
-bash scripts/criu.sh
+# The install stage does not run it against the kernel: that is the host stage's doctor.
+if (( install_only )); then bash scripts/criu.sh --install-only; else bash scripts/criu.sh; fi
 
 # gVisor's runsc >= 20240729 for runtime="runsc" (Debian 12's own fails `ls -l` in a sandbox).
 bash scripts/runsc.sh
 
-.venv/bin/fanfold doctor --fix
+if (( install_only )); then
+    echo "setup: installed (the host stage is \`$VENV/bin/fanfold doctor --fix\`)"
+    exit 0
+fi
+"$VENV/bin/fanfold" doctor --fix
