@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 from rich.table import Column, Table
 
-from . import _fleet, _size, _stdout_console, console
+from .common import _fleet, _size, _stdout_console, console
 
 if TYPE_CHECKING:
     from ..images import Image

@@ -7,7 +7,7 @@ import threading
 
 import click
 
-from . import _fleet, console
+from .common import _fleet, console
 from .netopts import network_options, network_value
 
 

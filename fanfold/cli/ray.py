@@ -17,7 +17,7 @@ import click
 from ..config import parse_pool
 from ..errors import InvalidRequest
 from ..cluster.joining import join
-from . import _pairs, console
+from .common import _pairs, console
 
 SHORT_ID = 12
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -183,7 +183,7 @@ def status(address: str, as_json: bool) -> None:
 def _print_status(report: dict[str, Any]) -> None:
     from rich.table import Column, Table
 
-    from . import _stdout_console
+    from .common import _stdout_console
 
     out = _stdout_console()
     table = Table(Column("TAG", no_wrap=True), Column("NODE", no_wrap=True), Column("URL", no_wrap=True), "STATE",

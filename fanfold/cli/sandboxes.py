@@ -1,0 +1,219 @@
+"""Sandbox commands: ``run``, ``create``, ``exec``, ``ls``, ``rm`` and the lifecycle verbs (``pause``,
+``unpause``, ``suspend``, ``resume``, ``reset``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ..models import Persistence
+from .common import _fleet, _limits_options, _pairs, _stdout_console, console
+from .netopts import network_options, network_value
+
+if TYPE_CHECKING:
+    from ..client import Fleet, Sandbox
+    from ..models import ExecResult, SandboxInfo
+
+
+class _Output:
+    """Streams a command's output to ours as it comes, counting what it streamed."""
+
+    def __init__(self) -> None:
+        self.streamed = {"stdout": 0, "stderr": 0}
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        self.streamed[stream] += len(data)
+        _write(stream, data)
+
+    def rest(self, result: ExecResult) -> None:
+        """What the result holds that never streamed, e.g. the engine's `cannot run 'x'` line."""
+        for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+            if data and not self.streamed[stream]:
+                _write(stream, data)
+
+
+def _write(stream: str, data: bytes) -> None:
+    target = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+    target.write(data)
+    target.flush()
+
+
+def _stdin() -> bytes | None:
+    """Our stdin for the command when it is a pipe or a file; a terminal is never read."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    return sys.stdin.buffer.read() or None
+
+
+def _exec(sandbox: Sandbox, cmd: tuple[str, ...], **kwargs: Any) -> ExecResult:
+    output = _Output()
+    result = sandbox.exec(list(cmd), stdin=_stdin(), on_output=output, **kwargs)
+    output.rest(result)
+    return result
+
+
+def _exit_with(result: ExecResult) -> None:
+    if result.stdout_truncated or result.stderr_truncated:
+        console.print("[yellow]output truncated[/yellow]")
+    if result.outcome.value != "exited":
+        console.print(f"[red]{result.outcome.value}[/red] after {result.duration_s:.2f}s", highlight=False)
+        sys.exit(124 if result.outcome.value == "timeout" else 137)
+    sys.exit(result.exit_code)
+
+
+_CWD = click.option("--cwd", default=None, metavar="DIR", help="Working directory inside the sandbox (default: the image's).")
+_TIMEOUT = click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
+_USER = click.option("-u", "--user", default=None, metavar="USER[:GROUP]",
+                     help="Run as this user (a name or uid, resolved in the sandbox's /etc/passwd); default: the image's USER, else root.")
+_SECCOMP = click.option("--seccomp", default="default", show_default=True, metavar="default|unconfined|PATH",
+                        help="The sandbox's syscall filter: fanfold's default, none, or an OCI seccomp profile file.")
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@_limits_options
+@_TIMEOUT
+@_CWD
+@_USER
+@_SECCOMP
+@network_options
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, network, allow, deny, cmd) -> None:  # type: ignore[no-untyped-def]
+    """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
+
+    With no CMD, runs the image's default command (its entrypoint and cmd). Our stdin goes to
+    CMD when it is a pipe or a file. Ctrl-C kills CMD and the sandbox (exit 130).
+    """
+    with _fleet(ctx) as fleet:
+        with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
+                          env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
+                          network=network_value(network, allow, deny)) as sandbox:
+            result = _exec(sandbox, cmd or _default_command(fleet, sandbox.info.image_id, image), timeout=timeout, cwd=cwd)
+    _exit_with(result)
+
+
+def _profile_path(seccomp: str) -> str:
+    """A profile file given relative to here, made absolute: the engine reads it from its own cwd."""
+    return seccomp if seccomp in ("default", "unconfined") else os.path.abspath(seccomp)
+
+
+def _default_command(fleet: Fleet, image_id: str, asked: str) -> tuple[str, ...]:
+    """The image's entrypoint and cmd: what `fanfold run IMAGE` runs with no command."""
+    found = next((img for img in fleet.images() if img.id == image_id), None)
+    argv = (*found.entrypoint, *found.cmd) if found is not None else ()
+    if not argv:
+        raise click.UsageError(f"image {asked!r} has no default command (no ENTRYPOINT or CMD): give one after the image")
+    return argv
+
+
+@click.command()
+@_limits_options
+@click.option("--deadline", type=float, default=None, help="Destroy it after this many seconds.")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Label (repeatable).")
+@click.option("--persistence", type=click.Choice([p.value for p in Persistence]), default="ephemeral",
+              show_default=True, help="When idle: ephemeral is destroyed, sticky is suspended and may be evicted "
+                                      "under pressure, persistent is suspended and kept.")
+@click.option("--priority", type=click.IntRange(0, 10), default=0, show_default=True,
+              help="Eviction order of sticky sandboxes under pressure: the lowest go first.")
+@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Suspend it (ephemeral: destroy it) after this long without a call.")
+@_USER
+@_SECCOMP
+@network_options
+@click.pass_context
+def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  # type: ignore[no-untyped-def]
+           persistence, priority, idle_timeout, user, seccomp, network, allow, deny) -> None:
+    """Create a sandbox that outlives this command; print its id.
+
+    --image also takes a snapshot id or name, to start from a snapshot.
+    """
+    with _fleet(ctx) as fleet:
+        sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
+                               env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
+                               detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
+                               user=user, seccomp=_profile_path(seccomp), network=network_value(network, allow, deny))
+    click.echo(sandbox.id)
+
+
+@click.command(name="exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@_TIMEOUT
+@_CWD
+@click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable for CMD (repeatable).")
+@_USER
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def exec_(ctx, sandbox_id, timeout, cwd, env, user, cmd) -> None:  # type: ignore[no-untyped-def]
+    """Run CMD in sandbox SANDBOX_ID, streaming its output; exit with its status.
+
+    Our stdin goes to CMD when it is a pipe or a file. Ctrl-C kills CMD (exit 130).
+    """
+    with _fleet(ctx) as fleet:
+        result = _exec(fleet.get(sandbox_id), cmd, timeout=timeout, cwd=cwd, env=_pairs(env, "--env"), user=user)
+    _exit_with(result)
+
+
+@click.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of sandboxes.")
+@click.pass_context
+def ls(ctx: click.Context, as_json: bool) -> None:
+    """List sandboxes."""
+    with _fleet(ctx) as fleet:
+        infos = fleet.list()
+    if as_json:
+        click.echo(json.dumps([info.to_dict() for info in infos]))
+        return
+    header = ("ID", "STATE", "IMAGE", "CPUS", "MEM MB", "LABELS")
+    rows = [(info.id, info.state, info.image_id, str(info.limits.cpus), str(info.limits.memory_mb),
+             ",".join(f"{k}={v}" for k, v in info.labels.items())) for info in infos]
+    if not sys.stdout.isatty():  # a pipe or a file: whole ids, one sandbox a line, for cut and awk
+        for row in (header, *rows):
+            click.echo("\t".join(row))
+        return
+    from rich.table import Column, Table
+
+    table = Table(Column("ID", no_wrap=True), "STATE", Column("IMAGE", no_wrap=True), "CPUS", "MEM MB", "LABELS")
+    for row in rows:
+        table.add_row(*row)
+    _stdout_console().print(table)
+
+
+@click.command()
+@click.argument("sandbox_ids", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Remove every sandbox.")
+@click.pass_context
+def rm(ctx: click.Context, sandbox_ids: tuple[str, ...], everything: bool) -> None:
+    """Destroy sandboxes."""
+    if not sandbox_ids and not everything:
+        raise click.UsageError("name sandboxes to remove, or pass --all")
+    with _fleet(ctx) as fleet:
+        targets = [info.id for info in fleet.list()] if everything else list(sandbox_ids)
+        for sandbox_id in targets:
+            fleet.get(sandbox_id).kill()
+            click.echo(sandbox_id)
+
+
+def _lifecycle_command(verb: str, summary: str) -> click.Command:
+    @click.pass_context
+    def command(ctx: click.Context, sandbox_id: str) -> None:
+        with _fleet(ctx) as fleet:
+            info: SandboxInfo = getattr(fleet.get(sandbox_id), verb)()
+        click.echo(f"{info.id} {info.state}")
+
+    command.__doc__ = summary
+    return click.command(name=verb)(click.argument("sandbox_id", metavar="SANDBOX")(command))
+
+
+_LIFECYCLE = tuple(_lifecycle_command(verb, summary) for verb, summary in {
+    "pause": "Freeze SANDBOX's processes; memory stays resident. Any later call wakes it.",
+    "unpause": "Thaw paused SANDBOX.",
+    "suspend": "Checkpoint SANDBOX's processes to disk and stop them, freeing memory. Any later call resumes it.",
+    "resume": "Restore suspended SANDBOX's processes from disk.",
+    "reset": "Return SANDBOX to the image or snapshot it was made from (same id, fresh disk and processes).",
+}.items())
+
+COMMANDS = (run, create, exec_, ls, rm, *_LIFECYCLE)
