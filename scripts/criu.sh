@@ -17,6 +17,7 @@ set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive LC_ALL=C
 
 here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/apt.sh"
 DEST_DIR="${FANFOLD_CRIU_DIR:-/usr/local/lib/fanfold/criu}"  # the override is for tests of the probes
 BIN="$DEST_DIR/criu"
 STAMP="$DEST_DIR/criu.stamp"
@@ -80,9 +81,7 @@ for pkg in "${PACKAGES[@]}"; do
 done
 if (( ${#missing[@]} )); then
     echo "setup: installing CRIU build dependencies: ${missing[*]}"
-    apt-get update -qq || die "apt-get update failed"
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-        || die "apt-get install ${missing[*]} failed"
+    apt_install "${missing[@]}" || die "apt-get install ${missing[*]} failed"
 fi
 
 work="$(mktemp -d "${TMPDIR:-/var/tmp}/fanfold-criu.XXXXXX")"
@@ -92,7 +91,7 @@ trap 'rm -rf "$work"' EXIT
 # apt state (sources, lists, caches) is read or written.
 mkdir -p "$work/apt/lists/partial" "$work/apt/cache/archives/partial"
 echo "$SUITE_SOURCE" >"$work/apt/sources.list"
-APT=(apt-get -q
+APT=(apt_get -q
      -o "Dir::Etc::sourcelist=$work/apt/sources.list" -o Dir::Etc::sourceparts=-
      -o "Dir::State::Lists=$work/apt/lists" -o "Dir::Cache=$work/apt/cache"
      -o Dir::Cache::pkgcache= -o Dir::Cache::srcpkgcache=
@@ -115,7 +114,7 @@ dpkg --compare-versions "$version" ge "$MIN_VERSION" \
     || die "trixie has criu $version, older than $MIN_VERSION"
 
 echo "setup: building CRIU $version from Debian trixie source (about a minute)"
-/usr/lib/apt/apt-helper -o APT::Sandbox::User=root download-file "$uri" "$work/$file" "SHA256:$sha256" \
+/usr/lib/apt/apt-helper "${APT_RETRY_OPTS[@]}" -o APT::Sandbox::User=root download-file "$uri" "$work/$file" "SHA256:$sha256" \
     >"$work/download.log" 2>&1 \
     || { cat "$work/download.log" >&2; die "download of $uri failed"; }
 echo "$sha256  $work/$file" | sha256sum --check --status || die "$file does not match SHA256 $sha256"

@@ -5,6 +5,7 @@
 # bookworm-backports (Debian's build of 20240729) has neither problem. It is fetched through a
 # private apt configuration (the host's sources are left alone) and installed with dpkg.
 set -euo pipefail
+. "$(dirname "$0")/apt.sh"
 export DEBIAN_FRONTEND=noninteractive LC_ALL=C
 MIN_VERSION=20240729
 SUITE="deb http://deb.debian.org/debian bookworm-backports main"
@@ -29,7 +30,7 @@ fi
 (( EUID == 0 )) || die "must run as root"
 current && exit 0
 if [[ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" != bookworm ]]; then
-    apt-get install -y -qq --no-install-recommends runsc >/dev/null  # later Debians ship a recent one
+    apt_install runsc  # later Debians ship a recent one
     exit 0
 fi
 echo "setup: installing runsc from bookworm-backports"
@@ -39,8 +40,8 @@ mkdir -p "$work/lists/partial"
 echo "$SUITE" > "$work/sources.list"
 apt_private=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=/dev/null"
              -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::archives=$work" -o "APT::Sandbox::User=root")
-apt-get -qq "${apt_private[@]}" update >/dev/null || die "cannot reach bookworm-backports"
-(cd "$work" && apt-get -qq "${apt_private[@]}" download "runsc/bookworm-backports" >/dev/null) \
+apt_get -qq "${apt_private[@]}" update >/dev/null || die "cannot reach bookworm-backports"
+(cd "$work" && apt_get -qq "${apt_private[@]}" download "runsc/bookworm-backports" >/dev/null) \
     || die "cannot download runsc from bookworm-backports"
 dpkg -i "$work"/runsc_*.deb >/dev/null
 current || die "runsc '$(installed_version)' installed, $MIN_VERSION or later needed"

@@ -10,6 +10,7 @@
 #   bash scripts/setup.sh --check         install nothing: list what is missing, exit 1 if anything is
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/apt.sh
 
 usage() { sed -n '2,10s/^# \{0,1\}//p' "$0"; }
 install_only=0 bench=0 check=0
@@ -57,8 +58,7 @@ fi
 mapfile -t missing < <(missing_packages)
 if (( ${#missing[@]} )); then
     echo "setup: installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    apt_install "${missing[@]}" || { echo "setup: apt-get install ${missing[*]} failed" >&2; exit 1; }
 fi
 
 if ! venv_current; then
