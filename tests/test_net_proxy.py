@@ -26,8 +26,9 @@ import h11
 import pytest
 
 from fanfold.net.policy import NetworkPolicy, Reachable
-from fanfold.net.proxy import NetStats, Proxy, SandboxNet
+from fanfold.net.proxy import Proxy
 from fanfold.net.resolve import LookupFailed, Resolver
+from fanfold.net.state import NetStats, SandboxNet
 from fanfold.net.tls import MalformedHello, client_hello_sni, is_tls_handshake, read_client_hello, sni_of
 
 HOSTS = {

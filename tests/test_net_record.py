@@ -23,10 +23,12 @@ import pytest
 from fanfold.net.ca import FleetCA, Leaves, leaf_key, mint_leaf
 from fanfold.net.cache import Cache, cacheable
 from fanfold.net.daemon import TOTALS, Daemon
+from fanfold.net.egress import upstream_context
 from fanfold.net.policy import NetworkPolicy, Reachable
-from fanfold.net.proxy import Proxy, SandboxNet, upstream_context
+from fanfold.net.proxy import Proxy
 from fanfold.net.record import FORMAT, Recordings, normal_url
 from fanfold.net.resolve import Resolver
+from fanfold.net.state import SandboxNet
 from test_net_proxy import (
     HOSTS, Client, Handler, QuietServer, Reply, Running, connect, digest_of, get, pattern, serving,
 )

@@ -470,8 +470,9 @@ def test_netd_answers_the_counters_of_thousands_of_sandboxes_in_one_reply():
 
     from fanfold.net.daemon import Daemon
     from fanfold.net.policy import NetworkPolicy, Reachable
-    from fanfold.net.proxy import NetStats, Proxy, SandboxNet
+    from fanfold.net.proxy import Proxy
     from fanfold.net.resolve import Resolver
+    from fanfold.net.state import NetStats, SandboxNet
 
     daemon = Daemon(Proxy(Resolver(), Reachable()))
     for number in range(5000):

@@ -29,10 +29,12 @@ from typing import Any
 
 from .ca import FleetCA, Leaves
 from .cache import Cache
+from .egress import upstream_context
 from .policy import NetworkPolicy, Reachable
-from .proxy import NetStats, Proxy, SandboxNet, upstream_context
+from .proxy import Proxy
 from .record import Recordings
 from .resolve import Resolver
+from .state import NetStats, SandboxNet
 from . import transparent
 from .transparent import DnsAnswerer
 

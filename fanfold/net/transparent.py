@@ -25,8 +25,9 @@ import dns.rdatatype
 import dns.rrset
 
 from .policy import Address, as_address
-from .proxy import Proxy, SandboxNet, copy
+from .proxy import Proxy
 from .resolve import LookupFailed
+from .state import SandboxNet, copy
 from .tls import MalformedHello, client_hello_sni, is_tls_handshake, read_client_hello
 
 SO_ORIGINAL_DST = 80
