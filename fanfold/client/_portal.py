@@ -1,22 +1,41 @@
-"""An event loop on a background thread, so the sync SDK drives the async core without asyncio.run per call."""
+"""An event loop on a background thread, so the sync SDK drives the async core without asyncio.run per call.
+
+A portal still running when the main thread ends has its owner closed (a ``Fleet`` destroys its
+sandboxes) while threads still work. ``atexit`` is too late: Python shuts every ``concurrent.futures``
+pool (``asyncio.to_thread``'s, the engine's host threads) before its ``atexit`` hooks run, so a
+close from there fails and leaves its sandboxes behind. Threading's own exit hooks run before that
+shutdown, the last registered first: ours is registered after the pools' own. Once exit has begun
+no portal starts (its loop thread would be frozen by exit, and a late ``__del__`` hang on it).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread  # noqa: F401 - registers the pools' exit hook before ours (see above)
+import os
+import sys
 import threading
-from typing import Any, AsyncIterator, Coroutine, Iterator, TypeVar
+from typing import Any, AsyncIterator, Callable, Coroutine, Iterator, TypeVar
+
+from ..errors import FanfoldError
 
 T = TypeVar("T")
 _DONE = object()
 
 
 class Portal:
-    """Runs coroutines on a private loop thread and hands back their results."""
+    """Runs coroutines on a private loop thread and hands back their results.
 
-    def __init__(self) -> None:
+    ``on_exit`` is called if the interpreter exits while the portal runs (its owner's close, which stops it)."""
+
+    def __init__(self, on_exit: Callable[[], None] | None = None) -> None:
+        if _exit.begun:
+            raise FanfoldError("the interpreter is exiting: its fleets are closed and none can start now;"
+                               " close fleets and sandboxes before the program ends (e.g. `with Fleet() as fleet:`)")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="fanfold-loop", daemon=True)
         self._thread.start()
+        _exit.running[self] = on_exit
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         task, settled = self._start(coro)
@@ -56,8 +75,37 @@ class Portal:
                 self.call(closer())
 
     def stop(self) -> None:
+        _exit.running.pop(self, None)
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)
         if not self.loop.is_running():
             self.loop.close()
+
+
+class _Exit:
+    """The portals still running, and whether the interpreter has begun to exit."""
+
+    def __init__(self) -> None:
+        self.running: dict[Portal, Callable[[], None] | None] = {}
+        self.begun = False
+
+    def close_all(self) -> None:
+        self.begun = True
+        for portal, on_exit in reversed(list(self.running.items())):  # the newest first, as atexit would
+            try:
+                if on_exit is not None:
+                    on_exit()
+            except Exception as exc:  # one owner's failure must not leave the others' sandboxes behind
+                print(f"fanfold: closing at exit failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            finally:
+                portal.stop()
+
+    def forget(self) -> None:
+        # A forked child has none of its parent's loop threads: waiting on them at its exit would hang.
+        self.running.clear()
+
+
+_exit = _Exit()
+threading._register_atexit(_exit.close_all)  # type: ignore[attr-defined] - see the module docstring
+os.register_at_fork(after_in_child=_exit.forget)

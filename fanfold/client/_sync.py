@@ -5,7 +5,6 @@ Each call runs on the fleet's private event loop thread (see ``_portal``).
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -30,7 +29,7 @@ class Fleet:
     ``Fleet(url, token=...)`` (or ``FANFOLD_URL``/``FANFOLD_TOKEN``) uses a server.
 
     Use it as ``with Fleet() as fleet:``; closing destroys the sandboxes it created
-    (except ``detached`` ones).
+    (except ``detached`` ones). One left open closes when the program's main thread ends.
     """
 
     def __init__(self, url: str | None = None, *, token: str | None = None, config: EngineConfig | None = None) -> None:
@@ -54,7 +53,12 @@ class Fleet:
         self.close()
 
     def _call(self, coro):  # type: ignore[no-untyped-def]
-        return self._started().call(coro)
+        try:
+            portal = self._started()
+        except BaseException:
+            coro.close()  # never run: no "never awaited" warning on top of the error
+            raise
+        return portal.call(coro)
 
     def _iterate(self, agen):  # type: ignore[no-untyped-def]
         return self._started().iterate(agen)
@@ -69,14 +73,13 @@ class Fleet:
         """Start the embedded engine (reaping what crashed owners left), or check the server and token."""
         if self._portal is not None:
             return
-        self._portal = Portal()
+        self._portal = Portal(on_exit=self.close)  # an open fleet closes as the interpreter exits
         try:
             self._portal.call(self._async.start())
         except BaseException:
             self._portal.stop()
             self._portal = None
             raise
-        atexit.register(self.close)
 
     def close(self) -> None:
         """Destroy this fleet's sandboxes (not detached ones) and stop its engine or connection."""
@@ -87,7 +90,6 @@ class Fleet:
             portal.call(self._async.close())
         finally:
             portal.stop()
-            atexit.unregister(self.close)
 
     def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated") -> Image:
         """Build ``spec`` into an image; cached layers make a rebuild almost free. Its ``run`` steps

@@ -161,7 +161,7 @@ class FanfoldEnvironment:
     def __del__(self) -> None:
         try:
             self.cleanup()
-        except Exception:  # at interpreter exit the fleet may be gone already; its atexit hook cleans up
+        except Exception:  # at interpreter exit the fleet closed already, taking the sandbox with it
             pass
 
 
