@@ -1,6 +1,8 @@
-"""The README's Python blocks are the files in examples/, and each runs as written against a
-real engine (or a real server), twice where a second run could trip on the first; the
-README's `fanfold traj` commands run as written on a store the RL example filled."""
+"""The examples/ files that README.md and the guides show (their ```` ```python example=... ````
+blocks) are those files as they are, and each runs as written against a real engine (or a real
+server), its output checked, twice where a second run could trip on the first; the RL guide's
+`fanfold traj` commands run as written on a store the RL example filled. The guides' other
+Python blocks run in tests/test_docs.py."""
 
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import STATE_DIR, Server, start_server, stop_server
+from doc_blocks import ROOT, python_blocks
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
 EXAMPLES = ["quickstart.py", "async_fleet.py", "snapshots.py", "own_image.py", "pool.py", "network.py", "rl_fanout.py",
             "remote.py", "e2b_sdk.py", "openenv_client.py"]
 
@@ -29,11 +30,13 @@ def run_example(name: str, *args: str, cwd: Path, env: dict[str, str] | None = N
     return done
 
 
-def test_every_python_block_of_the_readme_is_an_example_file():
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert blocks == [(ROOT / "examples" / name).read_text() for name in EXAMPLES]
-    for name in EXAMPLES:
-        assert f"[`examples/{name}`](examples/{name})" in README, name
+def test_every_example_block_is_its_file_and_every_example_is_shown_once():
+    shown = [block for block in python_blocks() if block.kind == "example"]
+    assert sorted(block.example.relative_to(ROOT).as_posix() for block in shown) == sorted(f"examples/{n}" for n in EXAMPLES)
+    for block in shown:
+        assert block.code == block.example.read_text(), f"{block.name} differs from {block.example.name}"
+        link = "examples/" if block.page.parent == ROOT else "../examples/"
+        assert f"[`examples/{block.example.name}`]({link}{block.example.name})" in block.page.read_text(), block.name
 
 
 def test_quickstart(tmp_path):
@@ -76,7 +79,7 @@ def test_pool(tmp_path):
     assert re.fullmatch(r"\{'p50': [\d.]+, 'p90': [\d.]+, 'p99': [\d.]+, 'max': [\d.]+\}\n", out)
 
 
-def test_rl_fanout_then_the_readmes_traj_commands(tmp_path):
+def test_rl_fanout_then_the_rl_guides_traj_commands(tmp_path):
     lines = run_example("rl_fanout.py", cwd=tmp_path).stdout.splitlines()
     assert sorted(int(line.split()[0]) for line in lines) == list(range(8))
     assert all(line.split()[1] == "ok" for line in lines)
@@ -86,7 +89,7 @@ def test_rl_fanout_then_the_readmes_traj_commands(tmp_path):
     some_id = subprocess.run([sys.executable, "-c", "import sys\nfrom fanfold.rl import TrajectoryStore\n"
                               "print(TrajectoryStore(sys.argv[1], create=False).episodes(limit=1)[0].id)", str(db)],
                              capture_output=True, text=True, check=True).stdout.strip()
-    (commands,) = re.findall(r"```console\n(.*?)```", README, re.S)
+    (commands,) = re.findall(r"```console\n(.*?)```", (ROOT / "docs" / "rl.md").read_text(), re.S)
     for command in commands.splitlines():
         argv = command.removeprefix("$ fanfold ").replace("<id or a prefix of it>", some_id[:8]).split()
         argv = [str(db) if arg == "demo-out/trajectories.db" else arg for arg in argv]

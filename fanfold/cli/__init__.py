@@ -84,7 +84,7 @@ class FanfoldGroup(click.Group):
               help="Where layers, images and sandboxes live.")
 @click.option("--runtime", envvar="FANFOLD_RUNTIME", default="crun", show_default=True,
               type=click.Choice(["crun", "runc", "runsc"]),
-              help="OCI runtime of the oci backend; runsc is gVisor: stronger isolation, slower (README: Security model).")
+              help="OCI runtime of the oci backend; runsc is gVisor: stronger isolation, slower (docs/security.md).")
 @click.option("--backend", envvar="FANFOLD_BACKEND", default="oci", show_default=True, metavar="NAME",
               help="Isolation backend: oci (root; crun or runc), fake (no root and no isolation: for tests of engine"
                    " logic), or a 'module:Class' path.")

@@ -1,8 +1,8 @@
 """The engine's API contract: the calls a fleet makes, whatever carries them. Read this first.
 
-Implementations: ``Engine`` (in process, the embedded default) and ``client._http.HttpTransport``
-(a ``fanfold serve`` server in front of an Engine). The limits every side enforces the same
-way live here too.
+Implementations: ``Engine`` (in process, the embedded default), ``client._http.HttpTransport``
+(a ``fanfold serve`` server in front of an Engine) and ``cluster.transport.RayTransport`` (every
+node's server on a Ray cluster). The limits every side enforces the same way live here too.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ MAX_LEASE_TTL_S = 86_400.0
 
 
 class EngineAPI(Protocol):
-    """What every fleet drives: the in-process ``Engine`` and ``HttpTransport`` (a ``fanfold
-    serve`` server). Same methods, results and exceptions, so the SDK above is written once;
-    tests/test_server.py keeps both in step with this list."""
+    """What every fleet drives: the in-process ``Engine``, ``HttpTransport`` (a ``fanfold serve``
+    server) and ``RayTransport`` (a Ray cluster's servers). Same methods, results and exceptions,
+    so the SDK above is written once; the tests check the implementations against this list."""
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...

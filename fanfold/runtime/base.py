@@ -4,12 +4,17 @@ A backend brings a sandbox up from read-only layers and limits, with fanfold's a
 PID 1 (``_agent/PROTOCOL.md``); freezes, thaws, checkpoints, restores and releases it; runs
 commands through the agent; and reports its counters. The engine keeps the rows, leases,
 gates, pools and policies, and calls nothing below this file: no mounts, cgroups, CRIU,
-network namespaces or /proc. A backend raises FanfoldErrors only, translated from the OS in
-one place: InfrastructureError (retryable), CheckpointFailed, HostNotReady.
+network namespaces or /proc. What the OS, the OCI runtime or CRIU report, a backend translates
+in one place into FanfoldErrors: InfrastructureError (retryable), CheckpointFailed, HostNotReady,
+InvalidRequest (a seccomp profile or a snapshot it cannot use). Two kinds of error pass through
+untranslated, for the engine to map: the agent client's AgentUnreachable and AgentTooOld from
+``exec``, and NotImplementedError from the network calls of a backend without sandbox networks.
 
 Implementations, looked up by name in ``fanfold.runtime.get_backend``:
-``oci`` (``oci_backend.OciBackend``: crun or runc, overlayfs, cgroups, CRIU, a network namespace)
-and ``fake`` (``fake.FakeBackend``: the real agent as a plain process over a directory, no root).
+``oci`` (``oci_backend.OciBackend``: crun or runc, overlayfs, cgroups, CRIU, a network namespace),
+``runsc`` (``runsc_backend.RunscBackend``: the same bundle under gVisor's runsc, with its own
+checkpoint and restore) and ``fake`` (``fake.FakeBackend``: the real agent as a plain process over
+a directory, no root).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Tools over HTTP keyed by rollout id (DESIGN.md, "The RL layer", surface 2).
+"""Tools over HTTP keyed by rollout id (docs/http.md, "Tools over HTTP, keyed by rollout id").
 
-A rollout is a row of the engine's database (per tenant: another token's rollout is a
-404): what its sandbox is made from, and its deadline. The sandbox is made on the first
+A rollout is a row of the server's own store (``rollout_store.py``: ``server.db`` beside the
+engine's database), per tenant, so another token's rollout is a 404: what its sandbox is made
+from, its deadline, and the lease and sandbox that serve it. The sandbox is made on the first
 tool call or fork, under a lease of its own that lives until the deadline, so the engine
 reaps it at the deadline even across a server restart, and DELETE ends it by closing the
 lease. A fork's children are moved under leases of their new rollouts, so each rollout
