@@ -22,7 +22,7 @@ from fanfold.engine import db as dbmod
 from fanfold.engine import snapshots as snapmod
 from fanfold.host import disk
 from fanfold.images import LayerStore
-from fanfold.images.rootfs import LOWER_PREFIX, copy_tree, copy_upper
+from fanfold.store.rootfs import LOWER_PREFIX, copy_tree, copy_upper
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("btrfs") is None,
                                 reason="needs root and btrfs-progs")

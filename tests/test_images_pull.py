@@ -19,8 +19,8 @@ import pytest
 
 from fanfold.errors import ImageCorrupt, ImageNotFound, InvalidRequest, RegistryDenied, RegistryUnavailable
 from fanfold.images.oci import ImageStore, PullEvent
-from fanfold.images.rootfs import mount_rootfs, unmount_rootfs
-from fanfold.images.store import LayerStore
+from fanfold.store.rootfs import mount_rootfs, unmount_rootfs
+from fanfold.store.layers import LayerStore
 from fanfold.runtime.fake import materialize
 
 from registry import (

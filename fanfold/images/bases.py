@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import BuildFailed, HostNotReady, ImageNotFound
 from ..spec import BASES
-from .store import LayerStore
+from ..store import LayerStore
 
 HOST_SKELETON_VERSION = "host-skeleton-5"
 # System files safe to show a sandbox: nothing with secrets (no shadow, ssh keys or machine-id).

@@ -20,11 +20,11 @@ from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime import seccomp
 from ..runtime.container import ProcessUser
 from ..refs import DEFAULT_PATH
-from ..spec import BASES, EnvSpec, Step, is_repo_url
-from . import users, words
+from ..spec import BASES, EnvSpec, Step, is_repo_url, words
+from ..store import Image, LayerStore
+from ..store.rootfs import copy_tree, fold_host_uppers, mount_rootfs, unmount_rootfs
+from . import users
 from .bases import base_digest, ensure_base, host_dirs
-from .rootfs import copy_tree, fold_host_uppers, mount_rootfs, unmount_rootfs
-from .store import Image, LayerStore
 
 STEP_TIMEOUT_S = 3600
 

@@ -26,7 +26,7 @@ from .registry import (
     Options, Storage, chain_ids, choose_platform, decompress, file_transport, is_registry_host,
     parse_platform, parse_ref, skopeo, skopeo_copy,
 )
-from .store import Image, LayerStore
+from ..store import Image, LayerStore
 
 __all__ = ["ImageStore", "OnPull", "PullEvent"]
 

@@ -11,7 +11,7 @@ from .container import Bind, ContainerSpec, Runtime
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
-    from ..images import LayerStore
+    from ..store import LayerStore
 
 _RUNTIMES = {"crun": "fanfold.runtime.oci:OciRuntime", "runc": "fanfold.runtime.oci:OciRuntime"}
 _BACKENDS = {

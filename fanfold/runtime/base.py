@@ -31,7 +31,7 @@ from ..models import Limits
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
-    from ..images import LayerStore
+    from ..store import LayerStore
     from .container import Runtime
 
 

@@ -39,7 +39,7 @@ from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
-    from ..images import LayerStore
+    from ..store import LayerStore
 
 MARKER = ".fanfold-fake-full"
 """At the top of a layer the fake's checkpoint wrote: a full tree, not a diff on the layers below."""

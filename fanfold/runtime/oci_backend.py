@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
 from ..host import cgroups, disk, idmap, mounts, netns, procs, setup
 from ..host.offload import host_errors, on_thread
-from ..images.rootfs import copy_upper
+from ..store.rootfs import copy_upper
 from . import get_runtime, lazy, oci_sandbox, seccomp
 from .base import Backend, Capabilities, Handle, SandboxSpec
 from .criu import Criu

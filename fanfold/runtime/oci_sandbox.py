@@ -20,8 +20,8 @@ from ..errors import FanfoldError, InfrastructureError
 from .._agent.client import AgentClient
 from ..host import cgroups, disk, idmap, mounts, procs, safefs, setup, stepnet
 from ..host.offload import on_thread, read_once
-from ..images import LayerStore
-from ..images.rootfs import inherit_layer, mount_rootfs
+from ..store import LayerStore
+from ..store.rootfs import inherit_layer, mount_rootfs
 from ..models import Limits
 from ..host.netns import new_netns, raise_lo, set_hostname
 from ..host.spawn import log_tail

@@ -43,7 +43,7 @@ from ..errors import CheckpointFailed, HostNotReady, InfrastructureError, Invali
 from ..host import cgroups, disk, doctor, procs, setup
 from ..host.offload import host_errors, on_thread
 from ..host.spawn import Finished, log_tail, run
-from ..images.rootfs import copy_upper
+from ..store.rootfs import copy_upper
 from . import get_runtime, oci_sandbox, seccomp
 from .base import Backend, Capabilities, Handle, SandboxSpec
 from .container import Bind, ContainerSpec

@@ -11,7 +11,7 @@ from typing import Callable
 
 from ..errors import HostNotReady
 from ..host import disk, mounts
-from .store import LayerStore
+from .layers import LayerStore
 
 
 LOWER_PREFIX = ".lower-"

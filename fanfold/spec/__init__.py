@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import InvalidSpec
-from .refs import BASES, is_image_id, is_image_ref
+from ..errors import InvalidSpec
+from ..refs import BASES, is_image_id, is_image_ref
+from . import words
 
 __all__ = ["BASES", "EnvSpec", "Step", "check_user", "is_image_id", "is_image_ref", "is_repo_url", "sandbox_path"]
 
@@ -163,8 +164,6 @@ class EnvSpec:
         """Set variables whose values are expanded when built, against the environment so far (the
         base image's and earlier env steps'), as Docker's ENV does: ``PATH="/opt/x/bin:$PATH"``.
         ``$VAR``, ``${VAR}``, ``${VAR:-default}``, ``${VAR:+alt}`` expand; ``\\$`` is a literal '$'."""
-        from .images import words
-
         for name, value in variables.items():
             if not _ENV_NAME.match(name) or not isinstance(value, str) or "\0" in value:
                 raise InvalidSpec(f"bad environment variable {name}={value!r}: names are identifiers, values strings")
@@ -206,7 +205,7 @@ class EnvSpec:
                         build_args: dict[str, str] | None = None, target: str | None = None) -> EnvSpec:
         """The spec a Dockerfile describes (its last stage, or the stage ``target``): COPY sources come
         from ``context`` (default: the Dockerfile's directory), ``build_args`` override ARG defaults."""
-        from .images.dockerfile import from_dockerfile
+        from .dockerfile import from_dockerfile  # buildkit's parser loads only for a Dockerfile
 
         return from_dockerfile(path, cls, context=context, build_args=build_args, target=target)
 
