@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fanfold.client._h1 import Client, ConnectionLost
+from fanfold.transport.h1 import Client, ConnectionLost
 
 
 class Server:

@@ -53,7 +53,7 @@ def _fleet(ctx: click.Context, *, local: bool = False) -> Fleet:
 def _join_ray(url: str) -> None:
     """For a ray:// URL, join its cluster now, in the main thread: no cluster there is then one line."""
     if url.startswith("ray://"):
-        from ..client._async import ray_address
+        from ..client import ray_address
         from ..cluster.joining import join
 
         join(ray_address(url))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
 
@@ -20,6 +21,10 @@ if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remot
     from ..images.builder import Network, OnStep
     from ..images.oci import OnPull
     from ..engine.api import EngineAPI as Transport
+
+RAY_TRANSPORT = "fanfold.cluster.transport:RayTransport"
+"""The transport of a ``ray://`` fleet, loaded by name: ``fanfold.cluster`` builds on this SDK (its
+RayTransport drives an HttpTransport per node), so the SDK names it instead of importing it."""
 
 
 class AsyncFleet:
@@ -45,9 +50,9 @@ class AsyncFleet:
             from .._extras import require
 
             require("ray", "a fleet on a Ray cluster (ray://)")
-            from ..cluster.transport import RayTransport
-
-            self._transport = RayTransport(ray_address(self.url), token=token, lease_ttl=env_lease_ttl())
+            module, _, name = RAY_TRANSPORT.partition(":")
+            ray_transport = getattr(import_module(module), name)
+            self._transport = ray_transport(ray_address(self.url), token=token, lease_ttl=env_lease_ttl())
             self.config = None
         else:
             from ._http import HttpTransport

@@ -29,7 +29,7 @@ from ..images import Image
 from ..images.builder import Network, OnStep, check_network, source_path
 from ..models import ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
-from ._h1 import Client, ConnectionLost, Response
+from ..transport.h1 import Client, ConnectionLost, Response
 
 if TYPE_CHECKING:
     from ..engine.api import OnOutput
@@ -59,7 +59,7 @@ def _endpoint(url: str) -> tuple[str, str | None]:
 class HttpTransport:
     """One server, one tenant (the token's); tracks the sandboxes it creates or forks to kill them on close.
 
-    ``_h1.Client`` carries the calls: asyncio streams, keep-alive and h11 (~10 ms to import;
+    ``transport.h1.Client`` carries the calls: asyncio streams, keep-alive and h11 (~10 ms to import;
     aiohttp cost every CLI call ~0.3 s of imports), with a per-request cost below aiohttp's.
     """
 

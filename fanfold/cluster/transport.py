@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 from .. import ids
-from ..client._http import LEASE_TTL_S, HttpTransport
+from ..client import LEASE_TTL_S, HttpTransport
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, NotFound, SandboxNotFound, SnapshotNotFound
 from ..images import Image
 from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo

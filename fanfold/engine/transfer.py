@@ -36,7 +36,6 @@ from urllib.parse import quote, urlsplit
 
 from .. import wire
 from ..ids import is_snapshot_id
-from ..client._h1 import Client, ConnectionLost
 from ..errors import (
     FanfoldError, ImageCorrupt, ImageNotFound, InfrastructureError, InvalidRequest, NotFound, Retryable,
     SnapshotNotFound, Unauthorized,
@@ -45,6 +44,7 @@ from ..host.offload import host_errors, on_thread
 from ..images import Image, LayerStore
 from ..models import SnapshotInfo
 from ..refs import is_image_id
+from ..transport.h1 import Client, ConnectionLost
 from . import db as dbmod
 from .snapshots import PREFIX, SnapshotStore
 
