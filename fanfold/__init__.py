@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
     )
     from .spec import EnvSpec
 
-__version__ = "0.1.0"
+from .__version__ import __version__
 
 _EXPORTS = {
     ".client": (

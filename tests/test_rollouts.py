@@ -380,7 +380,7 @@ async def test_rollouts_and_their_sandboxes_survive_server_restarts(config, tmp_
 
 
 def test_the_rollout_store_adopts_what_an_older_server_kept_in_the_engines_database(tmp_path):
-    from fanfold.server.rollout_store import RolloutStore
+    from fanfold.web.rollout_store import RolloutStore
 
     old = sqlite3.connect(tmp_path / "fanfold.db")
     old.execute("CREATE TABLE rollouts (tenant TEXT NOT NULL, id TEXT NOT NULL, params TEXT NOT NULL, created_at REAL"

@@ -27,7 +27,7 @@ from fanfold import errors as fe
 from fanfold.client._http import HttpTransport
 from fanfold.engine.api import EngineAPI
 from fanfold.engine import Engine
-from fanfold.server.status import status_for
+from fanfold.web.status import status_for
 
 
 def client(server: Server, tenant: str | None = "alice", transport: str = "tcp") -> httpx.AsyncClient:

@@ -18,7 +18,7 @@ import pytest
 from conftest import TOKENS, Server, run_cli, start_server, stop_server
 from fanfold import AsyncFleet, EnvSpec, ImageNotFound, LimitExceeded, QuotaExceeded, SandboxNotFound, Unauthorized
 from fanfold.errors import FanfoldError
-from fanfold.server.auth import Tenants
+from fanfold.web.auth import Tenants
 from registry import push_image
 
 CAROL = "carol-token-0123456789abcdef"

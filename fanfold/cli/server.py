@@ -87,13 +87,13 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_tok
     """
     from ..server import Tenants
     from ..server import serve as run_server
-    from ..server.auth import new_token
+    from ..web.auth import new_token
 
     tenants = Tenants.from_file(tokens_file) if tokens_file else Tenants()
     for token in tokens:
         tenants.add(token)
     if host_token:
-        from ..server.auth import LOCAL_TENANT
+        from ..web.auth import LOCAL_TENANT
 
         tenants.add(host_token, LOCAL_TENANT)
     if port is not None and not len(tenants):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..errors import ImageInUse, ImageNotFound, InvalidRequest, Unauthorized
 from ..images import Image, LayerStore
 from ..images.registry import parse_platform
-from ..spec import BASES, is_image_id, is_image_ref
+from ..spec import BASES, EnvSpec, Step, is_image_id, is_image_ref
 from . import db as dbmod
 
 if TYPE_CHECKING:
@@ -107,6 +107,25 @@ class Catalog:
         """Whether ``tenant`` may see ``img``: its own, a shared one, or a bare base; the host sees all."""
         return (not tenant or _bare_base(img) or img.id in self.db.shared_images()
                 or tenant in self.db.image_grants().get(img.id, ()))
+
+    async def scoped(self, spec: EnvSpec, tenant: str) -> EnvSpec:
+        """``spec`` with each image it builds on (its base, a ``copy --from`` image) resolved among
+        ``tenant``'s images to an id, so its build reads no other tenant's image, whatever it is named."""
+        if not tenant:
+            return spec
+        steps = []
+        for step in spec.steps:
+            source = step.arg("source") if step.kind == "copy_from" else None
+            if isinstance(source, EnvSpec):
+                source = await self.scoped(source, tenant)
+            elif isinstance(source, str):
+                source = await self._scoped_base(source, tenant)
+            args = tuple((k, source if k == "source" and source is not None else v) for k, v in step.args)
+            steps.append(Step(step.kind, args) if args != step.args else step)
+        return dataclasses.replace(spec, base=await self._scoped_base(spec.base, tenant), steps=tuple(steps))
+
+    async def _scoped_base(self, ref: str, tenant: str) -> str:
+        return ref if ref in BASES else (await self.resolve(ref, tenant)).id
 
     def share(self, ref: str, shared: bool = True) -> Image:
         """Publish an image (by id or the host's reference) to every tenant, or take it back."""

@@ -24,13 +24,11 @@ from ..errors import (
     PortUnreachable, SandboxNotFound,
 )
 from ..images import Image, LayerStore, users
-from ..host.stepnet import StepNetworks
 from ..images.builder import Builder, Network, OnStep
 from ..models import (
     ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
 )
-from ..runtime import get_backend
-from ..runtime.seccomp import PROFILES, check as check_seccomp
+from ..runtime import SECCOMP_PROFILES as PROFILES, check_seccomp, get_backend
 from ..spec import BASES, EnvSpec, check_user
 from . import db as dbmod
 from .admission import Admission, check_fits_host
@@ -89,7 +87,7 @@ class Engine:
         _private_files(cfg.state_dir)  # the disk and the database exist now
         self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
-                          scratch_run=cfg.state_dir / "bundles", networks=StepNetworks(cfg.tag),
+                          scratch_run=cfg.state_dir / "bundles", tag=cfg.tag,
                           resolve_base=self.catalog.resolve)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count)

@@ -59,13 +59,14 @@ def check_network(network: str) -> Network:
 
 
 class Builder:
-    """Turns specs into images in one LayerStore, running ``run`` steps with a Runtime."""
+    """Turns specs into images in one LayerStore, running ``run`` steps with a Runtime; ``tag`` (the
+    engine's) names its build networks."""
 
     def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path,
-                 networks: stepnet.StepNetworks, resolve_base: ResolveBase | None = None) -> None:
+                 tag: str, resolve_base: ResolveBase | None = None) -> None:
         self.store = store
         self.runtime = runtime
-        self.networks = networks
+        self.networks = stepnet.StepNetworks(tag)
         self.mirror = mirror
         self.scratch_run = scratch_run
         self.resolve_base = resolve_base

@@ -49,17 +49,16 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from starlette.requests import HTTPConnection
 
-from .. import __version__
+from ..__version__ import __version__
 from ..client import AsyncFleet
 from ..engine import Engine
 from ..errors import (
     CapacityExceeded, FanfoldError, InvalidRequest, LeaseNotFound, NotFound, QuotaExceeded, Retryable,
     SandboxNotFound, Unauthorized,
 )
-from ..server.auth import LOCAL_TENANT, Tenants
-from ..server.deps import check_source_of, host_only
-from ..server.images import _scoped_spec
-from ..server.status import error_response
+from ..web.auth import LOCAL_TENANT, Tenants
+from ..web.deps import check_source_of, host_only
+from ..web.status import error_response
 from ..wire import error_to_json
 
 log = logging.getLogger("fanfold.server")
@@ -158,7 +157,7 @@ class SessionEngine:
     async def build(self, spec: Any, on_step: Any = None, *, network: str = "isolated") -> Any:
         if network == "host":
             host_only(self.tenant, "build with the host's network (network=host)")
-        built = await self.engine.build(await _scoped_spec(self.engine, spec, self.tenant), on_step, network=network)
+        built = await self.engine.build(await self.engine.catalog.scoped(spec, self.tenant), on_step, network=network)
         return self.engine.catalog.own(built, self.tenant)
 
     async def create(self, image: Any = "host", **options: Any) -> Any:

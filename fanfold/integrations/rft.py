@@ -59,11 +59,10 @@ from .._extras import MissingExtra
 from ..client import AsyncSandbox
 from ..engine import Engine
 from ..errors import InvalidRequest, NotFound, QuotaExceeded, Retryable, SandboxGone, SandboxNotFound, ToolError
-from ..server.deps import tenant
-from ..server.rollouts import Reply, app_rollouts, check_rollout, ms_since, reply_response
-from ..server.sandboxes import RequestID
-from ..server.schemas import ROLLOUT_DEADLINE_MAX, ROLLOUT_ID, ErrorBody, FunctionCall, RolloutRequest
-from ..server.status import error_response
+from ..web.deps import RequestID, tenant
+from ..web.rollouts import Reply, app_rollouts, check_rollout, ms_since, reply_response
+from ..web.schemas import ROLLOUT_DEADLINE_MAX, ROLLOUT_ID, ErrorBody, FunctionCall, RolloutRequest
+from ..web.status import error_response
 
 ENV_LABEL = "rft_env"
 """The label of a rollout made for an env's grader: the env's name."""

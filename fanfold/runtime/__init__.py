@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidRequest
 from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
+from .seccomp import PROFILES as SECCOMP_PROFILES
+from .seccomp import check as check_seccomp
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -46,6 +48,6 @@ def get_backend(config: EngineConfig, store: LayerStore) -> Backend:
 
 
 __all__ = [
-    "Backend", "Bind", "Capabilities", "ContainerSpec", "CounterReader", "Handle", "Runtime", "SandboxSpec",
-    "get_backend", "get_runtime",
+    "Backend", "Bind", "Capabilities", "ContainerSpec", "CounterReader", "Handle", "Runtime", "SECCOMP_PROFILES",
+    "SandboxSpec", "check_seccomp", "get_backend", "get_runtime",
 ]

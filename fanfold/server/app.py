@@ -15,17 +15,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import __version__
+from ..__version__ import __version__
 from ..config import EngineConfig
 from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, NotFound
 from ..integrations import e2b, openenv, rft
-from . import files, host, images, network, rollouts, sandboxes, snapshots
-from .auth import Tenants
+from ..web import rollouts
+from ..web.auth import Tenants
+from ..web.deps import ClientGone, tenant
+from ..web.schemas import WhoAmI
+from ..web.status import bug_body, error_response
+from . import files, host, images, network, sandboxes, snapshots
 from .creates import CreateRegistry
-from .deps import ClientGone, tenant
-from .schemas import WhoAmI
-from .status import bug_body, error_response
 
 log = logging.getLogger("fanfold.server")
 MAX_JSON_BODY = 96 * 1024 * 1024

@@ -14,8 +14,8 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import InfrastructureError
 from ..wire import error_to_json
-from .deps import NDJSON, line
-from .status import error_response
+from ..web.deps import NDJSON, line
+from ..web.status import error_response
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]

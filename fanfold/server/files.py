@@ -9,9 +9,8 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from ..wire import entry_to_json
-from .deps import engine, owned_sandbox
-from .sandboxes import ERRORS
-from .schemas import FileEntryBody, WrittenBody
+from ..web.deps import ERRORS, engine, owned_sandbox
+from ..web.schemas import FileEntryBody, WrittenBody
 
 router = APIRouter(prefix="/v1/sandboxes/{sandbox_id}/files", tags=["files"])
 # Paths are checked by the engine, so a bad one is the same InvalidPath on every transport.

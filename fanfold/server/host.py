@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
 from ..models import Limits
-from .auth import LOCAL_TENANT
-from .deps import check_source, engine, tenant
-from .schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest
+from ..web.auth import LOCAL_TENANT
+from ..web.deps import check_source, engine, tenant
+from ..web.schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest
 
 router = APIRouter(prefix="/v1", tags=["host"])
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (401, 404, 422, 429, 503)}

@@ -9,7 +9,6 @@ shared; another tenant's image answers 404, as if it did not exist.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import re
@@ -27,12 +26,10 @@ from ..engine import Engine
 from ..errors import FanfoldError, InvalidRequest, InvalidSpec
 from ..host import safefs
 from ..images.builder import check_network
-from ..spec import BASES, REMOTE_LOCAL_REPO, EnvSpec, Step, is_repo_url
+from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 from ..wire import event_to_json, image_to_json, pull_event_to_json, spec_from_json
-from .auth import LOCAL_TENANT
-from .deps import NDJSON, engine, host_only, ndjson_events, tenant
-from .sandboxes import ERRORS
-from .schemas import ImageBody
+from ..web.deps import ERRORS, NDJSON, engine, host_only, ndjson_events, tenant
+from ..web.schemas import ImageBody
 
 router = APIRouter(prefix="/v1/images", tags=["images"])
 TAR = "application/x-tar"
@@ -75,7 +72,7 @@ async def build(request: Request, caller: str = Depends(tenant), network: str = 
 
     async def work(report):  # type: ignore[no-untyped-def]
         try:
-            built = await fleet.build(await _scoped_spec(fleet, spec, caller), report, network=network)
+            built = await fleet.build(await fleet.catalog.scoped(spec, caller), report, network=network)
             return fleet.catalog.own(built, caller)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
@@ -184,27 +181,6 @@ async def login(body: LoginRequest, request: Request, caller: str = Depends(tena
 async def logout(body: LoginRequest, request: Request, caller: str = Depends(tenant)) -> None:
     host_only(caller, "log out of registries")
     await engine(request).logout(body.registry)
-
-
-async def _scoped_spec(fleet: Engine, spec: EnvSpec, caller: str) -> EnvSpec:
-    """``spec`` with each image it builds on (its base, a ``copy --from`` image) resolved among the
-    caller's images to an id, so the build reads no other tenant's image, whatever it is named."""
-    if caller == LOCAL_TENANT:
-        return spec
-    steps = []
-    for step in spec.steps:
-        source = step.arg("source") if step.kind == "copy_from" else None
-        if isinstance(source, EnvSpec):
-            source = await _scoped_spec(fleet, source, caller)
-        elif isinstance(source, str):
-            source = await _scoped_base(fleet, source, caller)
-        args = tuple((k, source if k == "source" and source is not None else v) for k, v in step.args)
-        steps.append(Step(step.kind, args) if args != step.args else step)
-    return dataclasses.replace(spec, base=await _scoped_base(fleet, spec.base, caller), steps=tuple(steps))
-
-
-async def _scoped_base(fleet: Engine, ref: str, caller: str) -> str:
-    return ref if ref in BASES else (await fleet.catalog.resolve(ref, caller)).id
 
 
 async def _receive(request: Request, path: Path, what: str) -> None:

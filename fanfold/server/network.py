@@ -14,9 +14,8 @@ from fastapi.responses import StreamingResponse
 from ..engine import Engine
 from ..errors import InvalidRequest, PortUnreachable
 from ..wire import info_to_json
-from .deps import LOCAL_TENANT, engine, owned_sandbox, tenant
-from .sandboxes import ERRORS
-from .schemas import NetworkRequest, PortBody, SandboxBody, network_value
+from ..web.deps import ERRORS, LOCAL_TENANT, engine, owned_sandbox, tenant
+from ..web.schemas import NetworkRequest, PortBody, SandboxBody, network_value
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["network"])
 recordings_router = APIRouter(prefix="/v1/recordings", tags=["network"])

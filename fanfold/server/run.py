@@ -18,8 +18,8 @@ import uvicorn
 from ..config import DEFAULT_SOCKET, EngineConfig
 from ..errors import HostNotReady, InvalidRequest
 from ..host import setup
+from ..web.auth import Tenants
 from .app import create_app
-from .auth import Tenants
 from .drain import Drain
 
 

@@ -5,25 +5,22 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine import Engine
 from ..errors import InvalidRequest
 from ..models import Limits
 from ..wire import b64, fork_to_json, info_to_json, result_to_json, unb64
-from .creates import Made
-from .deps import NDJSON, check_source, engine, host_only, ndjson_events, owned_sandbox, tenant, until_disconnect
-from .schemas import (
-    CreateRequest, ErrorBody, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody, network_value,
+from ..web.deps import (
+    ERRORS, NDJSON, RequestID, check_source, engine, host_only, ndjson_events, owned_sandbox, tenant, until_disconnect,
 )
+from ..web.schemas import (
+    CreateRequest, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody, network_value,
+)
+from .creates import Made
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (401, 404, 409, 413, 422, 429, 503)
-}
-RequestID = Header(None, alias="X-Request-ID", max_length=128,
-                   description="Retrying with the same ID returns what the first call made, never more.")
 
 
 @router.post("", status_code=201, response_model=SandboxBody, responses=ERRORS)

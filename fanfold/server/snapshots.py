@@ -14,9 +14,8 @@ from fastapi.responses import StreamingResponse
 from ..engine.transfer import MAX_HAVE_BYTES, TAR
 from ..errors import InvalidRequest
 from ..wire import snapshot_to_json
-from .deps import engine, host_only, owned_sandbox, owned_snapshot, tenant
-from .sandboxes import ERRORS
-from .schemas import GcBody, SnapshotBody, SnapshotImportRequest, SnapshotRequest
+from ..web.deps import ERRORS, engine, host_only, owned_sandbox, owned_snapshot, tenant
+from ..web.schemas import GcBody, SnapshotBody, SnapshotImportRequest, SnapshotRequest
 
 router = APIRouter(tags=["snapshots"])
 

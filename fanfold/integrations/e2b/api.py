@@ -33,8 +33,8 @@ from starlette.exceptions import HTTPException
 
 from ...errors import FanfoldError, SandboxNotFound
 from ...models import SandboxInfo
-from ...server.deps import check_source
-from ...server.status import status_for
+from ...web.deps import check_source
+from ...web.status import status_for
 from .auth import tenant_of_key
 from .envd import ENVD_VERSION, e2b, engine
 

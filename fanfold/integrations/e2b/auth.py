@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import SandboxNotFound, Unauthorized
-from ...server.auth import Tenants
+from ...web.auth import Tenants
 
 KEY_FILE = "e2b/envd.key"
 

@@ -39,9 +39,8 @@ from ..models import Limits
 from ..spec import BASES
 from ..tools import TOOLS, function_call_output, parse_arguments, run_checked
 from ..wire import error_to_json
-from .deps import check_source, tenant
+from .deps import ERRORS, RequestID, check_source, tenant
 from .rollout_store import RolloutStore
-from .sandboxes import ERRORS, RequestID
 from .schemas import (
     ROLLOUT_ID, ErrorBody, FunctionCall, FunctionCallOutput, RolloutBody, RolloutForkBody, RolloutForkRequest,
     RolloutRequest, ToolErrorBody, ToolsBody, network_value,

@@ -7,18 +7,25 @@ import json
 import logging
 from typing import Any, AsyncIterator
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Header, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..engine import Engine
 from ..errors import FanfoldError, SandboxNotFound, SnapshotNotFound, Unauthorized
 from ..wire import error_to_json
 from .auth import LOCAL_TENANT
+from .schemas import ErrorBody
 from .status import bug_body
 
 log = logging.getLogger("fanfold.server")
 _bearer = HTTPBearer(auto_error=False, description="A token given to `fanfold serve`; optional on the unix socket.")
 NDJSON = "application/x-ndjson"
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (401, 404, 409, 413, 422, 429, 503)
+}
+"""The error replies a route may give, for its OpenAPI description."""
+RequestID = Header(None, alias="X-Request-ID", max_length=128,
+                   description="Retrying with the same ID returns what the first call made, never more.")
 
 
 def engine(request: Request) -> Engine:
