@@ -18,7 +18,7 @@ from aiohttp import web
 from gymnasium.utils.env_checker import check_env
 
 from fanfold import AsyncFleet, Fleet
-from fanfold.errors import InvalidRequest, PolicyUnavailable
+from fanfold.errors import InvalidRequest, PolicyUnavailable, ToolError
 from fanfold.rl import (
     OpenAIPolicy,
     SandboxEnv,
@@ -33,7 +33,7 @@ from fanfold.rl import (
 )
 from fanfold.rl.envs.corpus import generate
 
-from conftest import STATE_DIR
+from conftest import STATE_DIR, TRANSPORTS, fleet_args
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,42 @@ def test_gymnasium_make_and_a_full_sync_episode(sync_fleet):
             env.step({"name": "submit"})
     finally:
         env.close()
+
+
+def test_a_sync_fleet_lends_its_async_twin_to_async_code(config):
+    """What the Gymnasium wrapper runs its async env on: ``aio``, ``call`` (the fleet's own loop) and ``started``."""
+    fleet = Fleet(config=config)
+    assert not fleet.started and fleet.aio.aio is fleet.aio
+
+    async def on_the_loop():
+        async with await fleet.aio.create(memory_mb=128) as sandbox:
+            return (await sandbox.exec("echo hi")).stdout, threading.current_thread().name
+
+    try:
+        assert fleet.call(on_the_loop()) == (b"hi\n", "fanfold-loop")  # the first call starts the fleet
+        assert fleet.started and fleet.aio.started
+    finally:
+        fleet.close()
+    assert not fleet.started and not fleet.aio.started
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_sandbox_runs_the_generic_tools_as_envs_do(transport, request, config):
+    async with AsyncFleet(**fleet_args(transport, request, config)) as afleet:
+        async with await afleet.create(memory_mb=128) as sandbox:
+            assert await sandbox.run_tool("write_file", {"path": "/tmp/n.txt", "content": "one\ntwo\n"}) == \
+                "wrote 8 bytes to /tmp/n.txt"
+            assert await sandbox.run_tool("read_file", '{"path": "/tmp/n.txt", "start_line": 2}') == "two\n"
+            assert await sandbox.run_tool("shell", {"command": "wc -l < /tmp/n.txt"}) == "exit code 0\n2\n"
+            with pytest.raises(ToolError, match="unknown tool 'rm_rf'"):
+                await sandbox.run_tool("rm_rf", {})
+            with pytest.raises(ToolError, match="no such file"):
+                await sandbox.run_tool("read_file", {"path": "/tmp/none"})
+
+
+def test_a_sync_sandbox_runs_the_generic_tools(sync_fleet):
+    with sync_fleet.create(memory_mb=128) as sandbox:
+        assert sandbox.run_tool("shell", {"command": "echo sync"}, max_output=100) == "exit code 0\nsync\n"
 
 
 async def test_misused_tools_are_observations_not_exceptions(fleet):

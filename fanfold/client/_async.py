@@ -7,12 +7,13 @@ import asyncio
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable, TypeVar
 
 from ..config import EngineConfig, env_lease_ttl, env_token, env_url
 from ..errors import InvalidRequest, SandboxNotFound
 from ..models import ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
+from ..tools import run_tool
 from ._fanout import AsyncRollouts, RolloutFn
 
 if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remote client never loads the engine
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remot
     from ..images.oci import OnPull
     from ..engine.api import EngineAPI as Transport
 
+T = TypeVar("T")
 RAY_TRANSPORT = "fanfold.cluster.transport:RayTransport"
 """The transport of a ``ray://`` fleet, loaded by name: ``fanfold.cluster`` builds on this SDK (its
 RayTransport drives an HttpTransport per node), so the SDK names it instead of importing it."""
@@ -38,6 +40,7 @@ class AsyncFleet:
 
     def __init__(self, url: str | None = None, *, token: str | None = None, config: EngineConfig | None = None) -> None:
         self.url = url or env_url()
+        self._started = False
         self._transport: Transport
         if self.url is None:
             from ..engine import Engine
@@ -78,10 +81,27 @@ class AsyncFleet:
     async def start(self) -> None:
         """Start the embedded engine (reaping what crashed owners left), or check the server and token."""
         await self._transport.start()
+        self._started = True
 
     async def close(self) -> None:
         """Destroy this fleet's sandboxes (not detached ones) and stop its engine or connection."""
+        self._started = False
         await self._transport.close()
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` ran and ``close`` did not since."""
+        return self._started
+
+    @property
+    def aio(self) -> AsyncFleet:
+        """This fleet: ``Fleet.aio`` is the AsyncFleet a sync fleet drives, so code given either twin
+        reaches the async one as ``fleet.aio``."""
+        return self
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro``: the twin of ``Fleet.call``, which runs async code on a sync fleet's loop."""
+        return await coro
 
     async def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated") -> Image:
         """Build ``spec`` into an image; cached layers make a rebuild almost free. Its ``run`` steps
@@ -332,6 +352,16 @@ class AsyncSandbox:
             yield await task
         finally:
             task.cancel()
+
+    async def run_tool(self, name: str, arguments: str | dict[str, Any], *, timeout: float = 60.0,
+                       max_output: int = 16384) -> str:
+        """Run one of the generic agent tools (``shell``, ``read_file``, ``write_file``, ``search``: see
+        ``fanfold.tools.TOOLS``) with ``arguments`` (a dict, or its JSON) and return its output for a model.
+
+        A misuse that is the model's (an unknown tool, bad arguments, a missing file) raises ToolError,
+        whose message is for the model; ``timeout`` is the shell's when the model gives none, and
+        ``max_output`` caps the text. Failures of the sandbox or the host raise as they are."""
+        return await run_tool(self._transport, self.id, name, arguments, timeout=timeout, max_output=max_output)
 
     async def kill(self) -> None:
         """Destroy the sandbox; killing one already gone is not an error."""

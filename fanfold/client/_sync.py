@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable, Iterator, TypeVar
 
 from ..config import EngineConfig
 from ..images import Image
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..images.oci import OnPull
 
 OnOutputSync = Callable[[str, bytes], None]
+T = TypeVar("T")
 
 
 class Fleet:
@@ -90,6 +91,22 @@ class Fleet:
             portal.call(self._async.close())
         finally:
             portal.stop()
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` ran (or a call started the fleet) and ``close`` did not since."""
+        return self._portal is not None
+
+    @property
+    def aio(self) -> AsyncFleet:
+        """The AsyncFleet this fleet drives, for async code that shares its sandboxes (an async env, say);
+        run that code with ``call``."""
+        return self._async
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` (async code on ``aio``) on this fleet's event loop and return its result, starting
+        the fleet first if need be; Ctrl-C cancels it. ``AsyncFleet.call`` awaits it."""
+        return self._call(coro)
 
     def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated") -> Image:
         """Build ``spec`` into an image; cached layers make a rebuild almost free. Its ``run`` steps
@@ -335,6 +352,12 @@ class Sandbox:
         stream = self._async.exec_stream(cmd, cwd=cwd, env=env, stdin=stdin, timeout=timeout, max_output=max_output,
                                          user=user)
         return self._fleet._iterate(stream)
+
+    def run_tool(self, name: str, arguments: str | dict[str, Any], *, timeout: float = 60.0,
+                 max_output: int = 16384) -> str:
+        """Run one of the generic agent tools with ``arguments`` and return its output for a model; see
+        ``AsyncSandbox.run_tool``."""
+        return self._fleet._call(self._async.run_tool(name, arguments, timeout=timeout, max_output=max_output))
 
     def kill(self) -> None:
         """Destroy the sandbox; killing one already gone is not an error."""

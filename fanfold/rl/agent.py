@@ -24,12 +24,14 @@ class EpisodeRun:
     """One episode in progress: its env, the conversation so far and its trajectory."""
 
     def __init__(self, env: AsyncSandboxEnv, policy: Policy, episode: Episode, messages: list[dict[str, Any]],
-                 store: TrajectoryStore | None, *, owns_env: bool = False) -> None:
+                 store: TrajectoryStore | None, *, owns_env: bool = False, turns: int = 0,
+                 snapshot_id: str | None = None) -> None:
         self.env, self.policy, self.episode, self.messages, self.store = env, policy, episode, messages, store
         self.owns_env = owns_env
         self.done = False
-        self.turns = 0
-        self._snapshot_id: str | None = None
+        self.turns = turns
+        self._snapshot_id = snapshot_id
+        """The snapshot the next step starts from, when a fork made one (a branch's first step)."""
 
     @classmethod
     async def start(cls, env: AsyncSandboxEnv, policy: Policy, *, seed: int | None = None,
@@ -105,8 +107,8 @@ class EpisodeRun:
                               total_reward=self.episode.total_reward, metadata=dict(self.episode.metadata))
             if self.store is not None:
                 await asyncio.to_thread(self.store.begin, episode)
-            branch = EpisodeRun(env, self.policy, episode, [dict(m) for m in self.messages], self.store, owns_env=True)
-            branch.turns, branch._snapshot_id = self.turns, snapshot_id
+            branch = EpisodeRun(env, self.policy, episode, [dict(m) for m in self.messages], self.store, owns_env=True,
+                                turns=self.turns, snapshot_id=snapshot_id)
             branch.episode.metadata["branch"] = len(branches) + 1
             branches.append(branch)
         return branches

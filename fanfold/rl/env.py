@@ -58,7 +58,7 @@ class SandboxEnv(gymnasium.Env):
         self._owns_fleet = fleet is None
         self.fleet = fleet if fleet is not None else Fleet()
         self.fleet.start()
-        self.inner = make_async(env, self.fleet._async, **kwargs)
+        self.inner = make_async(env, self.fleet.aio, **kwargs)
         self.observation_space = self.inner.observation_space
         self.action_space = self.inner.action_space
 
@@ -74,16 +74,16 @@ class SandboxEnv(gymnasium.Env):
         """A fresh sandbox and a new task; returns ``(prompt, info)``."""
         super().reset(seed=seed)
         self.inner.np_random = self.np_random  # one generator, so Gymnasium's seeding rules hold
-        return self.fleet._call(self.inner.reset(options=options))
+        return self.fleet.call(self.inner.reset(options=options))
 
     def step(self, action: str | dict[str, Any] | ToolCall) -> tuple[str, float, bool, bool, dict]:
         """Run one tool call; returns ``(observation, reward, terminated, truncated, info)``."""
-        return self.fleet._call(self.inner.step(action))
+        return self.fleet.call(self.inner.step(action))
 
     def close(self) -> None:
         """Destroy the sandbox, and the fleet if this env made it (idempotent)."""
-        if self.fleet._portal is not None:
-            self.fleet._call(self.inner.close())
+        if self.fleet.started:
+            self.fleet.call(self.inner.close())
         if self._owns_fleet:
             self.fleet.close()
 

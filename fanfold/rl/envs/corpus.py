@@ -135,8 +135,7 @@ class CorpusSearchEnv(AsyncSandboxEnv):
             result = await self.sandbox.exec(["find", ROOT, "-name", name, "-type", "f"], timeout=30)
             return ToolOutcome("\n".join(sorted(result.stdout.decode().split())) or "no files match")
         # step() checked the arguments against this tool's schema already.
-        return ToolOutcome(await generic.run_checked(self.fleet._transport, self.sandbox.id, tool.name,
-                                                     tool.arguments, timeout=30))
+        return ToolOutcome(await self.sandbox.run_tool(tool.name, tool.arguments, timeout=30))
 
     def _grade(self, paths: list[str]) -> ToolOutcome:
         chosen = {posixpath.relpath(posixpath.normpath(posixpath.join(ROOT, p)), ROOT) for p in paths}

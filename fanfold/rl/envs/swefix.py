@@ -86,8 +86,7 @@ class SWEFixEnv(CodeFixEnv):
         args = tool.arguments
         if tool.name in ("shell", "read_file"):
             # As the image's user, in the project; step() checked the arguments already.
-            return ToolOutcome(await generic.run_checked(self.fleet._transport, self.sandbox.id, tool.name, args,
-                                                         timeout=60))
+            return ToolOutcome(await self.sandbox.run_tool(tool.name, args, timeout=60))
         if tool.name == "edit_file":
             return ToolOutcome(await self._edit(args["path"], args["old"], args["new"]))
         if tool.name == "run_tests":
