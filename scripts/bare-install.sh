@@ -29,25 +29,36 @@ else
 fi
 chmod 0755 "$root"  # a machine's / (mktemp's 0700 would keep apt's _apt user out)
 
+unmount_under() {  # every mount at or below $1, deepest first
+    local target
+    for target in $(awk -v r="$1" '$5 == r || index($5, r "/") == 1 {print $5}' /proc/self/mountinfo | sort -r); do
+        umount -l "$target" 2>/dev/null || true
+    done
+}
 release() {
     # Whatever the install started and left running inside the root (a daemon's postinst) goes first.
     local pid
     for pid in $(ls /proc | grep -E '^[0-9]+$'); do
         [[ "$(readlink "/proc/$pid/root" 2>/dev/null)" == "$root" ]] && kill -9 "$pid" 2>/dev/null || true
     done
-    local target
-    for target in $(awk -v r="$root" '$5 == r || index($5, r "/") == 1 {print $5}' /proc/self/mountinfo | sort -r); do
-        umount -l "$target" 2>/dev/null || true
-    done
+    unmount_under "$root"
     if [[ -z "$keep" ]]; then rm -rf --one-file-system "$root"; fi
 }
 trap release EXIT
 
 start=$SECONDS
 echo "bare-install: debootstrap of Debian 12 (bookworm, minbase) into $root"
-debootstrap --variant=minbase bookworm "$root" "$MIRROR" >"$root.debootstrap.log" 2>&1 \
-    || { tail -n 30 "$root.debootstrap.log" >&2; rm -f "$root.debootstrap.log"; die "debootstrap failed"; }
-rm -f "$root.debootstrap.log"
+log="$(mktemp)"
+for try in 1 2 3; do  # the network to the archive fails now and then: start again from nothing
+    debootstrap --variant=minbase bookworm "$root" "$MIRROR" >"$log" 2>&1 && break
+    tail -n 5 "$log" >&2
+    (( try < 3 )) || { rm -f "$log"; die "debootstrap failed three times"; }
+    echo "bare-install: debootstrap failed (try $try of 3); trying again" >&2
+    unmount_under "$root"  # debootstrap's own /proc and /sys, when it failed in its second stage
+    find "$root" -mindepth 1 -maxdepth 1 -exec rm -rf --one-file-system {} +
+    sleep $((try * 10))
+done
+rm -f "$log"
 
 # This site's own trust settings: a host behind an intercepting HTTPS proxy trusts its CA, and so
 # does a bare machine of the same site; ca-certificates' install (set-up's) picks them up.
