@@ -34,7 +34,7 @@ from ..runtime.seccomp import PROFILES, check as check_seccomp
 from ..spec import BASES, EnvSpec, check_user
 from . import db as dbmod
 from .admission import Admission, check_fits_host
-from .catalog import Catalog
+from .catalog import Catalog, check_tag
 from .api import MAX_POOL, OnOutput
 from .checkpoints import Checkpoints
 from .checks import check_deadline, check_labels, check_strings
@@ -156,10 +156,15 @@ class Engine:
 
     # -- images -------------------------------------------------------------------------------
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
+                    tag: str | None = None, tenant: str = "") -> Image:
         """Build ``spec`` into an image, reusing every layer already built. Its ``run`` steps reach the
-        outside through NAT but nothing of the host, unless ``network="host"``."""
-        return await self.sources.build(spec, on_step, network=network)
+        outside through NAT but nothing of the host, unless ``network="host"``. ``tag`` names the image
+        (``myenv``, ``myenv:v2``) for ``tenant`` (a server's tenant: in its own namespace of names)."""
+        if tag is not None:
+            check_tag(tag)
+        built = self.catalog.own(await self.sources.build(spec, on_step, network=network), tenant)
+        return built if tag is None else self.catalog.name(tag, built, tenant)
 
     async def image(self, ref: str | Image) -> Image:
         """An image from an Image, an image id, a base name (``host``, ``debian:bookworm``) or a
