@@ -172,7 +172,7 @@ def test_host_base_exposes_no_host_secrets(fleet, monkeypatch):
 def test_bad_sources_and_unknown_images_get_clear_errors(fleet, tmp_path):
     with pytest.raises(InvalidSpec, match="does not exist"):
         fleet.build(EnvSpec("host").copy(str(tmp_path / "missing"), "/x"))
-    with pytest.raises(ImageNotFound, match="unknown image"):
+    with pytest.raises(ImageNotFound, match="no image 'img-0000000000000000' here"):
         fleet.create("img-0000000000000000")
 
 
@@ -183,3 +183,31 @@ def test_debian_base_builds_once_and_runs(fleet):
         result = sandbox.exec("cat /etc/debian_version /etc/baked && dpkg -l | grep -c '^ii'")
     lines = result.text.split()
     assert result.ok and lines[0].startswith("12.") and lines[1] == "baked" and int(lines[2]) > 50
+
+
+def test_copy_chown_labels_volumes_healthcheck_and_history(fleet, tmp_path):
+    (tmp_path / "owned").mkdir()
+    (tmp_path / "owned" / "f.txt").write_text("x\n")
+    (tmp_path / "one.txt").write_text("1\n")
+    users = EnvSpec("host").run("echo 'app:x:4242:4343::/home/app:/bin/sh' >> /etc/passwd"
+                                " && echo 'grp:x:4444:' >> /etc/group")
+    spec = (
+        users.copy(str(tmp_path / "owned"), "/srv/owned", chown="app:grp").copy(str(tmp_path / "one.txt"), "/srv/one.txt",
+                                                                              chown="4242")
+        .label(team="rl", **{"org.opencontainers.image.source": "here"}).volume("/data")
+        .healthcheck(["true"], interval_s=5).workdir("/srv")
+    )
+    image = fleet.build(spec)
+    with fleet.create(image) as sandbox:
+        owners = sandbox.exec("stat -c '%u:%g %n' /srv/owned /srv/owned/f.txt /srv/one.txt").text.splitlines()
+    assert owners == ["4242:4444 /srv/owned", "4242:4444 /srv/owned/f.txt", "4242:4242 /srv/one.txt"]
+    assert image.labels == (("org.opencontainers.image.source", "here"), ("team", "rl"))
+    assert image.volumes == ("/data",) and image.healthcheck is not None
+    assert (image.healthcheck.test, image.healthcheck.interval_s, image.healthcheck.retries) == (("CMD", "true"), 5.0, 3)
+    made = [step for step, _, _ in image.history]
+    assert made[0] == "BASE host" and made[2].startswith("COPY --chown=app:grp ") and made[-1] == "WORKDIR /srv"
+    assert "LABEL org.opencontainers.image.source=here team=rl" in made and "VOLUME /data" in made
+    assert [layer for _, layer, _ in image.history if layer] == list(image.layers)
+    assert image.history[2][2] > 0 and image.history[3][2] > 0 and image.history[4][1:] == ("", 0)
+    with pytest.raises(BuildFailed, match="no user 'nobody-here'"):
+        fleet.build(users.copy(str(tmp_path / "one.txt"), "/srv/one.txt", chown="nobody-here"))
