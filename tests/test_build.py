@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fanfold import BuildFailed, EnvSpec, ImageNotFound, InvalidSpec, ServiceFailed
+from fanfold import BuildFailed, EnvSpec, Fleet, ImageNotFound, InvalidSpec, ServiceFailed
+from fanfold.images import LayerStore
 from fanfold.images.builder import StepEvent
 
 
@@ -211,3 +213,57 @@ def test_copy_chown_labels_volumes_healthcheck_and_history(fleet, tmp_path):
     assert image.history[2][2] > 0 and image.history[3][2] > 0 and image.history[4][1:] == ("", 0)
     with pytest.raises(BuildFailed, match="no user 'nobody-here'"):
         fleet.build(users.copy(str(tmp_path / "one.txt"), "/srv/one.txt", chown="nobody-here"))
+
+
+TLS_PROBE = '''\
+"""Serve TLS on loopback with a certificate of the test CA, and connect to it verifying as clients do."""
+import socket, ssl, sys, threading
+
+server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+server.load_cert_chain("/probe/server.pem", "/probe/server.key")
+listener = socket.create_server(("127.0.0.1", 0))
+threading.Thread(target=lambda: server.wrap_socket(listener.accept()[0], server_side=True).sendall(b"ok"),
+                 daemon=True).start()
+client = ssl.create_default_context()  # the default paths: SSL_CERT_FILE, else OpenSSL's (the system bundle)
+with client.wrap_socket(socket.create_connection(listener.getsockname()), server_hostname="outside.test") as tls:
+    print(tls.recv(2).decode(), sys.argv[1])
+'''
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> Path:
+    """A build context: a TLS probe and a server certificate whose CA (``ca.pem``, beside it) no image trusts."""
+    from outside import make_certificates
+
+    where = tmp_path_factory.mktemp("probe")
+    make_certificates(where, ["outside.test"])
+    context = where / "context"
+    context.mkdir()
+    for name in ("server.pem", "server.key"):
+        (context / name).write_bytes((where / name).read_bytes())
+    (context / "probe.py").write_text(TLS_PROBE)
+    return where
+
+
+def test_extra_cas_reach_build_steps_and_sandboxes_and_no_layer(config, probe):
+    nonce = f"n{time.time_ns()}"
+    spec = EnvSpec("host").copy(str(probe / "context"), "/probe").run(f"python3 /probe/probe.py {nonce}")
+    with Fleet(config=config) as plain, Fleet(config=dataclasses.replace(config, extra_ca_file=str(probe / "ca.pem"))) as trusted:
+        with pytest.raises(BuildFailed, match="CERTIFICATE_VERIFY_FAILED"):  # the image trusts its own CAs alone
+            plain.build(spec)
+        image = trusted.build(spec)
+        with trusted.create(image) as sandbox:
+            assert sandbox.exec(f"python3 /probe/probe.py {nonce}").text.split() == ["ok", nonce]
+            # without the variables, through OpenSSL's own default: the system bundle, extended
+            bare = sandbox.exec(f"env -u SSL_CERT_FILE python3 /probe/probe.py {nonce}")
+            assert bare.text.split() == ["ok", nonce], bare.stderr
+            assert sandbox.exec("echo $PIP_CERT $REQUESTS_CA_BUNDLE; readlink /etc/fanfold/trust.pem").text.split() == [
+                "/etc/fanfold/trust.pem", "/etc/fanfold/trust.pem", "/etc/ssl/certs/ca-certificates.crt"]
+        with plain.create(image) as untrusting:  # an engine without them: its sandboxes trust the image's CAs alone
+            assert "CERTIFICATE_VERIFY_FAILED" in untrusting.exec(f"python3 /probe/probe.py {nonce}").stderr.decode()
+    ca = (probe / "ca.pem").read_bytes().strip()
+    for layer in image.layers:  # laid over roots at set-up, never stored
+        tree = LayerStore(config.state_dir).layer_path(layer)
+        assert not (tree / "etc/fanfold").exists()
+        bundle = tree / "etc/ssl/certs/ca-certificates.crt"
+        assert not bundle.exists() or ca not in bundle.read_bytes()

@@ -23,7 +23,7 @@ from ..errors import (
     CapacityExceeded, FanfoldError, HostNotReady, InfrastructureError, InvalidRequest, LeaseNotFound,
     PortUnreachable, SandboxNotFound,
 )
-from ..images import Image, LayerStore, users
+from ..images import Image, LayerStore, trust, users
 from ..host.stepnet import StepNetworks
 from ..images.builder import Builder, Network, OnStep
 from ..models import (
@@ -82,6 +82,7 @@ class Engine:
         except OSError as err:
             raise HostNotReady(f"cannot use the state dir {cfg.state_dir}: {err}; run fanfold as root"
                                " or set FANFOLD_STATE_DIR to a directory of yours") from None
+        trust.load(cfg.extra_ca_file, cfg.state_dir)  # HostNotReady now, not at the first create
         self.store = LayerStore(cfg.state_dir)
         self.backend = get_backend(cfg, self.store)
         await self.backend.prepare()
@@ -90,7 +91,7 @@ class Engine:
         self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
                           scratch_run=cfg.state_dir / "bundles", networks=StepNetworks(cfg.tag),
-                          resolve_base=self.catalog.resolve)
+                          resolve_base=self.catalog.resolve, extra_ca_file=cfg.extra_ca_file)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count)
         self.telemetry = Telemetry(lambda: self.figures.gauges())

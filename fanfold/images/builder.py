@@ -21,9 +21,9 @@ from ..runtime import seccomp
 from ..runtime.container import ProcessUser
 from ..refs import DEFAULT_PATH
 from ..spec import BASES, EnvSpec, Step, is_repo_url
-from . import users, words
+from . import trust, users, words
 from .bases import base_digest, ensure_base, host_dirs
-from .rootfs import copy_tree, fold_host_uppers, mount_rootfs, unmount_rootfs
+from .rootfs import copy_tree, fold_host_uppers, mount_rootfs, mount_trusted, unmount_rootfs
 from .store import Healthcheck, Image, LayerStore
 
 STEP_TIMEOUT_S = 3600
@@ -62,8 +62,11 @@ class Builder:
     """Turns specs into images in one LayerStore, running ``run`` steps with a Runtime."""
 
     def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path,
-                 networks: stepnet.StepNetworks, resolve_base: ResolveBase | None = None) -> None:
+                 networks: stepnet.StepNetworks, resolve_base: ResolveBase | None = None,
+                 extra_ca_file: str | None = None) -> None:
         self.store = store
+        self.extra_ca_file = extra_ca_file
+        """CAs ``run`` steps trust besides the image's own (``trust``), never written into a layer."""
         self.runtime = runtime
         self.networks = networks
         self.mirror = mirror
@@ -244,12 +247,14 @@ class Builder:
         netns = None if net is None else await net.netns()  # None: the host's network
         resolvers = "/etc/resolv.conf" if net is None else stepnet.resolv_conf()
         rootfs = scratch / "rootfs"
-        mount_rootfs(self.store, layers, dirs, rootfs, scratch)
+        extra = trust.load(self.extra_ca_file, self.store.layers_dir.parent)
+        await _off_loop(lambda: mount_trusted(self.store, layers, dirs, rootfs, scratch, extra))
         build_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid tells reconcile whose it is
         try:
             who = _step_user(step, rootfs, user)
             ident = {} if who is None else who.env()  # the USER's HOME, USER, LOGNAME unless ENV set them
-            variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **ident, **env}
+            trusted = {} if extra is None else trust.trust_env()
+            variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **trusted, **ident, **env}
             spec = ContainerSpec(
                 id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],
                 env=[f"{k}={v}" for k, v in variables.items()], cwd=workdir, hostname="fanfold-build",
