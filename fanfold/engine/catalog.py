@@ -311,7 +311,3 @@ def _in_use(image_id: str, users: set[str]) -> str:
     return (f"image {image_id} is used by {', '.join(sorted(users)[:5])}{' ...' if len(users) > 5 else ''}:"
             " remove those first, or pass force to drop only its name")
 
-
-def layer_size(store: LayerStore, layer: str) -> int:
-    """Bytes a layer takes on disk (``LayerStore.layer_size``)."""
-    return store.layer_size(layer)
