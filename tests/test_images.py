@@ -168,7 +168,7 @@ def test_the_cli_pulls_lists_runs_the_default_command_and_removes(registry, app:
     ran = run_cli("run", "--image", tag)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["from-cmd", "1000"]
-    as_root = run_cli("run", "--image", tag, "--user", "root", "--", "id", "-u")
+    as_root = run_cli("run", "--image", tag, "--user", "root", "--", "id -u")  # after its entrypoint, sh -c
     assert as_root.stdout == "0\n", as_root.stderr
     no_default = run_cli("run", "--image", "host")
     assert no_default.returncode == 2 and "no default command" in no_default.stderr

@@ -264,7 +264,6 @@ class Catalog:
             if path.name.startswith(".") or path.name in keep:
                 continue
             self.store.remove_layer(path.name)  # a link to a layer taken by reference takes its subvolume
-            (self.store.layers_dir / f".size-{path.name}").unlink(missing_ok=True)
             removed.append(path.name)
         return removed
 

@@ -328,6 +328,7 @@ class ImageStore:
         for link in self.store.layers_dir.iterdir():  # the doomed layers' links, and any whose layer is gone
             if link.is_symlink() and os.readlink(link).startswith(str(self.storage.graphroot)) and not link.exists():
                 link.unlink()
+                self.store.forget_size(link.name)
         return doomed
 
     def discard_tmp(self) -> None:

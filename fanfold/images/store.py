@@ -142,7 +142,7 @@ class LayerStore:
     def layer_size(self, layer: str) -> int:
         """Bytes a layer takes on disk, counted once and remembered beside it (layers never change).
         Blocking (it walks the tree the first time): call off the event loop."""
-        cache = self.layers_dir / f".size-{layer[:32]}"
+        cache = self._size_path(layer)
         try:
             return int(cache.read_text())
         except (OSError, ValueError):
@@ -223,6 +223,13 @@ class LayerStore:
         tree.unlink()
         return target
 
+    def _size_path(self, layer: str) -> Path:
+        return self.layers_dir / f".size-{layer[:32]}"
+
+    def forget_size(self, layer: str) -> None:
+        """Drop what ``layer_size`` remembered of a layer that is gone."""
+        self._size_path(layer).unlink(missing_ok=True)
+
     def remove_layer(self, digest: str) -> None:
         """Delete layer ``digest``: its tree, or its link and the snapshot it links to. A missing one is
         not an error. Blocking (a big tree takes a while to remove): call off the event loop."""
@@ -231,6 +238,7 @@ class LayerStore:
             path.unlink()
         else:
             shutil.rmtree(path, ignore_errors=True)
+        self.forget_size(path.name)
         self.delete_referenced(path.name)
 
     def referenced(self, *, staged: bool = False) -> list[Path]:
