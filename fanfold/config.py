@@ -139,6 +139,10 @@ class EngineConfig:
     net_ca_file: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NET_CA_FILE") or None)
     """A CA bundle the egress proxy trusts, besides the system's, when it terminates TLS (record, replay,
     cache) and connects on to the real server (an internal registry's CA)."""
+    extra_ca_file: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_EXTRA_CA_FILE") or None)
+    """PEM CA certificates build steps and sandboxes trust besides their image's own (a host whose HTTPS goes
+    through an intercepting proxy with its own CA): laid over each root at set-up, appended to the image's
+    system bundle, with SSL_CERT_FILE, REQUESTS_CA_BUNDLE and PIP_CERT naming it; never written into layers."""
     node_tag: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NODE_TAG") or None)
     """In a cluster, this node's name in every sandbox and snapshot id it mints (``sb-<tag>-…``), so
     clients route an id to its node; 1-12 lowercase letters and digits. None (default): ``sb-…``."""

@@ -227,6 +227,12 @@ class RegistryUnavailable(Retryable):
 
     kind = "registry_unavailable"
 
+    def __init__(self, message: str = "", *, reached: bool = True) -> None:
+        super().__init__(message)
+        self.reached = reached
+        """Whether the registry was reached and then failed (a 5xx, a timeout, a broken transfer), as opposed
+        to never reached at all (no such host, connection refused, no route): then nothing is known of the name."""
+
 
 class InfrastructureError(Retryable):
     """The runtime, the kernel or the in-sandbox agent failed; not the caller's fault."""

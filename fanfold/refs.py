@@ -25,6 +25,12 @@ def is_image_id(text: str) -> bool:
     return isinstance(text, str) and bool(_IMAGE_ID.match(text))
 
 
+def is_id_shaped(text: str) -> bool:
+    """True for a name that looks like a local image id (``img-`` and no registry or path): such a
+    name is never pulled from a registry, whether or not it is a well-formed id."""
+    return isinstance(text, str) and text.startswith("img-") and "/" not in text
+
+
 def split_ref(text: str) -> tuple[str | None, str, str | None, str | None] | None:
     """A reference's (registry host or None, repository path, tag, digest), or None when ``text`` is
     not one. As Docker reads it, a first component is a host only with a dot, a port or as

@@ -130,6 +130,8 @@ def spec_to_json(spec: EnvSpec) -> dict[str, Any]:
         args = dict(step.args)
         if step.kind == "env":
             args = {**args, "vars": dict(args["vars"])}
+        elif step.kind == "label":
+            args = {"labels": dict(args["labels"])}
         elif step.kind == "copy_from" and isinstance(args["source"], EnvSpec):
             args["source"] = spec_to_json(args["source"])
         steps.append({"kind": step.kind, **args})
@@ -137,9 +139,10 @@ def spec_to_json(spec: EnvSpec) -> dict[str, Any]:
 
 
 _STEP_ARGS = {
-    "workdir": ("path",), "copy": ("src", "dst"), "copy_from": ("source", "src", "dst"), "repo": ("src", "dst", "ref"),
-    "run": ("cmd",), "env": ("vars", "expand"), "service": ("name", "cmd", "mode"), "user": ("user",),
-    "entrypoint": ("argv",), "cmd": ("argv",), "expose": ("ports",),
+    "workdir": ("path",), "copy": ("src", "dst", "chown"), "copy_from": ("source", "src", "dst", "chown"),
+    "repo": ("src", "dst", "ref"), "run": ("cmd",), "env": ("vars", "expand"), "service": ("name", "cmd", "mode"),
+    "user": ("user",), "entrypoint": ("argv",), "cmd": ("argv",), "expose": ("ports",), "label": ("labels",),
+    "volume": ("paths",), "healthcheck": ("test", "interval_s", "timeout_s", "start_period_s", "retries"),
 }
 MAX_STAGES = 32
 """Deepest nesting of copy_from specs a spec may have."""
@@ -175,9 +178,21 @@ def spec_from_json(data: Any, _depth: int = 0) -> EnvSpec:
                 source = args.get("source")
                 if isinstance(source, dict):
                     source = spec_from_json(source, _depth + 1)
-                spec = spec.copy_from(source, args.get("src"), args.get("dst"))
-            elif kind in ("entrypoint", "cmd", "expose"):
-                values = args.get("argv" if kind != "expose" else "ports")
+                spec = spec.copy_from(source, args.get("src"), args.get("dst"), chown=args.get("chown"))
+            elif kind == "label":
+                labels = args.get("labels")
+                if not isinstance(labels, dict):
+                    raise InvalidSpec(f"step {number} (label): labels must be an object of strings")
+                spec = spec.label(**labels)
+            elif kind == "healthcheck":
+                test = args.pop("test", None)
+                if not isinstance(test, (list, tuple)) or not test or test[0] not in ("CMD", "CMD-SHELL", "NONE"):
+                    raise InvalidSpec(f"step {number} (healthcheck): test must be [\"CMD\", ...], [\"CMD-SHELL\","
+                                      " command] or [\"NONE\"]")
+                cmd = None if test[0] == "NONE" else test[1] if test[0] == "CMD-SHELL" else list(test[1:])
+                spec = spec.healthcheck(cmd, **args)
+            elif kind in ("entrypoint", "cmd", "expose", "volume"):
+                values = args.get({"expose": "ports", "volume": "paths"}.get(kind, "argv"))
                 if not isinstance(values, (list, tuple)):
                     raise InvalidSpec(f"step {number} ({kind}): give a list")
                 spec = getattr(spec, kind)(*values)

@@ -344,9 +344,13 @@ def _sha(data: bytes) -> str:
 
 
 def image_config(diff_ids: list[str], *, arch: str = "amd64", config: dict | None = None) -> bytes:
+    """An image's config blob; a ``history`` key in ``config`` goes to the top level, where images keep it."""
+    settings = dict(config or {})
+    history = settings.pop("history", None)
     return json.dumps({
         "architecture": arch, "os": "linux", "created": "2026-01-01T00:00:00Z",
-        "config": dict(config or {}), "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        "config": settings, "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        **({"history": history} if history is not None else {}),
     }, sort_keys=True).encode()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fanfold import BuildFailed, EnvSpec, ImageNotFound, InvalidSpec, ServiceFailed
+from fanfold import BuildFailed, EnvSpec, Fleet, ImageNotFound, InvalidSpec, ServiceFailed
+from fanfold.images import LayerStore
 from fanfold.images.builder import StepEvent
 
 
@@ -172,7 +174,7 @@ def test_host_base_exposes_no_host_secrets(fleet, monkeypatch):
 def test_bad_sources_and_unknown_images_get_clear_errors(fleet, tmp_path):
     with pytest.raises(InvalidSpec, match="does not exist"):
         fleet.build(EnvSpec("host").copy(str(tmp_path / "missing"), "/x"))
-    with pytest.raises(ImageNotFound, match="unknown image"):
+    with pytest.raises(ImageNotFound, match="no image 'img-0000000000000000' here"):
         fleet.create("img-0000000000000000")
 
 
@@ -183,3 +185,85 @@ def test_debian_base_builds_once_and_runs(fleet):
         result = sandbox.exec("cat /etc/debian_version /etc/baked && dpkg -l | grep -c '^ii'")
     lines = result.text.split()
     assert result.ok and lines[0].startswith("12.") and lines[1] == "baked" and int(lines[2]) > 50
+
+
+def test_copy_chown_labels_volumes_healthcheck_and_history(fleet, tmp_path):
+    (tmp_path / "owned").mkdir()
+    (tmp_path / "owned" / "f.txt").write_text("x\n")
+    (tmp_path / "one.txt").write_text("1\n")
+    users = EnvSpec("host").run("echo 'app:x:4242:4343::/home/app:/bin/sh' >> /etc/passwd"
+                                " && echo 'grp:x:4444:' >> /etc/group")
+    spec = (
+        users.copy(str(tmp_path / "owned"), "/srv/owned", chown="app:grp").copy(str(tmp_path / "one.txt"), "/srv/one.txt",
+                                                                              chown="4242")
+        .label(team="rl", **{"org.opencontainers.image.source": "here"}).volume("/data")
+        .healthcheck(["true"], interval_s=5).workdir("/srv")
+    )
+    image = fleet.build(spec)
+    with fleet.create(image) as sandbox:
+        owners = sandbox.exec("stat -c '%u:%g %n' /srv/owned /srv/owned/f.txt /srv/one.txt").text.splitlines()
+    assert owners == ["4242:4444 /srv/owned", "4242:4444 /srv/owned/f.txt", "4242:4242 /srv/one.txt"]
+    assert image.labels == (("org.opencontainers.image.source", "here"), ("team", "rl"))
+    assert image.volumes == ("/data",) and image.healthcheck is not None
+    assert (image.healthcheck.test, image.healthcheck.interval_s, image.healthcheck.retries) == (("CMD", "true"), 5.0, 3)
+    made = [step for step, _, _ in image.history]
+    assert made[0] == "BASE host" and made[2].startswith("COPY --chown=app:grp ") and made[-1] == "WORKDIR /srv"
+    assert "LABEL org.opencontainers.image.source=here team=rl" in made and "VOLUME /data" in made
+    assert [layer for _, layer, _ in image.history if layer] == list(image.layers)
+    assert image.history[2][2] > 0 and image.history[3][2] > 0 and image.history[4][1:] == ("", 0)
+    with pytest.raises(BuildFailed, match="no user 'nobody-here'"):
+        fleet.build(users.copy(str(tmp_path / "one.txt"), "/srv/one.txt", chown="nobody-here"))
+
+
+TLS_PROBE = '''\
+"""Serve TLS on loopback with a certificate of the test CA, and connect to it verifying as clients do."""
+import socket, ssl, sys, threading
+
+server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+server.load_cert_chain("/probe/server.pem", "/probe/server.key")
+listener = socket.create_server(("127.0.0.1", 0))
+threading.Thread(target=lambda: server.wrap_socket(listener.accept()[0], server_side=True).sendall(b"ok"),
+                 daemon=True).start()
+client = ssl.create_default_context()  # the default paths: SSL_CERT_FILE, else OpenSSL's (the system bundle)
+with client.wrap_socket(socket.create_connection(listener.getsockname()), server_hostname="outside.test") as tls:
+    print(tls.recv(2).decode(), sys.argv[1])
+'''
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> Path:
+    """A build context: a TLS probe and a server certificate whose CA (``ca.pem``, beside it) no image trusts."""
+    from outside import make_certificates
+
+    where = tmp_path_factory.mktemp("probe")
+    make_certificates(where, ["outside.test"])
+    context = where / "context"
+    context.mkdir()
+    for name in ("server.pem", "server.key"):
+        (context / name).write_bytes((where / name).read_bytes())
+    (context / "probe.py").write_text(TLS_PROBE)
+    return where
+
+
+def test_extra_cas_reach_build_steps_and_sandboxes_and_no_layer(config, probe):
+    nonce = f"n{time.time_ns()}"
+    spec = EnvSpec("host").copy(str(probe / "context"), "/probe").run(f"python3 /probe/probe.py {nonce}")
+    with Fleet(config=config) as plain, Fleet(config=dataclasses.replace(config, extra_ca_file=str(probe / "ca.pem"))) as trusted:
+        with pytest.raises(BuildFailed, match="CERTIFICATE_VERIFY_FAILED"):  # the image trusts its own CAs alone
+            plain.build(spec)
+        image = trusted.build(spec)
+        with trusted.create(image) as sandbox:
+            assert sandbox.exec(f"python3 /probe/probe.py {nonce}").text.split() == ["ok", nonce]
+            # without the variables, through OpenSSL's own default: the system bundle, extended
+            bare = sandbox.exec(f"env -u SSL_CERT_FILE python3 /probe/probe.py {nonce}")
+            assert bare.text.split() == ["ok", nonce], bare.stderr
+            assert sandbox.exec("echo $PIP_CERT $REQUESTS_CA_BUNDLE; readlink /etc/fanfold/trust.pem").text.split() == [
+                "/etc/fanfold/trust.pem", "/etc/fanfold/trust.pem", "/etc/ssl/certs/ca-certificates.crt"]
+        with plain.create(image) as untrusting:  # an engine without them: its sandboxes trust the image's CAs alone
+            assert "CERTIFICATE_VERIFY_FAILED" in untrusting.exec(f"python3 /probe/probe.py {nonce}").stderr.decode()
+    ca = (probe / "ca.pem").read_bytes().strip()
+    for layer in image.layers:  # laid over roots at set-up, never stored
+        tree = LayerStore(config.state_dir).layer_path(layer)
+        assert not (tree / "etc/fanfold").exists()
+        bundle = tree / "etc/ssl/certs/ca-certificates.crt"
+        assert not bundle.exists() or ca not in bundle.read_bytes()

@@ -272,3 +272,31 @@ def test_the_fake_backend_runs_a_command_in_a_state_dir_of_its_own(tmp_path):
     done = run_cli("--backend", "fake", "--state-dir", str(tmp_path), "run", "--", "sh", "-c", "echo ok > made; cat made")
     assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
     assert not list((tmp_path / "fake").iterdir())  # the sandbox's dir went with it
+
+
+def test_build_tag_docker_run_semantics_and_images_inspect_history(tmp_path):
+    name = f"cli-habits-{os.getpid()}:v1"
+    (tmp_path / "a.txt").write_text("hi\n")
+    (tmp_path / "Dockerfile").write_text(
+        "FROM host\nLABEL team=rl\nRUN echo 'app:x:4242:4242::/home/app:/bin/sh' >> /etc/passwd\n"
+        "COPY --chown=app a.txt /srv/a.txt\nVOLUME /data\nHEALTHCHECK --interval=5s CMD test -f /srv/a.txt\n"
+        "ENTRYPOINT [\"/bin/echo\", \"entry:\"]\nCMD [\"default\"]\n")
+    built = run_cli("build", "-t", name, str(tmp_path))
+    assert built.returncode == 0, built.stderr
+    image_id = built.stdout.strip()
+    assert run_cli("run", "--image", name).stdout == "entry: default\n"
+    assert run_cli("run", "--image", name, "--", "a", "b").stdout == "entry: a b\n"  # after the entrypoint, as Docker
+    listed = run_cli("run", "--image", name, "--entrypoint", "stat", "--", "-c", "%u:%g", "/srv/a.txt")
+    assert listed.stdout == "4242:4242\n", listed.stderr
+    assert run_cli("run", "--image", name, "--entrypoint", "").returncode == 2  # no entrypoint, and its cmd dropped
+    shown = run_cli("images", "inspect", name)
+    assert shown.returncode == 0, shown.stderr
+    for text in (image_id, "team=rl", "/data (directories of the sandbox's own disk)", "test -f /srv/a.txt",
+                 '["/bin/echo", "entry:"]', "BASE host", "COPY --chown=app a.txt /srv/a.txt"):
+        assert text in shown.stdout, (text, shown.stdout)
+    assert json.loads(run_cli("images", "inspect", "--json", image_id).stdout)["volumes"] == ["/data"]
+    steps = [line.split("\t") for line in run_cli("images", "history", name).stdout.splitlines()[1:]]
+    assert [s[0] for s in steps] == [str(n) for n in range(1, 9)] and steps[1][1:] == ["-", "-", "LABEL team=rl"]
+    missing = run_cli("images", "inspect", name.replace("habits", "habit"))
+    assert missing.returncode == 2 and f"did you mean {name}" in missing.stderr
+    assert run_cli("rmi", name).returncode == 0

@@ -325,3 +325,22 @@ async def test_a_watcher_is_dropped_by_the_bytes_it_falls_behind_too():
     assert slow not in process.watchers and slow.size <= MAX_BACKLOG_BYTES + 90_000
     items = [slow.get_nowait() for _ in range(slow.qsize())]
     assert isinstance(items[-1], Ended) and items[-1].error.code == "resource_exhausted" and slow.size == 0
+
+
+def test_a_mistyped_template_is_a_404_not_a_503_to_retry(image_server):
+    """On a server that pulls (image_server), a template no registry can be asked about is not found: the SDKs
+    retry 503s for ever."""
+    import httpx
+
+    with httpx.Client(base_url=f"{image_server.tcp_url}/e2b", timeout=60,
+                      headers={"X-API-KEY": image_server.tokens["alice"]}) as http:
+        for template in ("myimage", "img-deadbeef", "debian:bookwrom"):
+            missing = http.post("/v2/sandboxes", json={"templateID": template, "timeout": 60})
+            assert (missing.status_code, missing.json()["code"]) == (404, 404), missing.text
+        assert "did you mean debian:bookworm" in missing.json()["message"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("E2B_API_URL", f"{image_server.tcp_url}/e2b")
+        patch.setenv("E2B_SANDBOX_URL", f"{image_server.tcp_url}/e2b/envd")
+        patch.setenv("E2B_API_KEY", image_server.tokens["alice"])
+        with pytest.raises(e2b.SandboxException, match="^404: no image 'myimage' here"):
+            Sandbox.create(template="myimage", timeout=60)

@@ -13,9 +13,9 @@ from fanfold.engine.admission import memory_total_mb
 
 
 async def test_an_unknown_image_names_the_bases(afleet):
-    with pytest.raises(ImageNotFound, match="unknown image") as missing:
+    with pytest.raises(ImageNotFound, match="no image 'img-0000000000000000' here") as missing:
         await afleet.create("img-0000000000000000")
-    assert str(missing.value).endswith("or use a base: host, debian:bookworm")
+    assert "`fanfold images` lists the images here (bases: host, debian:bookworm)" in str(missing.value)
 
 
 async def test_limits_beyond_the_hosts_capacity_are_refused(afleet):

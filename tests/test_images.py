@@ -10,12 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from fanfold import AsyncFleet, EngineConfig, EnvSpec, ImageInUse, ImageNotFound, RegistryUnavailable, Unauthorized
+from fanfold import (
+    AsyncFleet, EngineConfig, EnvSpec, ImageInUse, ImageNotFound, InvalidRequest, RegistryUnavailable, Unauthorized,
+)
 from fanfold.images import LayerStore
 
 from conftest import run_cli
@@ -161,9 +168,73 @@ def test_the_cli_pulls_lists_runs_the_default_command_and_removes(registry, app:
     ran = run_cli("run", "--image", tag)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["from-cmd", "1000"]
-    as_root = run_cli("run", "--image", tag, "--user", "root", "--", "id", "-u")
+    as_root = run_cli("run", "--image", tag, "--user", "root", "--", "id -u")  # after its entrypoint, sh -c
     assert as_root.stdout == "0\n", as_root.stderr
     no_default = run_cli("run", "--image", "host")
     assert no_default.returncode == 2 and "no default command" in no_default.stderr
     removed = run_cli("rmi", tag)
     assert removed.returncode == 0 and removed.stdout.strip() == image_id, removed.stderr
+
+
+@contextmanager
+def failing_registry(status: int = 503) -> Iterator[str]:
+    """A plain-HTTP server on loopback that answers every request with ``status``: a registry that is up and
+    failing. Its ``host:port``, named in FANFOLD_INSECURE_REGISTRIES while it runs."""
+
+    class Failing(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host = f"127.0.0.1:{server.server_address[1]}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FANFOLD_INSECURE_REGISTRIES", ",".join(filter(None, [os.environ.get("FANFOLD_INSECURE_REGISTRIES"), host])))
+        try:
+            yield host
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(10)
+
+
+async def test_a_mistyped_name_is_not_found_and_names_what_was_meant(ifleet: AsyncFleet) -> None:
+    name = f"localhost:1/typo-{os.getpid()}:v1"  # nothing listens on port 1: the registry cannot be reached
+    built = await ifleet.build(EnvSpec("host").env(MARK="typo"), tag=name)
+    assert name in built.names
+    async with await ifleet.create(name) as sandbox:  # a build's name is used as a pulled reference's is
+        assert (await sandbox.exec("echo $MARK")).text.strip() == "typo"
+    started = time.monotonic()
+    with pytest.raises(ImageNotFound, match=f"did you mean {re.escape(name)}") as typo:
+        await ifleet.create(name.replace("typo-", "typ-"))
+    assert "could not be reached" in str(typo.value) and "fanfold build -t NAME" in str(typo.value)
+    with pytest.raises(ImageNotFound, match="never pulled") as shaped:  # id-shaped names never reach a registry
+        await ifleet.create("img-deadbeef")
+    assert "img-" in str(shaped.value) and time.monotonic() - started < 30
+    with pytest.raises(ImageNotFound, match="did you mean debian:bookworm"):  # docker.io: unreachable, or a 404
+        await ifleet.create("debian:bookwrom")
+    with pytest.raises(InvalidRequest, match="never pulled"):
+        await ifleet.pull("img-deadbeef")
+    with pytest.raises(InvalidRequest, match="cannot name an image 'img-x'"):
+        await ifleet.build(EnvSpec("host"), tag="img-x")
+    assert await ifleet.remove_image(name) == built.id
+
+
+async def test_a_failing_registry_is_retryable_only_for_a_name_that_is_no_near_miss(config: EngineConfig) -> None:
+    with failing_registry(503) as host:
+        async with AsyncFleet(config=config) as fleet:  # made after the env names the registry insecure
+            near = f"{host}/service-{os.getpid()}:v1"
+            built = await fleet.build(EnvSpec("host").env(MARK="near"), tag=near)
+            with pytest.raises(RegistryUnavailable, match="503"):  # plausible: worth retrying
+                await fleet.create(f"{host}/something-else-entirely:v7")
+            with pytest.raises(ImageNotFound, match=f"did you mean {re.escape(near)}.*its registry failed"):
+                await fleet.create(near.replace("service-", "servce-"))
+            await fleet.remove_image(built.id)

@@ -32,7 +32,11 @@ BASE = {"etc/os-release": "ID=fanfold-test\n", "etc/gone": "deleted above", "opt
         "bin/sh": Symlink("busybox"), "usr/share/keep": "kept"}
 TOP = {"etc/gone": WHITEOUT, "opt/app": OPAQUE, "opt/app/new": "shown", "etc/added": "added"}
 CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=hello=world"], "WorkingDir": "/opt/app", "User": "1000:1000",
-          "Entrypoint": ["/bin/sh", "-c"], "Cmd": ["echo hi"], "ExposedPorts": {"8000/tcp": {}, "53/udp": {}}}
+          "Entrypoint": ["/bin/sh", "-c"], "Cmd": ["echo hi"], "ExposedPorts": {"8000/tcp": {}, "53/udp": {}},
+          "Labels": {"team": "rl"}, "Volumes": {"/data": {}},
+          "Healthcheck": {"Test": ["CMD-SHELL", "true"], "Interval": 5_000_000_000, "Retries": 2},
+          "history": [{"created_by": "ADD base /"}, {"created_by": "ENV GREETING", "empty_layer": True},
+                      {"created_by": "COPY top /"}]}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +119,11 @@ async def test_config_is_honoured(images: ImageStore, pushed: str) -> None:
     assert image.workdir == "/opt/app" and image.user == "1000:1000"
     assert image.entrypoint == ("/bin/sh", "-c") and image.cmd == ("echo hi",)
     assert image.ports == ("53/udp", "8000/tcp") and image.host_dirs == ()
+    assert image.labels == (("team", "rl"),) and image.volumes == ("/data",) and image.healthcheck is not None
+    assert (image.healthcheck.test, image.healthcheck.interval_s, image.healthcheck.retries) == (("CMD-SHELL", "true"), 5.0, 2)
+    assert [(step, layer) for step, layer, _ in image.history] == [
+        ("ADD base /", image.layers[0]), ("ENV GREETING", ""), ("COPY top /", image.layers[1])]
+    assert all(size > 0 for _, layer, size in image.history if layer)
     assert images.store.load_image(image.id) == image
 
 

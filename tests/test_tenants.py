@@ -75,6 +75,7 @@ async def test_another_tenants_image_is_a_404_everywhere(tserver):
         assert made.status_code == never.status_code == 404
         assert made.json()["kind"] == "image_not_found"
         assert made.json()["message"] == never.json()["message"].replace("img-" + "0" * 16, mine.id)
+        assert "`fanfold images share NAME`" in made.json()["message"]  # how a host's image becomes visible
         with pytest.raises(ImageNotFound):
             await bob.pool(mine.id, 1)
         with pytest.raises(ImageNotFound):

@@ -24,12 +24,15 @@ if TYPE_CHECKING:
 @click.option("--network", type=click.Choice(["isolated", "host"]), default="isolated", show_default=True,
               help="Where RUN steps are: isolated (egress through NAT, nothing of the host) or the host's network"
                    " (the host's own tenant only).")
+@click.option("-t", "--tag", default=None, metavar="NAME[:TAG]",
+              help="Name the image (myenv, team/env:v2): create, run and build take the name as they take an id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the image as JSON.")
 @click.pass_context
 def build(ctx: click.Context, specfile: str | None, dockerfile: str | None, build_args: tuple[str, ...],
-          target: str | None, network: str, as_json: bool) -> None:
+          target: str | None, network: str, tag: str | None, as_json: bool) -> None:
     """Build the EnvSpec named `spec` in SPECFILE (a Python file), or a Dockerfile: SPECFILE named
-    `Dockerfile`, `*.Dockerfile` or `Dockerfile.*`, a directory holding a `Dockerfile`, or `-f FILE`."""
+    `Dockerfile`, `*.Dockerfile` or `Dockerfile.*`, a directory holding a `Dockerfile`, or `-f FILE`.
+    Prints the image's id; `-t NAME` names it too."""
     spec = _load_dockerfile(specfile, dockerfile, build_args, target)
     if spec is None:
         if specfile is None:
@@ -47,7 +50,7 @@ def build(ctx: click.Context, specfile: str | None, dockerfile: str | None, buil
                           highlight=False)
 
     with _fleet(ctx) as fleet:
-        image = fleet.build(spec, on_step=show, network=network)  # type: ignore[arg-type]
+        image = fleet.build(spec, on_step=show, network=network, tag=tag)  # type: ignore[arg-type]
     click.echo(image.to_json() if as_json else image.id)
 
 

@@ -1,8 +1,10 @@
-"""``fanfold pull``, ``import``, ``images`` (``images share``), ``rmi``, ``login`` and ``logout``: images from
-registries and files."""
+"""``fanfold pull``, ``import``, ``images`` (``images share``, ``inspect``, ``history``), ``rmi``, ``login`` and
+``logout``: images from registries and files."""
 
 from __future__ import annotations
 
+import difflib
+import json
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
@@ -11,6 +13,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TransferSpeedColumn
 from rich.table import Column, Table
+from rich.text import Text
 
 from .common import _fleet, _size, _stdout_console, console
 
@@ -88,7 +91,8 @@ def import_(ctx: click.Context, path: str, ref: str | None, quiet: bool, as_json
 def images(ctx: click.Context, as_json: bool) -> None:
     """List images: their names, where they came from, layers and size on disk.
 
-    `fanfold images share REF` publishes an image to every tenant of a server; `unshare` takes it back."""
+    `fanfold images inspect IMAGE` shows one image's config and layers, `history IMAGE` the step behind each;
+    `fanfold images share REF` publishes an image to every tenant of a server, `unshare` takes it back."""
     if ctx.invoked_subcommand is not None:
         return
     with _fleet(ctx) as fleet:
@@ -139,15 +143,106 @@ def unshare(ctx: click.Context, refs: tuple[str, ...]) -> None:
             click.echo(fleet.share_image(ref, shared=False).id)
 
 
+@images.command()
+@click.argument("ref", metavar="IMAGE")
+@click.option("--json", "as_json", is_flag=True, help="Print the image as JSON.")
+@click.pass_context
+def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
+    """Show IMAGE (an id or a name): its config (labels, env, workdir, user, entrypoint and cmd, ports,
+    volumes, healthcheck, services) and its layers, each with its size and the step that made it."""
+    image = _find(ctx, ref)
+    if as_json:
+        click.echo(image.to_json())
+        return
+    made = _layers(ctx, image)
+    fields = [
+        ("id", image.id), ("names", ", ".join(image.names) or "-"), ("source", image.source or image.base),
+        ("digest", image.digest or "-"), ("user", image.user or "root"), ("workdir", image.workdir),
+        ("entrypoint", json.dumps(list(image.entrypoint))), ("cmd", json.dumps(list(image.cmd))),
+        ("env", "\n".join(f"{k}={v}" for k, v in image.env) or "-"),
+        ("labels", "\n".join(f"{k}={v}" for k, v in image.labels) or "-"), ("ports", " ".join(image.ports) or "-"),
+        ("volumes", " ".join(image.volumes) + " (directories of the sandbox's own disk)" if image.volumes else "-"),
+        ("healthcheck", _healthcheck(image)),
+        ("services", "\n".join(f"{name} ({mode}): {cmd}" for name, cmd, mode in image.services) or "-"),
+        ("shared", "yes" if image.shared else "no"),
+    ]
+    table = Table(Column("field", style="bold", no_wrap=True), Column("value"), box=None, show_header=False)
+    for name, value in fields:
+        table.add_row(name, Text(value))  # as written: no markup, no :emoji: codes
+    layers = Table("#", Column("LAYER", no_wrap=True), Column("SIZE", justify="right", no_wrap=True), "MADE BY",
+                   box=None, header_style="bold")
+    for number, (step, layer, size) in enumerate(made, start=1):
+        layers.add_row(str(number), layer[:12], "-" if size is None else _size(size), Text(step or "-"))
+    total = None if any(size is None for _, _, size in made) else sum(size for _, _, size in made)  # type: ignore[misc]
+    table.add_row("size", "-" if total is None else _size(total))
+    out = _stdout_console()
+    out.print(table, highlight=False)
+    out.print(layers, highlight=False)
+
+
+@images.command()
+@click.argument("ref", metavar="IMAGE")
+@click.pass_context
+def history(ctx: click.Context, ref: str) -> None:
+    """The steps that made IMAGE, first to last: each one's layer and size (- for a step of config alone)."""
+    image = _find(ctx, ref)
+    steps = list(image.history) or [(step, layer, size) for step, layer, size in _layers(ctx, image)]
+    header = ("STEP", "LAYER", "SIZE", "CREATED BY")
+    rows = [(str(number), layer[:12] or "-", "-" if size is None or not layer else _size(size), step or "-")
+            for number, (step, layer, size) in enumerate(steps, start=1)]
+    if not sys.stdout.isatty():  # a pipe or a file: one step a line, whole, for cut and awk
+        for row in (header, *rows):
+            click.echo("\t".join(row))
+        return
+    table = Table("STEP", Column("LAYER", no_wrap=True), Column("SIZE", justify="right", no_wrap=True), "CREATED BY",
+                  box=None, header_style="bold")
+    for row in rows:
+        table.add_row(*row[:3], Text(row[3]))
+    _stdout_console().print(table, highlight=False)
+
+
+def _find(ctx: click.Context, ref: str) -> Image:
+    """The image ``ref`` names (its id or one of its names) among those the caller sees."""
+    from ..errors import ImageNotFound
+
+    with _fleet(ctx) as fleet:
+        found = fleet.images()
+    for image in found:
+        if ref == image.id or ref in image.names:
+            return image
+    known = [image.id for image in found] + [name for image in found for name in image.names]
+    near = ", ".join(difflib.get_close_matches(ref, known, n=3, cutoff=0.6))
+    raise ImageNotFound(f"no image {ref!r} here{f' (did you mean {near}?)' if near else ''}: `fanfold images` lists them")
+
+
+def _layers(ctx: click.Context, image: Image) -> list[tuple[str, str, int | None]]:
+    """Each layer's step and size: as the image recorded them, else sized here (embedded) or unknown."""
+    made = image.layer_history()
+    if ctx.obj["url"] or all(size is not None for _, _, size in made):
+        return made
+    from ..images import LayerStore
+
+    store = LayerStore(ctx.obj["state_dir"])
+    return [(step, layer, store.layer_size(layer)) for step, layer, _ in made]
+
+
+def _healthcheck(image: Image) -> str:
+    check = image.healthcheck
+    if check is None:
+        return "-"
+    test = " ".join(check.test[1:]) if check.test[0] == "CMD-SHELL" else json.dumps(list(check.test[1:]))
+    return (f"{test} (every {check.interval_s:g}s, timeout {check.timeout_s:g}s, start period {check.start_period_s:g}s,"
+            f" {check.retries} retries; recorded, fanfold runs no probe)")
+
+
 def _sizes(ctx: click.Context, found: list[Image]) -> dict[str, int]:
     """Sizes on disk, known to an embedded engine's state dir (a server's images show none)."""
     if ctx.obj["url"]:
         return {}
-    from ..engine.catalog import layer_size
     from ..images import LayerStore
 
     store = LayerStore(ctx.obj["state_dir"])
-    return {image.id: sum(layer_size(store, layer) for layer in image.layers) for image in found}
+    return {image.id: sum(store.layer_size(layer) for layer in image.layers) for image in found}
 
 
 @click.command()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..models import Persistence
+from ..refs import BASES
 from .common import _fleet, _limits_options, _pairs, _stdout_console, console
 from .netopts import network_options, network_value
 
@@ -79,20 +80,25 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @_CWD
 @_USER
 @_SECCOMP
+@click.option("--entrypoint", default=None, metavar="PROGRAM",
+              help="Run PROGRAM in place of the image's entrypoint (\"\" for none), without the image's cmd.")
 @network_options
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, network, allow, deny, cmd) -> None:  # type: ignore[no-untyped-def]
+def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, entrypoint,  # type: ignore[no-untyped-def]
+        network, allow, deny, cmd) -> None:
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
-    With no CMD, runs the image's default command (its entrypoint and cmd). Our stdin goes to
-    CMD when it is a pipe or a file. Ctrl-C kills CMD and the sandbox (exit 130).
+    As `docker run` does: CMD goes after the image's entrypoint, as its arguments, in place of the
+    image's cmd; with no CMD the image's cmd does. Our stdin goes to the command when it is a pipe or
+    a file. Ctrl-C kills it and the sandbox (exit 130).
     """
     with _fleet(ctx) as fleet:
         with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
                           env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
                           network=network_value(network, allow, deny)) as sandbox:
-            result = _exec(sandbox, cmd or _default_command(fleet, sandbox.info.image_id, image), timeout=timeout, cwd=cwd)
+            argv = _command(fleet, sandbox.info.image_id, image, entrypoint, cmd)
+            result = _exec(sandbox, argv, timeout=timeout, cwd=cwd)
     _exit_with(result)
 
 
@@ -101,10 +107,15 @@ def _profile_path(seccomp: str) -> str:
     return seccomp if seccomp in ("default", "unconfined") else os.path.abspath(seccomp)
 
 
-def _default_command(fleet: Fleet, image_id: str, asked: str) -> tuple[str, ...]:
-    """The image's entrypoint and cmd: what `fanfold run IMAGE` runs with no command."""
-    found = next((img for img in fleet.images() if img.id == image_id), None)
-    argv = (*found.entrypoint, *found.cmd) if found is not None else ()
+def _command(fleet: Fleet, image_id: str, asked: str, entrypoint: str | None, cmd: tuple[str, ...]) -> tuple[str, ...]:
+    """What `fanfold run` runs, as `docker run` composes it: the entrypoint (the image's, or --entrypoint's),
+    then CMD, or with none given the image's cmd (which --entrypoint drops)."""
+    if entrypoint is not None:
+        argv = ((entrypoint,) if entrypoint else ()) + cmd
+    else:
+        found = None if asked in BASES else next((img for img in fleet.images() if img.id == image_id), None)
+        start, default = (found.entrypoint, found.cmd) if found is not None else ((), ())
+        argv = (*start, *(cmd or default))
     if not argv:
         raise click.UsageError(f"image {asked!r} has no default command (no ENTRYPOINT or CMD): give one after the image")
     return argv

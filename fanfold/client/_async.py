@@ -103,11 +103,13 @@ class AsyncFleet:
         """Await ``coro``: the twin of ``Fleet.call``, which runs async code on a sync fleet's loop."""
         return await coro
 
-    async def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated") -> Image:
+    async def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated",
+                    tag: str | None = None) -> Image:
         """Build ``spec`` into an image; cached layers make a rebuild almost free. Its ``run`` steps
         reach the outside through NAT but nothing of the host; ``network="host"`` (the host's own
-        tenant only, on a server) gives them the host's network."""
-        return await self._transport.build(spec, on_step, network=network)
+        tenant only, on a server) gives them the host's network. ``tag`` names it (``myenv:v2``):
+        creates and builds may then use that name, as ``docker build -t`` does."""
+        return await self._transport.build(spec, on_step, network=network, tag=tag)
 
     async def images(self) -> list[Image]:
         """Every image on the host (on a server: the tenant's own and shared ones): ``source`` says where

@@ -198,10 +198,11 @@ class HttpTransport:
         except FanfoldError:
             pass
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
+                    tag: str | None = None) -> Image:
         if not isinstance(spec, EnvSpec):
             raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
-        params = {"network": check_network(network)}
+        params = {"network": check_network(network), **({"tag": tag} if tag is not None else {})}
         body, kind = await asyncio.to_thread(_build_request, spec)
         async with aclosing(self._lines("POST", "/v1/images", data=body, headers={"Content-Type": kind},
                                         params=params)) as lines:

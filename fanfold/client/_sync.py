@@ -108,11 +108,13 @@ class Fleet:
         the fleet first if need be; Ctrl-C cancels it. ``AsyncFleet.call`` awaits it."""
         return self._call(coro)
 
-    def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated") -> Image:
+    def build(self, spec: EnvSpec, *, on_step: OnStep | None = None, network: Network = "isolated",
+              tag: str | None = None) -> Image:
         """Build ``spec`` into an image; cached layers make a rebuild almost free. Its ``run`` steps
         reach the outside through NAT but nothing of the host; ``network="host"`` (the host's own
-        tenant only, on a server) gives them the host's network."""
-        return self._call(self._async.build(spec, on_step=on_step, network=network))
+        tenant only, on a server) gives them the host's network. ``tag`` names it (``myenv:v2``):
+        creates and builds may then use that name, as ``docker build -t`` does."""
+        return self._call(self._async.build(spec, on_step=on_step, network=network, tag=tag))
 
     def images(self) -> list[Image]:
         """Every image on the host: ``source`` says where each came from, ``names`` what names it."""

@@ -255,10 +255,11 @@ class RayTransport:
         order = rank([node.load() for node in self._alive()], memory_mb=memory_mb, cpus=cpus, source=source)
         return [self.nodes[load.tag] for load in order]
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
+                    tag: str | None = None) -> Image:
         """Build on the node with the most headroom; others build it (from their cache) when a create needs it."""
         node = self._best()[0]
-        image = await self._on(node, node.http.build(spec, on_step, network=network))
+        image = await self._on(node, node.http.build(spec, on_step, network=network, tag=tag))
         self._specs[image.id] = spec
         node.images |= {image.id, *image.names}
         return image

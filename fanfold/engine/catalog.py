@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ImageInUse, ImageNotFound, InvalidRequest, Unauthorized
+from ..errors import ImageInUse, ImageNotFound, InvalidRequest, RegistryDenied, RegistryUnavailable, Unauthorized
 from ..images import Image, LayerStore
 from ..images.registry import parse_platform
+from ..refs import is_id_shaped
 from ..spec import BASES, EnvSpec, Step, is_image_id, is_image_ref
 from . import db as dbmod
 
@@ -47,6 +48,9 @@ class Catalog:
     async def pull(self, ref: str, *, platform: str | None = None, on_progress: OnPull | None = None,
                    tenant: str = "") -> Image:
         """Fetch ``ref`` from its registry (again, to see whether its tag moved); layers already here are kept."""
+        if is_id_shaped(ref):
+            raise InvalidRequest(f"{ref!r} is shaped like a local image id (img-...), and ids are never pulled:"
+                                 " `fanfold images` lists the images here")
         if not is_image_ref(ref):
             raise InvalidRequest(
                 f"{ref!r} is not an image reference: give one like 'python:3.12-slim',"
@@ -68,6 +72,12 @@ class Catalog:
             raise InvalidRequest("only the host's own tenant names imported images; import without a ref")
         return self.own(await self.oci.import_file(where.absolute(), ref=ref, on_progress=on_progress), tenant)
 
+    def name(self, tag: str, img: Image, tenant: str = "") -> Image:
+        """Name ``img`` ``tag`` for ``tenant`` (a build's ``-t``): a later create or build of that name
+        uses it, as a pulled reference's name does; the name moves off any image it named before."""
+        self.store.tag(check_tag(tag), img.id, tenant)
+        return self._named(img, tenant)
+
     def own(self, img: Image, tenant: str) -> Image:
         """Record that ``tenant`` made ``img`` (built, pulled or imported it); the image as it sees it."""
         if tenant:
@@ -76,11 +86,17 @@ class Catalog:
 
     async def resolve(self, ref: str, tenant: str = "") -> Image:
         """The image a base or create names: a pulled reference (pulled now if it never was) or an id;
-        for a server tenant, only among the images it may see."""
-        if is_image_id(ref):
-            img = self.store.load_image(ref)
-            if not self.visible(img, tenant):
-                raise ImageNotFound(_unknown_id(ref))
+        for a server tenant, only among the images it may see.
+
+        A name shaped like an id (``img-...``) is never pulled. A name that is not here and cannot be
+        pulled is ImageNotFound (not retried), naming the local images it may have meant; it is
+        RegistryUnavailable (retried) only when the registry was reached and failed (a 5xx, a
+        timeout) and the name is no near miss of a local one (``near_misses``)."""
+        if is_id_shaped(ref):
+            img = self._local_id(ref, tenant)
+            if img is None:
+                raise ImageNotFound(self._unknown(ref, tenant, "a name starting img- is a local image's id, and is"
+                                                              " never pulled"))
             return img
         for namespace in dict.fromkeys((tenant, "")):
             known = self.store.resolve_ref(ref, namespace)
@@ -94,14 +110,51 @@ class Catalog:
             if namespace == tenant or img.id in self.db.shared_images():
                 return img
         if not is_image_ref(ref):
-            raise ImageNotFound(
-                f"unknown image {ref!r}: use a base ({', '.join(BASES)}), an image id (img-...), a snapshot,"
-                " or an image reference such as 'python:3.12-slim'"
-            )
+            raise ImageNotFound(self._unknown(ref, tenant, "it is neither a base, an image id, a snapshot nor an image"
+                                                           " reference such as 'python:3.12-slim'"))
         if self.pull_policy == "never":
-            raise ImageNotFound(f"image {ref!r} was never pulled here, and this host pulls only when asked"
-                                f" (FANFOLD_PULL=never): run `fanfold pull {ref}` first")
-        return await self.pull(ref, tenant=tenant)
+            raise ImageNotFound(self._unknown(ref, tenant, "it was never pulled here, and this host pulls only when"
+                                                           f" asked (FANFOLD_PULL=never): run `fanfold pull {ref}` first"))
+        try:
+            return await self.pull(ref, tenant=tenant)
+        except RegistryUnavailable as err:
+            if err.reached and not self.near_misses(ref, tenant):
+                raise
+            raise ImageNotFound(self._unknown(ref, tenant, _unpulled(ref, err))) from None
+        except (ImageNotFound, RegistryDenied) as err:
+            raise type(err)(self._unknown(ref, tenant, str(err))) from None
+
+    def near_misses(self, ref: str, tenant: str = "") -> list[str]:
+        """Local names (references, ids, bases) ``tenant`` may use that ``ref`` looks like a typo of: the
+        closest few, each at least 80% alike (``difflib``'s ratio)."""
+        return difflib.get_close_matches(ref, self._local_names(tenant), n=3, cutoff=NEAR_MISS)
+
+    def _local_names(self, tenant: str) -> list[str]:
+        visible = self.images(tenant)
+        names = {name for img in visible for name in img.names} | {img.id for img in visible}
+        return sorted(names | set(BASES))
+
+    def _local_id(self, ref: str, tenant: str) -> Image | None:
+        if not is_image_id(ref):
+            return None
+        try:
+            img = self.store.load_image(ref)
+        except ImageNotFound:
+            return None
+        return img if self.visible(img, tenant) else None
+
+    def _unknown(self, ref: str, tenant: str, why: str) -> str:
+        """What an ImageNotFound says: why, the local names ``ref`` may have meant, and where to look."""
+        # A well-formed id was copied, not typed: what ids are near it would only hint at what others hold.
+        near = [] if is_image_id(ref) else difflib.get_close_matches(ref, self._local_names(tenant), n=3,
+                                                                      cutoff=SUGGEST)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        where = (f" `fanfold images` lists the images here (bases: {', '.join(BASES)});"
+                 " `fanfold build -t NAME` names a build.")
+        if tenant:  # said whether or not the host has such an image: no tenant learns what others hold
+            where += (" An image of the host's own tenant is seen here once its operator shares it"
+                      " (`fanfold images share NAME`).")
+        return f"no image {ref!r} here{hint}: {why}.{where}"
 
     def visible(self, img: Image, tenant: str) -> bool:
         """Whether ``tenant`` may see ``img``: its own, a shared one, or a bare base; the host sees all."""
@@ -230,7 +283,6 @@ class Catalog:
             if path.name.startswith(".") or path.name in keep:
                 continue
             self.store.remove_layer(path.name)  # a link to a layer taken by reference takes its subvolume
-            (self.store.layers_dir / f".size-{path.name}").unlink(missing_ok=True)
             removed.append(path.name)
         return removed
 
@@ -244,37 +296,36 @@ class Catalog:
         return used
 
 
+def check_tag(tag: str) -> str:
+    """A name a build may give its image: a reference (``myenv``, ``team/env:v2``), not a base nor id-shaped."""
+    if not isinstance(tag, str) or tag in BASES or is_id_shaped(tag) or not is_image_ref(tag):
+        raise InvalidRequest(
+            f"cannot name an image {tag!r}: give a name like 'myenv' or 'team/env:v2' (lower case; not a base"
+            f" ({', '.join(BASES)}) nor starting with img-, which is how image ids look)"
+        )
+    return tag
+
+
 def _bare_base(img: Image) -> bool:
     """A fanfold base with no steps (``host``, ``debian:bookworm``): every tenant may use one."""
     return img.base in BASES and len(img.layers) == 1 and img.id == "img-" + img.layers[0][:16]
 
 
-def _unknown_id(image_id: str) -> str:
-    return (f"unknown image {image_id!r}: build a spec first (`fanfold build`), or use a base:"
-            f" {', '.join(BASES)}")
+NEAR_MISS = 0.8
+"""How alike (``difflib``'s ratio) a name must be to a local one to count as a typo of it."""
+SUGGEST = 0.6
+"""How alike a local name must be to be offered as what was meant."""
+def _unpulled(ref: str, err: RegistryUnavailable) -> str:
+    """Why a name that is not here counts as missing although pulling it failed, the rule said in full."""
+    said = str(err).split(": ", 1)[-1]
+    what = ("its registry could not be reached to look for it" if not err.reached
+            else "its registry failed, and the name is a near miss of a local one")
+    return (f"{what} ({said}). A name not here is RegistryUnavailable (worth a retry) only when its registry was"
+            f" reached and failed and the name is no near miss of a local one; if {ref!r} is right, `fanfold pull"
+            f" {ref}` once the registry answers")
 
 
 def _in_use(image_id: str, users: set[str]) -> str:
     return (f"image {image_id} is used by {', '.join(sorted(users)[:5])}{' ...' if len(users) > 5 else ''}:"
             " remove those first, or pass force to drop only its name")
 
-
-def layer_size(store: LayerStore, layer: str) -> int:
-    """Bytes a layer takes on disk, counted once and remembered beside it (layers never change)."""
-    cache = store.layers_dir / f".size-{layer[:32]}"
-    try:
-        return int(cache.read_text())
-    except (OSError, ValueError):
-        pass
-    total = 0
-    for top, _dirs, files in os.walk(store.layer_path(layer)):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(top, name)).st_blocks * 512
-            except OSError:
-                continue
-    try:
-        cache.write_text(str(total))
-    except OSError:
-        pass
-    return total

@@ -24,6 +24,7 @@ from ..errors import (
     PortUnreachable, SandboxNotFound,
 )
 from ..images import Image, LayerStore, users
+from ..store import trust
 from ..images.builder import Builder, Network, OnStep
 from ..models import (
     ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
@@ -32,7 +33,7 @@ from ..runtime import SECCOMP_PROFILES as PROFILES, check_seccomp, get_backend
 from ..spec import BASES, EnvSpec, check_user
 from . import db as dbmod
 from .admission import Admission, check_fits_host
-from .catalog import Catalog
+from .catalog import Catalog, check_tag
 from .api import MAX_POOL, OnOutput
 from .checkpoints import Checkpoints
 from .checks import check_deadline, check_labels, check_strings
@@ -80,6 +81,7 @@ class Engine:
         except OSError as err:
             raise HostNotReady(f"cannot use the state dir {cfg.state_dir}: {err}; run fanfold as root"
                                " or set FANFOLD_STATE_DIR to a directory of yours") from None
+        trust.load(cfg.extra_ca_file, cfg.state_dir)  # HostNotReady now, not at the first create
         self.store = LayerStore(cfg.state_dir)
         self.backend = get_backend(cfg, self.store)
         await self.backend.prepare()
@@ -88,7 +90,7 @@ class Engine:
         self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
                           scratch_run=cfg.state_dir / "bundles", tag=cfg.tag,
-                          resolve_base=self.catalog.resolve)
+                          resolve_base=self.catalog.resolve, extra_ca_file=cfg.extra_ca_file)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count)
         self.telemetry = Telemetry(lambda: self.figures.gauges())
@@ -154,10 +156,15 @@ class Engine:
 
     # -- images -------------------------------------------------------------------------------
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
+                    tag: str | None = None, tenant: str = "") -> Image:
         """Build ``spec`` into an image, reusing every layer already built. Its ``run`` steps reach the
-        outside through NAT but nothing of the host, unless ``network="host"``."""
-        return await self.sources.build(spec, on_step, network=network)
+        outside through NAT but nothing of the host, unless ``network="host"``. ``tag`` names the image
+        (``myenv``, ``myenv:v2``) for ``tenant`` (a server's tenant: in its own namespace of names)."""
+        if tag is not None:
+            check_tag(tag)
+        built = self.catalog.own(await self.sources.build(spec, on_step, network=network), tenant)
+        return built if tag is None else self.catalog.name(tag, built, tenant)
 
     async def image(self, ref: str | Image) -> Image:
         """An image from an Image, an image id, a base name (``host``, ``debian:bookworm``) or a

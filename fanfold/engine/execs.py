@@ -73,7 +73,7 @@ class Execs:
         try:
             raw = await asyncio.wait_for(
                 life.backend.exec(
-                    handle, argv, env=base_env(img, sandbox_id, merged), cwd=workdir,
+                    handle, argv, env=base_env(img, sandbox_id, merged, life.trust_env), cwd=workdir,
                     timeout_ms=0 if timeout is None else max(1, math.ceil(timeout * 1000)),
                     max_output=limit, stdin=stdin_bytes, on_chunk=on_output,
                     user=_switch(who), control=control,

@@ -26,6 +26,7 @@ from ..errors import FanfoldError, InfrastructureError, InvalidRequest, SandboxG
 from ..host import procs, safefs
 from ..host.offload import host_errors
 from ..images import Image
+from ..store.trust import trust_env
 from ..models import Limits, SandboxInfo
 from ..runtime import Backend, Handle, SandboxSpec
 from . import db as dbmod
@@ -74,6 +75,8 @@ class Lifecycle:
         self.config, self.db, self.backend, self.sources, self.snaps = config, db, backend, sources, snaps
         self.admission, self.telemetry, self.owner = admission, telemetry, owner
         self.network = Network(config, backend)
+        self.trust_env = trust_env() if config.extra_ca_file and backend.capabilities.isolated else {}
+        """What points tools at the extra CAs the backend lays over each root (``store.trust``)."""
         self.interrupters: list[Callable[[str], Awaitable[None]]] = []
         """Enders of a sandbox's long-lived calls (a server's E2B processes and code contexts), run
         before a checkpoint of it waits for its calls in flight."""
@@ -307,7 +310,7 @@ class Lifecycle:
         policy = None if row is None else row_policy(row)
         spec = SandboxSpec(
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
-            env=tuple(base_env(img, sandbox_id, self.network.env(policy))), services=img.services, restore=restore,
+            env=tuple(base_env(img, sandbox_id, self.network.env(policy), self.trust_env)), services=img.services, restore=restore,
             seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy, "" if row is None else row["tenant"]),
         )
         handle = await self.backend.bring_up(spec)

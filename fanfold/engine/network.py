@@ -26,6 +26,7 @@ from .._extras import require
 from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError, InvalidRequest, RecordingNotFound
 from ..host import safefs
+from ..store.trust import SYSTEM_BUNDLES
 from ..net.netd import Netd, NetdDied
 from ..net.policy import NetworkPolicy
 from ..runtime import Backend, Handle
@@ -38,7 +39,6 @@ DNS_PORT = 53
 CA_BUNDLE = "/etc/fanfold/ca-bundle.pem"
 """Where a sandbox whose TLS the proxy terminates finds the CAs it trusts: its own and the fleet's."""
 FLEET_CA = "/etc/fanfold/fleet-ca.pem"
-SYSTEM_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem")
 """A row's network column when the sandbox has no network."""
 
 

@@ -92,9 +92,10 @@ class Sources:
         return dataclasses.replace(self.store.load_image(row["image_id"]), layers=dbmod.row_layers(row))
 
 
-def base_env(img: Image, sandbox_id: str, extra: dict[str, str]) -> list[str]:
-    """A command's environment: fanfold's defaults, then the image's, then the caller's."""
+def base_env(img: Image, sandbox_id: str, extra: dict[str, str], defaults: dict[str, str] | None = None) -> list[str]:
+    """A command's environment: fanfold's defaults (and ``defaults``), then the image's, then the caller's."""
     merged = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", "HOSTNAME": sandbox_id, "TERM": "xterm"}
+    merged.update(defaults or {})
     merged.update(dict(img.env))
     merged.update(extra)
     return [f"{key}={value}" for key, value in merged.items()]

@@ -3,5 +3,6 @@ importing images (``fanfold.images.oci``, loaded when first used). Layers and im
 ``fanfold.store``, whose ``Image`` and ``LayerStore`` are named here too."""
 
 from ..store import Image, LayerStore
+from ..store.layers import Healthcheck
 
-__all__ = ["Image", "LayerStore"]
+__all__ = ["Healthcheck", "Image", "LayerStore"]

@@ -12,7 +12,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable, Literal
 
 from ..errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
 from ..host import safefs, stepnet
@@ -21,8 +21,9 @@ from ..runtime import seccomp
 from ..runtime.container import ProcessUser
 from ..refs import DEFAULT_PATH
 from ..spec import BASES, EnvSpec, Step, is_repo_url, words
-from ..store import Image, LayerStore
-from ..store.rootfs import copy_tree, fold_host_uppers, mount_rootfs, unmount_rootfs
+from ..store import Image, LayerStore, trust
+from ..store.layers import Healthcheck
+from ..store.rootfs import copy_tree, fold_host_uppers, mount_rootfs, mount_trusted, unmount_rootfs
 from . import users
 from .bases import base_digest, ensure_base, host_dirs
 
@@ -43,7 +44,7 @@ class StepEvent:
 OnStep = Callable[[StepEvent], None]
 ResolveBase = Callable[[str], Awaitable[Image]]
 """Turns a base that is not one of fanfold's own (an image reference or id) into a local image."""
-CONFIG_STEPS = ("env", "service", "user", "entrypoint", "cmd", "expose")
+CONFIG_STEPS = ("env", "service", "user", "entrypoint", "cmd", "expose", "label", "volume", "healthcheck")
 """Steps that change an image's config and make no layer."""
 Network = Literal["isolated", "host"]
 """Where a build's ``run`` steps are: ``isolated`` (egress through NAT, nothing of the host; see
@@ -63,8 +64,10 @@ class Builder:
     engine's) names its build networks."""
 
     def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path,
-                 tag: str, resolve_base: ResolveBase | None = None) -> None:
+                 tag: str, resolve_base: ResolveBase | None = None, extra_ca_file: str | None = None) -> None:
         self.store = store
+        self.extra_ca_file = extra_ca_file
+        """CAs ``run`` steps trust besides the image's own (``trust``), never written into a layer."""
         self.runtime = runtime
         self.networks = stepnet.StepNetworks(tag)
         self.mirror = mirror
@@ -92,9 +95,12 @@ class Builder:
             return start
         layers = list(start.layers)
         env = dict(start.env)
-        config = {"workdir": start.workdir, "user": start.user, "entrypoint": start.entrypoint, "cmd": start.cmd}
-        ports = list(start.ports)
-        services = list(start.services)
+        config: dict[str, Any] = {
+            "workdir": start.workdir, "user": start.user, "entrypoint": start.entrypoint, "cmd": start.cmd,
+            "ports": list(start.ports), "services": list(start.services), "labels": dict(start.labels),
+            "volumes": list(start.volumes), "healthcheck": start.healthcheck,
+        }
+        history = list(start.history) or await _off_loop(self._history_of, start, spec.base)
         dirs = start.host_dirs
         context = spec.context or Path.cwd()
         for index, step in enumerate(spec.steps, start=1):
@@ -113,16 +119,9 @@ class Builder:
             if step.kind in CONFIG_STEPS:
                 if step.kind == "env":
                     env.update(_env_values(step, env))
-                elif step.kind == "service":
-                    services.append((step.arg("name"), step.arg("cmd"), step.arg("mode")))
-                elif step.kind == "user":
-                    config["user"] = step.arg("user")
-                elif step.kind == "entrypoint":  # as in Docker, a new entrypoint drops the inherited cmd
-                    config["entrypoint"], config["cmd"] = step.arg("argv"), ()
-                elif step.kind == "cmd":
-                    config["cmd"] = step.arg("argv")
                 else:
-                    ports.extend(p for p in step.arg("ports") if p not in ports)
+                    _configure(step, config)
+                history.append((description, "", 0))
                 continue
             step = _placed(step, str(config["workdir"]))  # relative paths: to the workdir in force
             if step.kind == "workdir":
@@ -130,6 +129,7 @@ class Builder:
             if self.store.has_layer(digest):
                 report(StepEvent(index, total, description, "cached"))
                 layers.append(digest)
+                history.append((description, digest, await _off_loop(self.store.layer_size, digest)))
                 continue
             report(StepEvent(index, total, description, "running"))
             try:
@@ -140,14 +140,22 @@ class Builder:
                 raise
             report(StepEvent(index, total, description, "built"))
             layers.append(digest)
+            history.append((description, digest, await _off_loop(self.store.layer_size, digest)))
         image = Image(
             id="img-" + digest[:16], base=spec.base, layers=tuple(layers), host_dirs=dirs,
-            env=tuple(env.items()), workdir=str(config["workdir"]), services=tuple(services),
+            env=tuple(env.items()), workdir=str(config["workdir"]), services=tuple(config["services"]),
             user=str(config["user"]), entrypoint=tuple(config["entrypoint"]), cmd=tuple(config["cmd"]),
-            ports=tuple(ports), source="build",
+            ports=tuple(config["ports"]), source="build", labels=tuple(sorted(config["labels"].items())),
+            volumes=tuple(config["volumes"]), healthcheck=config["healthcheck"], history=tuple(history),
         )
         self.store.save_image(image)
         return image
+
+    def _history_of(self, start: Image, base: str) -> list[tuple[str, str, int]]:
+        """The history a build starts from: its base's layer, or an image's layers when it kept none."""
+        if not start.id:
+            return [(f"BASE {base}", start.layers[0], self.store.layer_size(start.layers[0]))]
+        return [(f"FROM {base}", layer, self.store.layer_size(layer)) for layer in start.layers]
 
     async def _base(self, base: str) -> tuple[Image, str, bool]:
         """The image a spec starts from, the digest its steps chain on, and whether it was already here.
@@ -159,15 +167,15 @@ class Builder:
             digest = await _off_loop(ensure_base, self.store, base, self.mirror)
             dirs = host_dirs() if base == "host" else ()
             return Image(id="", base=base, layers=(digest,), host_dirs=dirs), digest, cached
-        if base.startswith("img-"):
-            start = self.store.load_image(base)
-            cached = True
-        elif self.resolve_base is None:
-            raise InvalidSpec(f"base {base!r} is an image reference, and this builder cannot pull images")
-        else:
+        if self.resolve_base is not None:  # ids too: an unknown one's error names what may have been meant
             known = self.store.resolve_ref(base)
             start = await self.resolve_base(base)
-            cached = known is not None and known == start.id
+            cached = base == start.id or (known is not None and known == start.id)
+        elif base.startswith("img-"):
+            start = self.store.load_image(base)
+            cached = True
+        else:
+            raise InvalidSpec(f"base {base!r} is an image reference, and this builder cannot pull images")
         return start, hashlib.sha256(f"image:{start.id}".encode()).hexdigest(), cached
 
     async def _copy_source(self, source: EnvSpec | str, context: Path, description: str,
@@ -189,18 +197,45 @@ class Builder:
                 return
             scratch = self.store.scratch()
             try:
+                owner = await _off_loop(self._owner, step, layers, dirs, scratch)
                 if step.kind == "run":
                     tree = await self._run_step(step, layers, dirs, env, workdir, scratch, net, user)
                 elif step.kind == "copy_from":
                     assert source is not None
-                    tree = await _off_loop(_copy_from, self.store, source, step, scratch)
+                    tree, copied = await _off_loop(_copy_from, self.store, source, step, scratch)
                 else:
                     tree = scratch / "upper"
                     tree.mkdir()
                     await _off_loop(_file_step, step, tree, context, inputs)
+                    copied = tree / step.arg("dst").lstrip("/") if step.kind == "copy" else tree
+                if owner is not None:
+                    await _off_loop(_chown_tree, copied, *owner)
                 self.store.commit(tree, digest)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+    def _owner(self, step: Step, layers: tuple[str, ...], dirs: tuple[str, ...], scratch: Path) -> tuple[int, int] | None:
+        """The uid and gid a copy's ``chown`` names, resolved in the image as built so far (mounted for a
+        name); a user without a group gets the gid equal to its uid, as Docker's ``--chown`` does."""
+        chown = dict(step.args).get("chown") if step.kind in ("copy", "copy_from") else None
+        if not chown:
+            return None
+        name, _, group = chown.partition(":")
+        if name.isdigit() and (not group or group.isdigit()):
+            who = users.resolve(scratch, chown)  # numbers: checked for range, no file read
+        else:
+            root, where = scratch / "owner-root", scratch / "owner"
+            where.mkdir()
+            mount_rootfs(self.store, layers, dirs, root, where)
+            try:
+                who = users.resolve(root, chown, where="the image's")
+            except InvalidRequest as err:
+                raise BuildFailed(f"build step {step.describe()!r}: {err}", step=step.describe(), exit_code=None,
+                                  output_tail="") from None
+            finally:
+                unmount_rootfs(root)
+                shutil.rmtree(where, ignore_errors=True)
+        return who.uid, who.gid if group else who.uid
 
     async def _run_step(self, step: Step, layers, dirs, env, workdir, scratch: Path, net: stepnet.StepNetwork | None,
                         user: str = "") -> Path:
@@ -213,12 +248,14 @@ class Builder:
         netns = None if net is None else await net.netns()  # None: the host's network
         resolvers = "/etc/resolv.conf" if net is None else stepnet.resolv_conf()
         rootfs = scratch / "rootfs"
-        mount_rootfs(self.store, layers, dirs, rootfs, scratch)
+        extra = trust.load(self.extra_ca_file, self.store.layers_dir.parent)
+        await _off_loop(lambda: mount_trusted(self.store, layers, dirs, rootfs, scratch, extra))
         build_id = f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid tells reconcile whose it is
         try:
             who = _step_user(step, rootfs, user)
             ident = {} if who is None else who.env()  # the USER's HOME, USER, LOGNAME unless ENV set them
-            variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **ident, **env}
+            trusted = {} if extra is None else trust.trust_env()
+            variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **trusted, **ident, **env}
             spec = ContainerSpec(
                 id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],
                 env=[f"{k}={v}" for k, v in variables.items()], cwd=workdir, hostname="fanfold-build",
@@ -250,6 +287,27 @@ def _step_user(step: Step, rootfs: Path, user: str) -> users.User | None:
                           step=step.describe(), exit_code=None, output_tail="") from None
 
 
+def _configure(step: Step, config: dict[str, Any]) -> None:
+    """Apply a step of config alone (not env) to ``config``."""
+    if step.kind == "service":
+        config["services"].append((step.arg("name"), step.arg("cmd"), step.arg("mode")))
+    elif step.kind == "user":
+        config["user"] = step.arg("user")
+    elif step.kind == "entrypoint":  # as in Docker, a new entrypoint drops the inherited cmd
+        config["entrypoint"], config["cmd"] = step.arg("argv"), ()
+    elif step.kind == "cmd":
+        config["cmd"] = step.arg("argv")
+    elif step.kind == "expose":
+        config["ports"].extend(p for p in step.arg("ports") if p not in config["ports"])
+    elif step.kind == "label":
+        config["labels"].update(step.arg("labels"))
+    elif step.kind == "volume":
+        config["volumes"].extend(p for p in step.arg("paths") if p not in config["volumes"])
+    else:
+        args = dict(step.args)
+        config["healthcheck"] = None if args["test"] == ("NONE",) else Healthcheck(**args)
+
+
 def _env_values(step: Step, env: dict[str, str]) -> dict[str, str]:
     """An env step's values; an ``expand_env`` one's expanded against the environment before it."""
     values = dict(step.arg("vars"))
@@ -274,9 +332,10 @@ def _placed(step: Step, workdir: str) -> Step:
     return Step(step.kind, tuple((k, path if k == name else v) for k, v in step.args))
 
 
-def _copy_from(store: LayerStore, source: Image, step: Step, scratch: Path) -> Path:
+def _copy_from(store: LayerStore, source: Image, step: Step, scratch: Path) -> tuple[Path, Path]:
     """A layer tree holding ``src`` copied out of ``source``'s layers, mounted at a scratch dir and
-    unmounted again; ``src`` is resolved inside that root, so no link in it leads out."""
+    unmounted again, and where in it the copy went; ``src`` is resolved inside that root, so no link
+    in it leads out."""
     root, rw, tree = scratch / "source", scratch / "source-rw", scratch / "upper"
     rw.mkdir()
     tree.mkdir()
@@ -306,7 +365,16 @@ def _copy_from(store: LayerStore, source: Image, step: Step, scratch: Path) -> P
             _copy(str(real), target)
     finally:
         unmount_rootfs(root)
-    return tree
+    return tree, target
+
+
+def _chown_tree(top: Path, uid: int, gid: int) -> None:
+    """Own ``top`` and everything under it (links themselves, never followed)."""
+    os.lchown(top, uid, gid)
+    if top.is_dir() and not top.is_symlink():
+        for folder, names, files in os.walk(top):
+            for name in names + files:
+                os.lchown(os.path.join(folder, name), uid, gid)
 
 
 def _copy(source: str, target: Path) -> None:

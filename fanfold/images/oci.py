@@ -27,6 +27,7 @@ from .registry import (
     parse_platform, parse_ref, skopeo, skopeo_copy,
 )
 from ..store import Image, LayerStore
+from ..store.layers import Healthcheck
 
 __all__ = ["ImageStore", "OnPull", "PullEvent"]
 
@@ -140,7 +141,8 @@ class ImageStore:
                         on_progress(PullEvent(layer, i, len(chain), size, size, "exists"))
                 for layer in chain:
                     self._link(layer)
-                image = self._record(config, config_digest, chain, source, "sha256:" + hashlib.sha256(raw).hexdigest())
+                image = await asyncio.to_thread(self._record, config, config_digest, chain, source,
+                                                "sha256:" + hashlib.sha256(raw).hexdigest())
                 digest_ref = (f"{source.repository}@{image.digest}",) if source.repository and source.tag_digest else ()
                 for ref in source.refs + digest_ref:
                     self.store.tag(ref, image.id)
@@ -227,9 +229,26 @@ class ImageStore:
             workdir=settings.get("WorkingDir") or "/", user=settings.get("User") or "",
             entrypoint=tuple(settings.get("Entrypoint") or ()), cmd=tuple(settings.get("Cmd") or ()),
             ports=tuple(sorted(settings.get("ExposedPorts") or {})), source=source.source, digest=digest,
+            labels=tuple(sorted((str(k), str(v)) for k, v in (settings.get("Labels") or {}).items())),
+            volumes=tuple(sorted(settings.get("Volumes") or {})), healthcheck=_healthcheck(settings.get("Healthcheck")),
+            history=self._history(config.get("history"), chain),
         )
         self.store.save_image(image)
         return image
+
+    def _history(self, entries: object, chain: list[str]) -> tuple[tuple[str, str, int], ...]:
+        """The config's history (the step that made each layer, and those that made none) with each layer's
+        size; when it does not account for every layer, the layers alone."""
+        steps = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+        if sum(1 for e in steps if not e.get("empty_layer")) != len(chain):
+            steps = [{} for _ in chain]
+        layers = iter(chain)
+        history = []
+        for entry in steps:
+            made_by = str(entry.get("created_by") or entry.get("comment") or "")
+            layer = "" if entry.get("empty_layer") else next(layers)
+            history.append((made_by, layer, self.store.layer_size(layer) if layer else 0))
+        return tuple(history)
 
     # -- credentials ----------------------------------------------------------------------------
 
@@ -310,6 +329,7 @@ class ImageStore:
         for link in self.store.layers_dir.iterdir():  # the doomed layers' links, and any whose layer is gone
             if link.is_symlink() and os.readlink(link).startswith(str(self.storage.graphroot)) and not link.exists():
                 link.unlink()
+                self.store.forget_size(link.name)
         return doomed
 
     def discard_tmp(self) -> None:
@@ -321,6 +341,15 @@ class ImageStore:
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
+
+
+def _healthcheck(data: object) -> Healthcheck | None:
+    """An OCI/Docker config's Healthcheck (durations in nanoseconds), or None when it has none."""
+    if not isinstance(data, dict) or not isinstance(data.get("Test"), list) or not data["Test"]:
+        return None
+    seconds = {name: float(data.get(key) or default) / 1e9 for name, key, default in (
+        ("interval_s", "Interval", 30e9), ("timeout_s", "Timeout", 30e9), ("start_period_s", "StartPeriod", 0))}
+    return Healthcheck(test=tuple(str(t) for t in data["Test"]), retries=int(data.get("Retries") or 3), **seconds)
 
 
 async def _both(first: Awaitable[bytes], second: Awaitable[bytes]) -> list[bytes]:

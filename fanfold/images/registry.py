@@ -210,6 +210,10 @@ async def skopeo_copy(args: list[str], *, registry: str, file: bool, on_blob: On
 
 _DENIED = re.compile(r"unauthorized|authentication required|\b401\b|\bdenied\b|invalid username/password")
 _NOT_FOUND = re.compile(r"manifest unknown|name unknown|\bnot found\b|\b404\b|no such image")
+_UNREACHED = re.compile(
+    r"no such host|connection refused|network is unreachable|no route to host|server misbehaving"
+    r"|temporary failure in name resolution|dial tcp[^\n]*i/o timeout|proxyconnect"
+)
 _UNAVAILABLE = re.compile(
     r"connection refused|connection reset|\beof\b|timeout|no such host|\b50[0-4]\b|internal server error|bad gateway"
     r"|service unavailable|broken pipe|unexpected end|too many requests|\b429\b"
@@ -243,6 +247,9 @@ def map_error(stderr: str, registry: str, *, file: bool = False) -> Exception:
         )
     if _NOT_FOUND.search(low):
         return ImageNotFound(f"{registry} has no such image (check the name, tag or digest): {said}")
+    if _UNREACHED.search(low):
+        return RegistryUnavailable(f"{registry} could not be reached; nothing was kept, try again: {said}",
+                                   reached=False)
     if _UNAVAILABLE.search(low):
         return RegistryUnavailable(f"{registry} did not answer or broke off; nothing was kept, try again: {said}")
     return RegistryUnavailable(f"pulling from {registry} failed; nothing was kept, try again: {said}")

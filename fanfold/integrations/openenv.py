@@ -154,11 +154,11 @@ class SessionEngine:
     async def close(self) -> None:
         pass  # the session closes the lease, which ends the sandboxes
 
-    async def build(self, spec: Any, on_step: Any = None, *, network: str = "isolated") -> Any:
+    async def build(self, spec: Any, on_step: Any = None, *, network: str = "isolated", tag: str | None = None) -> Any:
         if network == "host":
             host_only(self.tenant, "build with the host's network (network=host)")
-        built = await self.engine.build(await self.engine.catalog.scoped(spec, self.tenant), on_step, network=network)
-        return self.engine.catalog.own(built, self.tenant)
+        return await self.engine.build(await self.engine.catalog.scoped(spec, self.tenant), on_step, network=network,
+                                       tag=tag, tenant=self.tenant)
 
     async def create(self, image: Any = "host", **options: Any) -> Any:
         if isinstance(image, str):

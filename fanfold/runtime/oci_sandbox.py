@@ -20,8 +20,8 @@ from ..errors import FanfoldError, InfrastructureError
 from .._agent.client import AgentClient
 from ..host import cgroups, disk, idmap, mounts, procs, safefs, setup, stepnet
 from ..host.offload import on_thread, read_once
-from ..store import LayerStore
-from ..store.rootfs import inherit_layer, mount_rootfs
+from ..store import LayerStore, trust
+from ..store.rootfs import inherit_layer, mount_trusted
 from ..models import Limits
 from ..host.netns import new_netns, raise_lo, set_hostname
 from ..host.spawn import log_tail
@@ -301,7 +301,8 @@ def mount_disk(
         remap = _idmapper(where.root / "mapped", users.fd(base))
         scratch = remap(scratch)
     with idmap.as_mapped_root(base):  # the overlay's dirs and copy-ups: uid 0 on disk, root inside
-        mount_rootfs(store, layers, host_dirs, where.rootfs, scratch, volatile=quota, remap=remap, inherited=inherited)
+        mount_trusted(store, layers, host_dirs, where.rootfs, scratch, trust.load(config.extra_ca_file, config.state_dir),
+                      volatile=quota, remap=remap, inherited=inherited)
         name_host(where.rootfs, sandbox_id)
     where.channel.mkdir(mode=0o700)
     if base is not None:

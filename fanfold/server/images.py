@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from ..engine import Engine
+from ..engine.catalog import check_tag
 from ..errors import FanfoldError, InvalidRequest, InvalidSpec
 from ..host import safefs
 from ..images.builder import check_network
@@ -57,11 +58,15 @@ async def list_images(request: Request, caller: str = Depends(tenant)) -> list[d
 )
 async def build(request: Request, caller: str = Depends(tenant), network: str = Query(
         "isolated", description="Where `run` steps are: `isolated` (egress through NAT, nothing of the host) or"
-                                " `host` (the host's network: the host's own tenant only).")) -> StreamingResponse:
+                                " `host` (the host's network: the host's own tenant only)."),
+                tag: str | None = Query(None, description="A name for the image (`myenv`, `team/env:v2`), in the"
+                                                          " caller's own namespace of names.")) -> StreamingResponse:
     """Build a spec into an image; cached layers are reused. Progress streams as it goes."""
     fleet: Engine = engine(request)
     if check_network(network) == "host":  # a step on the host's network reaches its loopback services
         host_only(caller, "build with the host's network (network=host)")
+    if tag is not None:
+        check_tag(tag)  # refused before the upload, not after the build
     # The pid in the name lets reconcile clear what a crashed server left.
     scratch = Path(tempfile.mkdtemp(prefix=f"context-{os.getpid()}-", dir=fleet.config.state_dir / "bundles"))
     try:
@@ -72,8 +77,8 @@ async def build(request: Request, caller: str = Depends(tenant), network: str = 
 
     async def work(report):  # type: ignore[no-untyped-def]
         try:
-            built = await fleet.build(await fleet.catalog.scoped(spec, caller), report, network=network)
-            return fleet.catalog.own(built, caller)
+            return await fleet.build(await fleet.catalog.scoped(spec, caller), report, network=network, tag=tag,
+                                     tenant=caller)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
 

@@ -64,10 +64,11 @@ def _step_path(path: str, *, what: str) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    """One build step; ``kind`` is workdir, copy, copy_from, repo, run, env, service, user, entrypoint, cmd
-    or expose.
+    """One build step; ``kind`` is workdir, copy, copy_from, repo, run, env, service, user, entrypoint, cmd,
+    expose, label, volume or healthcheck.
 
-    env, service, user, entrypoint, cmd and expose change the image's config, not its files."""
+    env, service, user, entrypoint, cmd, expose, label, volume and healthcheck change the image's config,
+    not its files."""
 
     kind: str
     args: tuple[tuple[str, Any], ...]
@@ -76,10 +77,19 @@ class Step:
         return dict(self.args)[name]
 
     def describe(self) -> str:
+        args = dict(self.args)
+        chown = f"--chown={args['chown']} " if args.get("chown") else ""
         if self.kind == "copy_from":
             source = self.arg("source")
             name = source if isinstance(source, str) else f"stage({source.base}+{len(source.steps)} steps)"
-            return f"COPY --from={name} {self.arg('src')} {self.arg('dst')}"
+            return f"COPY --from={name} {chown}{self.arg('src')} {self.arg('dst')}"
+        if self.kind == "copy" and chown:
+            return f"COPY {chown}{self.arg('src')} {self.arg('dst')}"
+        if self.kind == "label":
+            return "LABEL " + " ".join(f"{k}={v}" for k, v in self.arg("labels"))
+        if self.kind == "healthcheck":
+            test = self.arg("test")
+            return "HEALTHCHECK " + (" ".join(test) if test[0] != "CMD-SHELL" else f"CMD {test[1]}")
         values = " ".join(
             " ".join(v) if isinstance(v, tuple) and all(isinstance(x, str) for x in v) else str(v)
             for _, v in self.args
@@ -119,16 +129,19 @@ class EnvSpec:
         ``path`` is relative to the workdir in force (the base image's until a workdir step)."""
         return self._add("workdir", path=_step_path(path, what="workdir"))
 
-    def copy(self, src: str | Path, dst: str) -> EnvSpec:
-        """Copy a host file or directory into the image at ``dst`` (relative: to the workdir in force)."""
+    def copy(self, src: str | Path, dst: str, *, chown: str | None = None) -> EnvSpec:
+        """Copy a host file or directory into the image at ``dst`` (relative: to the workdir in force).
+        ``chown`` (``user[:group]``, names or ids, resolved in the image) owns what is copied, as
+        ``COPY --chown`` does: a user without a group gets the gid equal to its uid."""
         if not isinstance(src, (str, Path)) or not str(src) or "\0" in str(src):
             raise InvalidSpec(f"copy source must be a path, got {src!r}")
-        return self._add("copy", src=str(src), dst=_step_path(dst, what="copy destination"))
+        return self._add("copy", src=str(src), dst=_step_path(dst, what="copy destination"), **_chown(chown))
 
-    def copy_from(self, source: EnvSpec | str, src: str, dst: str) -> EnvSpec:
+    def copy_from(self, source: EnvSpec | str, src: str, dst: str, *, chown: str | None = None) -> EnvSpec:
         """Copy ``src`` out of another image: a spec (built first, as a Dockerfile stage is), an image
         reference, a local image id or a base. A directory's contents go into ``dst``; a file becomes
-        ``dst``, or goes into it when ``dst`` ends with '/'. Relative ``dst``: to the workdir in force."""
+        ``dst``, or goes into it when ``dst`` ends with '/'. Relative ``dst``: to the workdir in force.
+        ``chown`` as for ``copy``."""
         if isinstance(source, str):
             EnvSpec(source)  # the same names a base takes, checked the same way
         elif not isinstance(source, EnvSpec):
@@ -136,7 +149,7 @@ class EnvSpec:
         into = isinstance(dst, str) and dst.endswith("/") and dst.strip("/") != ""
         dst = _step_path(dst, what="copy_from destination")
         return self._add("copy_from", source=source, src=sandbox_path(src, what="copy_from source"),
-                         dst=dst + "/" if into else dst)
+                         dst=dst + "/" if into else dst, **_chown(chown))
 
     def repo(self, src: str, dst: str, ref: str = "HEAD") -> EnvSpec:
         """Clone a git repository (a URL or a local path) at ``ref`` into ``dst``."""
@@ -200,6 +213,43 @@ class EnvSpec:
         """Note ports a service in the image listens on (``8000``, ``53/udp``); informational."""
         return self._add("expose", ports=tuple(_port(p) for p in ports))
 
+    def label(self, **labels: str) -> EnvSpec:
+        """Metadata kept in the image's config (``fanfold images inspect`` shows it); keys may hold dots:
+        ``spec.label(**{"org.opencontainers.image.source": url})``."""
+        for key, value in labels.items():
+            if not key or not isinstance(value, str) or "\0" in key + value:
+                raise InvalidSpec(f"bad label {key}={value!r}: a non-empty key and a string value")
+        return self._add("label", labels=tuple(sorted(labels.items())))
+
+    def volume(self, *paths: str) -> EnvSpec:
+        """Note paths the image keeps data in, as Docker's VOLUME does. fanfold records them (``inspect``
+        shows them) and mounts nothing there: a volume is a directory of the sandbox's own disk, written,
+        snapshotted and forked with the rest of it."""
+        if not paths:
+            raise InvalidSpec("volume() needs one or more absolute paths")
+        return self._add("volume", paths=tuple(sandbox_path(p, what="volume") for p in paths))
+
+    def healthcheck(self, cmd: str | list[str] | tuple[str, ...] | None, *, interval_s: float = 30.0,
+                    timeout_s: float = 30.0, start_period_s: float = 0.0, retries: int = 3) -> EnvSpec:
+        """How to tell the image's service is healthy, as Docker's HEALTHCHECK: a shell command (a string),
+        an argv (a list), or None to drop an inherited one. Recorded in the image's config (``inspect``
+        shows it) for tools that probe; fanfold itself runs no probe."""
+        if cmd is None:
+            test: tuple[str, ...] = ("NONE",)
+        elif isinstance(cmd, str) and cmd.strip():
+            test = ("CMD-SHELL", cmd)
+        elif isinstance(cmd, (list, tuple)) and cmd:
+            test = ("CMD", *_argv(tuple(cmd), "healthcheck"))
+        else:
+            raise InvalidSpec("healthcheck() takes a shell command, an argv list, or None")
+        numbers = {"interval_s": interval_s, "timeout_s": timeout_s, "start_period_s": start_period_s}
+        for name, value in numbers.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise InvalidSpec(f"healthcheck {name} must be a number of seconds >= 0, got {value!r}")
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise InvalidSpec(f"healthcheck retries must be a whole number >= 0, got {retries!r}")
+        return self._add("healthcheck", test=test, **{k: float(v) for k, v in numbers.items()}, retries=retries)
+
     @classmethod
     def from_dockerfile(cls, path: str | Path, *, context: str | Path | None = None,
                         build_args: dict[str, str] | None = None, target: str | None = None) -> EnvSpec:
@@ -217,6 +267,11 @@ def _argv(argv: tuple[str, ...], what: str) -> tuple[str, ...]:
     if not all(isinstance(a, str) and "\0" not in a for a in argv):
         raise InvalidSpec(f"{what} takes strings (an argv), got {argv!r}")
     return tuple(argv)
+
+
+def _chown(chown: str | None) -> dict[str, str]:
+    """A copy's ``chown`` argument, present only when given (a copy without one keeps its layer's key)."""
+    return {} if chown is None else {"chown": check_user(chown)}
 
 
 def _port(port: int | str) -> str:

@@ -2,9 +2,10 @@
 instruction maps onto EnvSpec steps, so a Dockerfile builds into the same cached layers as a spec.
 
 Mapped: FROM (fanfold's bases, an image reference, a local image id, or an earlier ``AS`` stage),
-RUN, COPY and ADD of local files, ``COPY --from`` a stage or an image, WORKDIR, ENV, ARG, USER,
-ENTRYPOINT, CMD, EXPOSE; LABEL is accepted and ignored. Anything else is an InvalidSpec naming the
-file, the line and what to do.
+RUN, COPY and ADD of local files (``--chown`` too), ``COPY --from`` a stage or an image, WORKDIR, ENV,
+ARG, USER, ENTRYPOINT, CMD, EXPOSE, LABEL; VOLUME and HEALTHCHECK are recorded in the image's config
+(a volume is a directory of the sandbox's own disk, and fanfold runs no health probe). Anything else
+is an InvalidSpec naming the file, the line and what to do.
 
 On an image base the image's config is not known when the file is read: an ENV value naming a
 variable the image may set becomes an ``expand_env`` step, and a relative WORKDIR or COPY destination
@@ -34,10 +35,8 @@ EnvSpec = Any
 
 
 _UNSUPPORTED = {
-    "HEALTHCHECK": "fanfold does not probe sandboxes; drop it, or check from your env's code",
     "ONBUILD": "build triggers are not supported; put the instructions in the Dockerfile that uses the image",
     "SHELL": "RUN always uses /bin/sh -c; write `RUN bash -c '...'` or use the exec form",
-    "VOLUME": "a sandbox's whole filesystem is its own; drop it",
     "STOPSIGNAL": "sandboxes are stopped by fanfold; drop it",
     "MAINTAINER": "it is deprecated; use LABEL or drop it",
 }
@@ -150,8 +149,8 @@ class _Translator:
         handler = getattr(self, f"_{kind.lower()}_step", None)
         if handler is None:
             raise self.fail("unknown or unsupported instruction: fanfold maps FROM, RUN, COPY, ADD, WORKDIR, ENV,"
-                            " ARG, USER, ENTRYPOINT, CMD, EXPOSE and LABEL")
-        if kind not in ("COPY", "ADD") and command.flags:
+                            " ARG, USER, ENTRYPOINT, CMD, EXPOSE, LABEL, VOLUME and HEALTHCHECK")
+        if kind not in ("COPY", "ADD", "HEALTHCHECK") and command.flags:
             raise self.fail(f"{' '.join(command.flags)} is not supported: remove it")
         handler(command, stage)
 
@@ -223,7 +222,46 @@ class _Translator:
         stage.spec = self._spec(lambda: stage.spec.expand_env(**{name: text for name, (text, _) in templates.items()}))
 
     def _label_step(self, command, stage: _Stage) -> None:
-        """Labels are metadata fanfold's images do not keep."""
+        values = [self.word(word, stage) for word in command.value]
+        labels = dict(zip(values[0::2], values[1::2]))
+        stage.spec = self._spec(lambda: stage.spec.label(**labels))
+
+    def _volume_step(self, command, stage: _Stage) -> None:
+        paths = [self.word(word, stage) for word in command.value]
+        relative = [path for path in paths if not path.startswith("/")]
+        if relative or not paths:
+            raise self.fail(f"give absolute paths ({', '.join(relative) or 'none given'})")
+        stage.spec = self._spec(lambda: stage.spec.volume(*paths))
+
+    def _healthcheck_step(self, command, stage: _Stage) -> None:
+        times = {"--interval": "interval_s", "--timeout": "timeout_s", "--start-period": "start_period_s"}
+        options: dict[str, Any] = {}
+        for flag in command.flags:
+            option, _, value = flag.partition("=")
+            value = self.word(value, stage)
+            if option in times:
+                options[times[option]] = self._seconds(value, option)
+            elif option == "--retries" and value.isdigit():
+                options["retries"] = int(value)
+            elif option != "--start-interval":  # how often to probe while starting: no probe runs here
+                raise self.fail(f"{flag} is not supported: HEALTHCHECK takes --interval, --timeout, --start-period,"
+                                " --start-interval and --retries (a whole number)")
+        kind, *rest = command.value or ("",)
+        if kind.upper() == "NONE" and not rest:
+            cmd: str | list[str] | None = None
+        elif kind.upper() == "CMD" and rest:
+            cmd = list(rest) if command.json else rest[0]
+        else:
+            raise self.fail("write `HEALTHCHECK [OPTIONS] CMD command` or `HEALTHCHECK NONE`")
+        stage.spec = self._spec(lambda: stage.spec.healthcheck(cmd, **options))
+
+    def _seconds(self, text: str, option: str) -> float:
+        """A Go duration (``30s``, ``1m30s``, ``500ms``) in seconds."""
+        parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|h|m|s)", text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            raise self.fail(f"{option}={text} is not a duration: write e.g. 30s, 1m30s or 500ms")
+        scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+        return sum(float(number) * scale[unit] for number, unit in parts)
 
     def _workdir_step(self, command, stage: _Stage) -> None:
         stage.workdir, path = self._place(self.word(command.value[0], stage), stage, "WORKDIR")
@@ -259,14 +297,17 @@ class _Translator:
         self._sources(command, stage, add=True)
 
     def _sources(self, command, stage: _Stage, *, add: bool) -> None:
-        source = None
+        source, chown = None, None
         for flag in command.flags:
             option, _, value = flag.partition("=")
             if option == "--from" and not add:
                 source = self._copy_source(self.word(value, stage), stage)
                 continue
-            if option in ("--chown", "--chmod"):
-                raise self.fail(f"{flag} is not supported: copy, then `RUN chown`/`RUN chmod` the copied paths")
+            if option == "--chown":
+                chown = self.word(value, stage)
+                continue
+            if option == "--chmod":
+                raise self.fail(f"{flag} is not supported: copy, then `RUN chmod` the copied paths")
             if option != "--link":
                 raise self.fail(f"{flag} is not supported: remove it")
         words = [self.word(word, stage) for word in command.value]
@@ -276,7 +317,7 @@ class _Translator:
         directory = dest.endswith("/") or dest in (".", "./") or dest.endswith("/.")
         key, target = self._place(dest, stage, self.instruction + " destination")
         if source is not None:
-            return self._copy_from(source, sources, dest, target, directory or key in stage.dirs, stage)
+            return self._copy_from(source, sources, dest, target, directory or key in stage.dirs, stage, chown)
         matched = [path for source in sources for path in self._matches(source, add)]
         if len(matched) > 1 and not directory and key not in stage.dirs:
             raise self.fail(f"with several sources the destination must be a directory: write {dest.rstrip('/')}/")
@@ -288,7 +329,7 @@ class _Translator:
             else:
                 dst = posixpath.join(target, path.name) if into_dir else target
             src = path.relative_to(self.context).as_posix()
-            stage.spec = self._spec(lambda: stage.spec.copy(src, dst))
+            stage.spec = self._spec(lambda: stage.spec.copy(src, dst, chown=chown))
 
     def _copy_source(self, name: str, stage: _Stage) -> EnvSpec | str:
         """What ``--from=name`` names: an earlier stage (by name or index), else an image."""
@@ -307,7 +348,7 @@ class _Translator:
                         " reference nor a local image id (img-...)")
 
     def _copy_from(self, source: EnvSpec | str, sources: list[str], dest: str, target: str, into_dir: bool,
-                   stage: _Stage) -> None:
+                   stage: _Stage, chown: str | None = None) -> None:
         """Paths in another stage or image: whether each is a file or a directory is known only when
         built, so the builder places it (a directory's contents into ``dst``, a file at it or, when
         ``dst`` ends with '/', into it)."""
@@ -321,7 +362,7 @@ class _Translator:
             path = posixpath.normpath("/" + src.lstrip("/"))  # relative sources: to the other image's root
             if ".." in PurePosixPath(path).parts:
                 raise self.fail(f"source {src!r} may not contain '..'")
-            stage.spec = self._spec(lambda: stage.spec.copy_from(source, path, dst))
+            stage.spec = self._spec(lambda: stage.spec.copy_from(source, path, dst, chown=chown))
 
     def _matches(self, source: str, add: bool) -> list[Path]:
         if add and re.match(r"^[a-z][a-z0-9+.-]*://|^git@", source, re.I):

@@ -19,11 +19,31 @@ import uuid
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from ..errors import ImageNotFound
 from ..host import disk, mounts
 from ..spec import BASES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Healthcheck:
+    """A HEALTHCHECK as an image records it (Docker's, in seconds); fanfold notes it and runs no probe."""
+
+    test: tuple[str, ...]
+    """``("CMD", argv...)``, ``("CMD-SHELL", command)``, or ``("NONE",)`` (an inherited one turned off)."""
+    interval_s: float = 30.0
+    timeout_s: float = 30.0
+    start_period_s: float = 0.0
+    retries: int = 3
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Healthcheck | None:
+        if not data:
+            return None
+        return cls(test=tuple(data["test"]), interval_s=float(data.get("interval_s", 30.0)),
+                   timeout_s=float(data.get("timeout_s", 30.0)), start_period_s=float(data.get("start_period_s", 0.0)),
+                   retries=int(data.get("retries", 3)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +71,15 @@ class Image:
     """Where it came from: ``build``, ``registry REF`` or ``file PATH``."""
     digest: str = ""
     """The manifest digest of a pulled or imported image (``sha256:...``)."""
+    labels: tuple[tuple[str, str], ...] = ()
+    """Metadata (a Dockerfile's LABEL, a pulled image's labels), sorted by key."""
+    volumes: tuple[str, ...] = ()
+    """Paths the image keeps data in (VOLUME), noted: a volume is a directory of the sandbox's own disk."""
+    healthcheck: Healthcheck | None = None
+    """How to probe its service (HEALTHCHECK), noted for tools that probe; fanfold runs none."""
+    history: tuple[tuple[str, str, int], ...] = ()
+    """(what made it, the layer it made or "" for a step of config alone, that layer's bytes on disk) of each
+    step, bottom first; empty for images recorded before it was kept."""
     names: tuple[str, ...] = ()
     """The references that name it now (filled in by listings; not part of the stored record)."""
     shared: bool = False
@@ -76,8 +105,17 @@ class Image:
             services=tuple(tuple(s) for s in data["services"]), user=data.get("user", ""),
             entrypoint=tuple(data.get("entrypoint", ())), cmd=tuple(data.get("cmd", ())),
             ports=tuple(data.get("ports", ())), source=data.get("source", ""), digest=data.get("digest", ""),
+            labels=tuple(tuple(kv) for kv in data.get("labels", ())), volumes=tuple(data.get("volumes", ())),
+            healthcheck=Healthcheck.from_dict(data.get("healthcheck")), history=tuple(tuple(h) for h in data.get("history", ())),
             names=tuple(data.get("names", ())), shared=bool(data.get("shared", False)),
         )
+
+    def layer_history(self) -> list[tuple[str, str, int | None]]:
+        """(what made it, layer, bytes or None when unknown) of each layer, bottom first: from ``history``,
+        or for an image recorded without one, its layers with no step named."""
+        if self.history:
+            return [(made_by, layer, size) for made_by, layer, size in self.history if layer]
+        return [("", layer, None) for layer in self.layers]
 
 
 class LayerStore:
@@ -100,6 +138,27 @@ class LayerStore:
 
     def has_layer(self, digest: str) -> bool:
         return self.layer_path(digest).is_dir()
+
+    def layer_size(self, layer: str) -> int:
+        """Bytes a layer takes on disk, counted once and remembered beside it (layers never change).
+        Blocking (it walks the tree the first time): call off the event loop."""
+        cache = self._size_path(layer)
+        try:
+            return int(cache.read_text())
+        except (OSError, ValueError):
+            pass
+        total = 0
+        for top, _dirs, files in os.walk(self.layer_path(layer)):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(top, name)).st_blocks * 512
+                except OSError:
+                    continue
+        try:
+            cache.write_text(str(total))
+        except OSError:
+            pass
+        return total
 
     @contextmanager
     def lock(self, digest: str) -> Iterator[None]:
@@ -164,6 +223,13 @@ class LayerStore:
         tree.unlink()
         return target
 
+    def _size_path(self, layer: str) -> Path:
+        return self.layers_dir / f".size-{layer[:32]}"
+
+    def forget_size(self, layer: str) -> None:
+        """Drop what ``layer_size`` remembered of a layer that is gone."""
+        self._size_path(layer).unlink(missing_ok=True)
+
     def remove_layer(self, digest: str) -> None:
         """Delete layer ``digest``: its tree, or its link and the snapshot it links to. A missing one is
         not an error. Blocking (a big tree takes a while to remove): call off the event loop."""
@@ -172,6 +238,7 @@ class LayerStore:
             path.unlink()
         else:
             shutil.rmtree(path, ignore_errors=True)
+        self.forget_size(path.name)
         self.delete_referenced(path.name)
 
     def referenced(self, *, staged: bool = False) -> list[Path]:
@@ -223,7 +290,7 @@ class LayerStore:
         path = self.images_dir / f"{image_id}.json"
         if "/" in image_id or len(image_id) > 128 or not path.is_file():
             raise ImageNotFound(
-                f"unknown image {image_id!r}: build a spec first (`fanfold build`), or use a base:"
+                f"no image {image_id!r} here: `fanfold images` lists the images here; or use a base:"
                 f" {', '.join(BASES)}"
             )
         image = self._images[image_id] = Image.from_json(path.read_text())

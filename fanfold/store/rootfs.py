@@ -7,11 +7,12 @@ import shutil
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import HostNotReady
 from ..host import disk, mounts
 from .layers import LayerStore
+from .trust import Trust
 
 
 LOWER_PREFIX = ".lower-"
@@ -25,6 +26,7 @@ def _upper_name(host_dir: str) -> str:
 def mount_rootfs(
     store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[str, ...], target: Path, scratch: Path, *,
     volatile: bool = False, remap: Callable[[Path], Path] | None = None, inherited: Path | None = None,
+    top: Path | None = None,
 ) -> None:
     """Mount ``layers`` (bottom first) at ``target``, writes going to dirs under ``scratch``
     (``volatile``: never synced, see ``mounts.mount_overlay``).
@@ -34,11 +36,12 @@ def mount_rootfs(
     On failure everything mounted so far is unmounted again. ``remap`` gives the directory to
     use in place of each lower one (an idmapped clone of it, for a sandbox in a user namespace).
     ``inherited``: a disk made by ``inherit_layer``, whose copies of layers taken by reference
-    (``.lower-<name>``) stand in for the layers themselves.
+    (``.lower-<name>``) stand in for the layers themselves. ``top``: a directory laid over the layers
+    read-only, not one of them (``trust.Trust.layer``).
     """
     same: Callable[[Path], Path] = lambda path: path  # noqa: E731
     mapped = remap or same
-    lowers = [_lower(store, d, inherited) for d in reversed(layers)]
+    lowers = ([top] if top is not None else []) + [_lower(store, d, inherited) for d in reversed(layers)]
     try:
         (scratch / "upper").mkdir(exist_ok=True)
         (scratch / "work").mkdir(exist_ok=True)
@@ -59,6 +62,28 @@ def mount_rootfs(
         if isinstance(err, OSError):
             _explain_missing(lowers, err)
         raise
+
+
+def mount_trusted(
+    store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[str, ...], target: Path, scratch: Path,
+    trust: Trust | None, **options: Any,
+) -> None:
+    """``mount_rootfs`` with ``trust``'s layer on top (the first time a stack is seen, the root is mounted
+    once without it, to read the image's own CA bundle)."""
+    if trust is None:
+        return mount_rootfs(store, layers, host_dirs, target, scratch, **options)
+    stack = (*layers, "", *host_dirs)
+    top = trust.known(stack)
+    if top is None:
+        mount_rootfs(store, layers, host_dirs, target, scratch, **options)
+        try:
+            top = trust.layer(target, stack)
+        finally:
+            unmount_rootfs(target)
+            # a volatile overlay's work dir refuses a second mount until its marker goes; nothing was written
+            for work in [scratch / "work", *(scratch / f"{_upper_name(d)}-work" for d in host_dirs)]:
+                shutil.rmtree(work, ignore_errors=True)
+    mount_rootfs(store, layers, host_dirs, target, scratch, top=top, **options)
 
 
 def _lower(store: LayerStore, layer: str, inherited: Path | None) -> Path:

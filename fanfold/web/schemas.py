@@ -240,6 +240,10 @@ class ImageBody(BaseModel):
     ports: list[str] = []
     source: str = ""
     digest: str = ""
+    labels: list[list[str]] = []
+    volumes: list[str] = []
+    healthcheck: dict[str, Any] | None = Field(None, description="A HEALTHCHECK, recorded; fanfold runs no probe.")
+    history: list[tuple[str, str, int]] = Field([], description="(what made it, its layer or \"\", bytes) per step.")
     names: list[str] = []
     shared: bool = Field(False, description="Published by the host's own tenant to every tenant.")
 
