@@ -238,3 +238,35 @@ async def test_a_failing_registry_is_retryable_only_for_a_name_that_is_no_near_m
             with pytest.raises(ImageNotFound, match=f"did you mean {re.escape(near)}.*its registry failed"):
                 await fleet.create(near.replace("service-", "servce-"))
             await fleet.remove_image(built.id)
+
+
+def test_debootstrap_tries_again_when_the_archive_cannot_be_reached(tmp_path, monkeypatch):
+    """A moment's network failure (the archive's Release file not fetched) is tried again from an empty
+    tree; a failure on content is not, and says what debootstrap said."""
+    from fanfold.errors import BuildFailed
+    from fanfold.images import bases
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "debootstrap"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"echo x >> {calls}\n"
+        f"if [ $(wc -l < {calls}) -lt 2 ]; then touch \"$3/partial\"; "
+        "echo 'E: Failed getting release file http://deb.debian.org/debian/dists/bookworm/Release'; exit 1; fi\n"
+        "if [ -e \"$3/partial\" ]; then echo 'E: not started from an empty tree'; exit 2; fi\n"
+        "mkdir -p \"$3/etc\" \"$3/var/cache/apt/archives\"\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(bases, "DEBOOTSTRAP_PAUSE_S", 0)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    bases._debootstrap(tree, "http://deb.debian.org/debian")
+    assert calls.read_text().count("x") == 2 and (tree / "etc/hostname").read_text() == "sandbox\n"
+
+    fake.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'E: Invalid Release file, no entry for main/binary-amd64'\nexit 1\n")
+    calls.write_text("")
+    with pytest.raises(BuildFailed, match="Invalid Release file"):
+        bases._debootstrap(tmp_path / "tree", "http://deb.debian.org/debian")
+    assert calls.read_text().count("x") == 1

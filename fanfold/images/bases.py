@@ -6,6 +6,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from ..errors import BuildFailed, HostNotReady, ImageNotFound
@@ -104,12 +105,30 @@ def _host_skeleton(tree: Path) -> None:
         os.chmod(etc / name, 0o600)
 
 
+DEBOOTSTRAP_TRIES = 3
+DEBOOTSTRAP_PAUSE_S = 5.0
+_NETWORK_FAILURES = ("Failed getting release file", "Couldn't download", "Failed to fetch", "Could not connect",
+                     "Temporary failure resolving", "Connection timed out", "No route to host")
+
+
+def _network_failure(output: str) -> bool:
+    """Whether debootstrap failed to reach the archive (worth another try), not on the archive's content."""
+    return any(marker in output for marker in _NETWORK_FAILURES)
+
+
 def _debootstrap(tree: Path, mirror: str) -> None:
     if shutil.which("debootstrap") is None:
         raise HostNotReady("the debian:bookworm base needs debootstrap: run `apt-get install debootstrap`")
-    done = subprocess.run(
-        ["debootstrap", "--variant=minbase", "bookworm", str(tree), mirror], capture_output=True, text=True
-    )
+    for attempt in range(1, DEBOOTSTRAP_TRIES + 1):
+        done = subprocess.run(
+            ["debootstrap", "--variant=minbase", "bookworm", str(tree), mirror], capture_output=True, text=True
+        )
+        if done.returncode == 0 or attempt == DEBOOTSTRAP_TRIES or not _network_failure(done.stdout + done.stderr):
+            break
+        # The archive or the network to it failed for a moment: start again from an empty tree.
+        for child in tree.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        time.sleep(DEBOOTSTRAP_PAUSE_S * attempt)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-2000:]
         raise BuildFailed(
