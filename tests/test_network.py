@@ -272,6 +272,19 @@ def exposed_port_survives_suspend(fleet) -> None:
         urllib.request.urlopen(f"{url}/index.html", timeout=5)
 
 
+def test_a_connection_to_an_exposed_port_wakes_a_paused_or_suspended_sandbox(fleet):
+    with fleet.create() as box:
+        assert box.exec(SERVICE).ok
+        url = box.expose(8000)
+        box.pause()
+        assert urllib.request.urlopen(f"{url}/index.html", timeout=10).read() == b"inside\n"
+        assert box.refresh().state == "running"
+        box.suspend()
+        assert box.refresh().state == "suspended"
+        assert urllib.request.urlopen(f"{url}/index.html", timeout=10).read() == b"inside\n"
+        assert box.refresh().state == "running"
+
+
 def test_a_netd_that_dies_is_replaced_with_every_sandbox_attached(net_config):
     from fanfold.engine import Engine
     import asyncio

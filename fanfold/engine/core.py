@@ -375,21 +375,15 @@ class Engine:
 
     async def expose(self, sandbox_id: str, port: int) -> str:
         """A URL on this host's loopback (``http://127.0.0.1:PORT``) that reaches ``port`` inside the
-        sandbox, any TCP protocol; it lasts as long as the sandbox."""
+        sandbox, any TCP protocol; it lasts as long as the sandbox. A connection to it is a call: it
+        wakes a paused or suspended sandbox first."""
         life = self.life
         port = _port(port, self.config.proxy_port)
         row = life.known(sandbox_id)
         if not life.backend.capabilities.network:
             raise InvalidRequest(f"the {life.backend.name} backend cannot reach into sandboxes: exposed ports need"
                                  " the oci backend with crun or runc")
-
-        def handle_now() -> Any:
-            now = life.db.get(sandbox_id)
-            if now is None or now["state"] != "running":
-                raise SandboxNotFound(f"sandbox {sandbox_id} is not running")
-            return dbmod.row_handle(now)
-
-        host_port = await life.network.expose(row["id"], port, handle_now)
+        host_port = await life.network.expose(row["id"], port, lambda: self.connect_port(row["id"], port))
         return f"http://127.0.0.1:{host_port}"
 
     async def connect_port(self, sandbox_id: str, port: int) -> Any:

@@ -258,12 +258,13 @@ class Network:
         """Have netd pass bytes between a host connection and one into the sandbox (exposed ports)."""
         await self._request({"op": "splice", "id": sandbox_id}, [outside.fileno(), inside.fileno()])
 
-    async def expose(self, sandbox_id: str, port: int, handle_now: Callable[[], Handle]) -> int:
-        """A port on the host's loopback whose connections reach ``port`` inside the sandbox (made
-        on each connection, so it outlives a suspend and resume); the same one when asked again."""
+    async def expose(self, sandbox_id: str, port: int, connect: Callable[[], Awaitable[socket.socket]]) -> int:
+        """A port on the host's loopback whose connections reach ``port`` inside the sandbox through
+        ``connect`` (called on each connection: it wakes a paused or suspended sandbox, as any call
+        does); the same one when asked again."""
         exposure = self.exposed.get((sandbox_id, port))
         if exposure is None:
-            exposure = self.exposed[(sandbox_id, port)] = Exposure(self, sandbox_id, port, handle_now)
+            exposure = self.exposed[(sandbox_id, port)] = Exposure(self, sandbox_id, port, connect)
         return exposure.host_port
 
     def unexpose(self, sandbox_id: str) -> None:
@@ -387,8 +388,9 @@ class Network:
 class Exposure:
     """A listener on the host's loopback for one sandbox port; netd carries the bytes."""
 
-    def __init__(self, network: Network, sandbox_id: str, port: int, handle_now: Callable[[], Handle]) -> None:
-        self.network, self.sandbox_id, self.port, self.handle_now = network, sandbox_id, port, handle_now
+    def __init__(self, network: Network, sandbox_id: str, port: int,
+                 connect: Callable[[], Awaitable[socket.socket]]) -> None:
+        self.network, self.sandbox_id, self.port, self.connect = network, sandbox_id, port, connect
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self.listener.bind(("127.0.0.1", 0))
@@ -415,8 +417,8 @@ class Exposure:
     async def _pass(self, conn: socket.socket) -> None:
         with conn:
             try:
-                inside = await self.network.backend.connect_inside(self.handle_now(), self.port)
-            except Exception:  # nothing listens there, or the sandbox is not running: the client sees a close
+                inside = await self.connect()
+            except Exception:  # nothing listens there, or the sandbox is gone: the client sees a close
                 return
             with inside:
                 try:
