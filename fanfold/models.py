@@ -149,6 +149,8 @@ class SandboxInfo:
     network: Any = "none"
     """Its network policy: ``"none"`` (loopback only), ``"open"``, or ``{"allow": [...], "deny": [...]}``
     (``fanfold.net.policy``); traffic goes out only through the host's filtering proxy."""
+    tenant: str = ""
+    """The server tenant it belongs to: "" is the host's own (the embedded SDK, the CLI, the unix socket)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -159,6 +159,28 @@ async def test_the_hosts_pools_serve_every_tenant_as_its_own(tserver):
         await until(lambda: host.pools(), [])
 
 
+async def test_the_hosts_own_tenant_sees_and_acts_on_every_tenants_sandboxes(tserver):
+    """On the unix socket the host's tenant sees all, as the embedded SDK and CLI do; tenants still see their own."""
+    async with fleet(tserver, None) as host, fleet(tserver, "alice") as alice, fleet(tserver, "bob") as bob:
+        async with await alice.create(labels={"who": "alice"}) as sandbox:
+            snapshot = await sandbox.snapshot()
+            [listed] = [info for info in await host.list() if info.id == sandbox.id]
+            assert (listed.tenant, listed.labels) == ("alice", {"who": "alice"})
+            assert sandbox.id in {row["id"] for row in (await host.metrics())["sandboxes"]}
+            assert snapshot.id in {snap.id for snap in await host.snapshots()}
+            theirs = await host.get(sandbox.id)
+            assert (await theirs.exec("echo hi")).stdout == b"hi\n"
+            await theirs.pause()
+            assert (await sandbox.refresh()).state == "paused"
+            assert sandbox.id not in {info.id for info in await bob.list()}
+            assert sandbox.id not in {row["id"] for row in (await bob.metrics())["sandboxes"]}
+            with pytest.raises(SandboxNotFound):
+                await bob.get(sandbox.id)
+            assert snapshot.id not in {snap.id for snap in await bob.snapshots()}
+            assert (await sandbox.exec("echo back")).stdout == b"back\n"
+        await host.delete_snapshot(snapshot.id)
+
+
 async def test_a_tenants_names_are_its_own(tserver, registry):
     """alice and bob pull the same tag at different times: each keeps the image it pulled."""
     ref = f"{registry.host}/tenants-{uuid.uuid4().hex[:8]}:v1"

@@ -246,7 +246,7 @@ def row_info(row: sqlite3.Row) -> SandboxInfo:
         labels=json.loads(row["labels"]), created_at=row["created_at"], deadline_at=row["deadline_at"],
         detached=bool(row["detached"]), source=row["source"], persistence=row["persistence"],
         priority=row["priority"], idle_timeout=row["idle_timeout"], user=row["exec_user"],
-        seccomp=row["seccomp"], network=json.loads(row["network"] or '"none"'),
+        seccomp=row["seccomp"], network=json.loads(row["network"] or '"none"'), tenant=row["tenant"],
     )
 
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
 from ..models import Limits
 from ..web.auth import LOCAL_TENANT
-from ..web.deps import check_source, engine, tenant
+from ..web.deps import check_source, engine, seen_by, tenant
 from ..web.schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest
 
 router = APIRouter(prefix="/v1", tags=["host"])
@@ -59,8 +59,8 @@ async def stats(request: Request, caller: str = Depends(tenant),
                 sandboxes: bool = Query(True, description="List the sandboxes with their usage (false: the counts "
                                                           "only, cheap to poll).")) -> dict[str, Any]:
     """The host at a glance (``fanfold top``): counts, queue, pools, latency percentiles, error
-    rates and alerts; the sandbox list holds the caller's only, the pool list too but for the host's tenant."""
-    figures = await engine(request).stats(tenant=caller, sandboxes=sandboxes)
+    rates and alerts; the sandbox and pool lists hold the caller's only, but for the host's tenant (all)."""
+    figures = await engine(request).stats(tenant=seen_by(caller), sandboxes=sandboxes)
     if caller != LOCAL_TENANT:  # the host's tenant sees every pool, as `fanfold top` on the host
         figures["pools"] = [pool.to_dict() for pool in await engine(request).pools_info(tenant=caller)]
     return figures

@@ -13,7 +13,8 @@ from ..errors import InvalidRequest
 from ..models import Limits
 from ..wire import b64, fork_to_json, info_to_json, result_to_json, unb64
 from ..web.deps import (
-    ERRORS, NDJSON, RequestID, check_source, engine, host_only, ndjson_events, owned_sandbox, tenant, until_disconnect,
+    ERRORS, NDJSON, RequestID, check_source, engine, host_only, ndjson_events, owned_sandbox, seen_by, tenant,
+    until_disconnect,
 )
 from ..web.schemas import (
     CreateRequest, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody, network_value,
@@ -64,14 +65,14 @@ async def list_sandboxes(
     caller: str = Depends(tenant),
     label: list[str] = Query(default_factory=list, description="KEY=VALUE; only sandboxes carrying all of them."),
 ) -> list[dict[str, Any]]:
-    """The caller's sandboxes."""
+    """The caller's sandboxes (the host's own tenant: every tenant's)."""
     wanted = {}
     for item in label:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise InvalidRequest(f"label filter {item!r} is not KEY=VALUE")
         wanted[key] = value
-    return [info_to_json(info) for info in await engine(request).list(wanted, tenant=caller)]
+    return [info_to_json(info) for info in await engine(request).list(wanted, tenant=seen_by(caller))]
 
 
 @router.get("/{sandbox_id}", response_model=SandboxBody, responses=ERRORS)

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from ..engine.transfer import MAX_HAVE_BYTES, TAR
 from ..errors import InvalidRequest
 from ..wire import snapshot_to_json
-from ..web.deps import ERRORS, engine, host_only, owned_sandbox, owned_snapshot, tenant
+from ..web.deps import ERRORS, engine, host_only, owned_sandbox, owned_snapshot, seen_by, tenant
 from ..web.schemas import GcBody, SnapshotBody, SnapshotImportRequest, SnapshotRequest
 
 router = APIRouter(tags=["snapshots"])
@@ -29,8 +29,8 @@ async def snapshot_sandbox(body: SnapshotRequest, request: Request,
 
 @router.get("/v1/snapshots", response_model=list[SnapshotBody], responses=ERRORS)
 async def list_snapshots(request: Request, caller: str = Depends(tenant)) -> list[dict[str, Any]]:
-    """The caller's snapshots."""
-    return [snapshot_to_json(snapshot) for snapshot in await engine(request).snapshots(tenant=caller)]
+    """The caller's snapshots (the host's own tenant: every tenant's)."""
+    return [snapshot_to_json(snapshot) for snapshot in await engine(request).snapshots(tenant=seen_by(caller))]
 
 
 @router.post("/v1/snapshots/gc", response_model=GcBody, responses=ERRORS)
@@ -66,7 +66,7 @@ async def export_snapshot(
     if len(have) > MAX_HAVE_BYTES:
         raise InvalidRequest(f"have names over {MAX_HAVE_BYTES} bytes of layers")
     held = {name for name in have.split(",") if name}
-    return StreamingResponse(await engine(request).export_snapshot(snapshot_id, have=held, tenant=caller), media_type=TAR)
+    return StreamingResponse(await engine(request).export_snapshot(snapshot_id, have=held, tenant=seen_by(caller)), media_type=TAR)
 
 
 def _bearer(request: Request) -> str | None:

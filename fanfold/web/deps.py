@@ -37,13 +37,24 @@ def tenant(request: Request, _: HTTPAuthorizationCredentials | None = Depends(_b
     return request.state.tenant
 
 
+def seen_by(caller: str) -> str | None:
+    """Whose things ``caller`` lists: its own, or everyone's for the host's own tenant (None), which
+    sees and acts on every tenant's sandboxes and snapshots, as the embedded SDK and CLI do."""
+    return None if caller == LOCAL_TENANT else caller
+
+
+def sees(caller: str, owner: str | None) -> bool:
+    """Whether ``caller`` may see and act on what ``owner`` holds (None: there is no such thing)."""
+    return owner is not None and (caller == LOCAL_TENANT or owner == caller)
+
+
 def owned_sandbox(
     request: Request,
     sandbox_id: str = Path(description="A sandbox id, as create returned it."),
     caller: str = Depends(tenant),
 ) -> str:
-    """The sandbox id, when it exists and belongs to the caller; another tenant's is a 404 too."""
-    if engine(request).tenant_of(sandbox_id) != caller:
+    """The sandbox id, when it exists and the caller sees it; another tenant's is a 404 too."""
+    if not sees(caller, engine(request).tenant_of(sandbox_id)):
         raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
     return sandbox_id
 
@@ -53,9 +64,9 @@ def owned_snapshot(
     snapshot_id: str = Path(description="A snapshot id, or the name it was given."),
     caller: str = Depends(tenant),
 ) -> str:
-    """The snapshot's id, when it exists and belongs to the caller; another tenant's is a 404 too."""
+    """The snapshot's id, when it exists and the caller sees it; another tenant's is a 404 too."""
     resolved = engine(request).resolve_snapshot(snapshot_id)
-    if resolved is None or engine(request).snapshot_tenant(resolved) != caller:
+    if resolved is None or not sees(caller, engine(request).snapshot_tenant(resolved)):
         raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
     return resolved
 
@@ -68,7 +79,7 @@ def check_source(request: Request, ref: str, caller: str) -> None:
 def check_source_of(on: Engine, ref: str, caller: str) -> None:
     """``check_source`` where there is no request (a server's own sessions)."""
     resolved = on.resolve_snapshot(ref)
-    if resolved is not None and on.snapshot_tenant(resolved) != caller:
+    if resolved is not None and not sees(caller, on.snapshot_tenant(resolved)):
         raise SnapshotNotFound(f"no snapshot {ref!r}")
 
 

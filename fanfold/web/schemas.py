@@ -158,6 +158,7 @@ class SandboxBody(BaseModel):
     user: str = Field("", description="Whom its commands run as unless an exec says otherwise (\"\": root).")
     seccomp: str = Field("default", description="Its syscall filter: default, unconfined or a profile file's path.")
     network: Any = Field("none", description="Its network policy: none, open, or {allow, deny} rules.")
+    tenant: str = Field("", description="The tenant it belongs to (\"\": the host's own).")
 
 
 class ExecRequest(_Body):
