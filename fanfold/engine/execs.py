@@ -16,7 +16,7 @@ from ..models import ExecResult
 from . import db as dbmod
 from .api import OnOutput
 from .checks import check_strings
-from .execution import build_result, check_exec_args
+from .execution import build_result, check_exec_args, sandbox_oom_result
 from .lifecycle import Lifecycle
 from .network import row_policy
 from .sources import base_env
@@ -70,6 +70,7 @@ class Execs:
         if alone:  # the peak then measures this command alone
             counters.reset_peak()
         before = counters.read()
+        started = time.perf_counter()
         try:
             raw = await asyncio.wait_for(
                 life.backend.exec(
@@ -96,7 +97,14 @@ class Execs:
             now_row = life.db.get(sandbox_id)
             if now_row is None or now_row["state"] != "running":
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed during the command") from None
-            await life.gone_if_dead(sandbox_id, now_row["pid"], within=0.25)
+            dying = counters.read()  # before its cgroup goes with it
+            try:
+                await life.gone_if_dead(sandbox_id, now_row["pid"], within=0.25)
+            except SandboxGone:
+                oom = sandbox_oom_result(before, dying, sandbox_id, time.perf_counter() - started)
+                if oom is None:
+                    raise
+                return oom
             raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
         finally:
             left = self._in_exec.pop(sandbox_id, 1) - 1

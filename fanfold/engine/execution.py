@@ -55,6 +55,21 @@ def start_failure(error: str, argv: list[str], cwd: str) -> str:
     return f"fanfold: cannot run {argv[0]!r}: {message or errno_text}\n"
 
 
+def sandbox_oom_result(before: dict[str, int], after: dict[str, int], sandbox_id: str,
+                       duration_s: float) -> ExecResult | None:
+    """The ``oom`` outcome of a command whose sandbox died of it (gVisor's sentry is one host process,
+    which the OOM killer takes with every process inside), or None when no OOM kill was counted."""
+    if after.get("oom_kill", 0) <= before.get("oom_kill", 0):
+        return None
+    note = (f"fanfold: sandbox {sandbox_id} ran out of memory and ended with the command (under gVisor the OOM"
+            " killer takes the whole sandbox, one host process); it was destroyed\n")
+    return ExecResult(
+        outcome=Outcome.OOM, exit_code=None, signal=signals.SIGKILL, stderr=note.encode(), duration_s=duration_s,
+        limits_hit=("memory",), cpu_s=max(0, after.get("cpu_us", 0) - before.get("cpu_us", 0)) / 1e6,
+        memory_peak_bytes=after.get("memory_peak", 0),
+    )
+
+
 def build_result(
     raw: RawExec, argv: list[str], before: dict[str, int], after: dict[str, int], cwd: str = "/"
 ) -> ExecResult:
