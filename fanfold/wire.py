@@ -132,6 +132,8 @@ def spec_to_json(spec: EnvSpec) -> dict[str, Any]:
             args = {**args, "vars": dict(args["vars"])}
         elif step.kind == "label":
             args = {"labels": dict(args["labels"])}
+        elif step.kind == "run" and "build_args" in args:
+            args["build_args"] = dict(args["build_args"])
         elif step.kind == "copy_from" and isinstance(args["source"], EnvSpec):
             args["source"] = spec_to_json(args["source"])
         steps.append({"kind": step.kind, **args})
@@ -140,7 +142,8 @@ def spec_to_json(spec: EnvSpec) -> dict[str, Any]:
 
 _STEP_ARGS = {
     "workdir": ("path",), "copy": ("src", "dst", "chown"), "copy_from": ("source", "src", "dst", "chown"),
-    "repo": ("src", "dst", "ref"), "run": ("cmd",), "env": ("vars", "expand"), "service": ("name", "cmd", "mode"),
+    "repo": ("src", "dst", "ref"), "run": ("cmd", "build_args"), "env": ("vars", "expand"),
+    "service": ("name", "cmd", "mode"),
     "user": ("user",), "entrypoint": ("argv",), "cmd": ("argv",), "expose": ("ports",), "label": ("labels",),
     "volume": ("paths",), "healthcheck": ("test", "interval_s", "timeout_s", "start_period_s", "retries"),
 }

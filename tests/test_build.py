@@ -43,6 +43,24 @@ def test_build_caches_every_step_and_rebuilds_only_what_changed(fleet, project, 
         assert result.text.split() == [marker, "extra", "hi", "/env"]
 
 
+def test_every_step_reports_its_number_once_and_build_args_stay_out_of_the_image(fleet):
+    marker = f"m{time.time_ns()}"
+    spec = (EnvSpec("host").env(APP="demo").run("echo $VERSION $APP > /v", build_args={"VERSION": marker})
+            .user("nobody").run("cat /v > /tmp/seen"))
+    events: list[StepEvent] = []
+    image = fleet.build(spec, on_step=events.append)
+    ended = [e for e in events if e.status != "running"]
+    assert [e.index for e in ended] == [0, 1, 2, 3, 4] and {e.total for e in events} == {5}
+    assert [e.description for e in ended[1:]] == ["ENV APP=demo", "RUN echo $VERSION $APP > /v", "USER nobody",
+                                                 "RUN cat /v > /tmp/seen"]
+    assert [e.status for e in ended[1:]] == ["cached", "built", "built", "built"]
+    assert "VERSION" not in dict(image.env)
+    with fleet.create(image) as sandbox:
+        assert sandbox.exec("cat /v; echo ${VERSION:-unset}").text.split() == [marker, "demo", "unset"]
+    with pytest.raises(InvalidSpec, match="bad build arg"):
+        EnvSpec("host").run("true", build_args={"1x": "y"})
+
+
 def test_failed_step_names_step_code_and_tail_and_leaves_no_layer(fleet, config):
     layers_before = set(os.listdir(config.state_dir / "layers"))
     spec = EnvSpec("host").run(f"echo partial > /tmp/p-{time.time_ns()}; echo doomed-output; exit 7")

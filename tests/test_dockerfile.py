@@ -107,7 +107,8 @@ RUN echo "$VERSION $GLOBAL"
     workdir, copy, run = spec.steps[-3:]
     assert workdir.arg("path") == "/opt/v2.5" and copy.arg("dst") == "/opt/v2.5/a.txt"
     # RUN is not substituted (its shell does it) but sees the build args, not kept in the image.
-    assert run.arg("cmd") == "export EMPTY='' GLOBAL=g VERSION=2.5\necho \"$VERSION $GLOBAL\""
+    assert run.arg("cmd") == 'echo "$VERSION $GLOBAL"' and run.describe() == 'RUN echo "$VERSION $GLOBAL"'
+    assert dict(run.arg("build_args")) == {"EMPTY": "", "GLOBAL": "g", "VERSION": "2.5"}
 
 
 def test_stages_chain_and_target_picks_one(context):

@@ -38,7 +38,8 @@ class StepEvent:
     total: int
     description: str
     status: str
-    """``running``, ``cached``, ``built`` or ``failed``."""
+    """``running``, ``cached``, ``built`` or ``failed``. A config step (env, user, cmd...) makes no layer and
+    reports no ``running``: it is ``cached`` when every step before it was, else ``built``."""
 
 
 OnStep = Callable[[StepEvent], None]
@@ -91,6 +92,7 @@ class Builder:
         report(StepEvent(0, total, f"BASE {spec.base}", "running"))
         start, digest, cached = await self._base(spec.base)
         report(StepEvent(0, total, f"BASE {spec.base}", "cached" if cached else "built"))
+        all_cached = cached
         if not spec.steps and start.id != "":
             return start
         layers = list(start.layers)
@@ -122,6 +124,7 @@ class Builder:
                 else:
                     _configure(step, config)
                 history.append((description, "", 0))
+                report(StepEvent(index, total, description, "cached" if all_cached else "built"))
                 continue
             step = _placed(step, str(config["workdir"]))  # relative paths: to the workdir in force
             if step.kind == "workdir":
@@ -139,6 +142,7 @@ class Builder:
                 report(StepEvent(index, total, description, "failed"))
                 raise
             report(StepEvent(index, total, description, "built"))
+            all_cached = False
             layers.append(digest)
             history.append((description, digest, await _off_loop(self.store.layer_size, digest)))
         image = Image(
@@ -254,8 +258,10 @@ class Builder:
         try:
             who = _step_user(step, rootfs, user)
             ident = {} if who is None else who.env()  # the USER's HOME, USER, LOGNAME unless ENV set them
+            build_args = dict(step.args).get("build_args", ())
             trusted = {} if extra is None else trust.trust_env()
-            variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **trusted, **ident, **env}
+            variables = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **trusted, **dict(build_args),
+                         **ident, **env}
             spec = ContainerSpec(
                 id=build_id, rootfs=rootfs, args=["/bin/sh", "-c", step.arg("cmd")],
                 env=[f"{k}={v}" for k, v in variables.items()], cwd=workdir, hostname="fanfold-build",

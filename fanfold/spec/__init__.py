@@ -6,7 +6,7 @@ import posixpath
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Mapping
 
 from ..errors import InvalidSpec
 from ..refs import BASES, is_image_id, is_image_ref
@@ -90,6 +90,8 @@ class Step:
         if self.kind == "healthcheck":
             test = self.arg("test")
             return "HEALTHCHECK " + (" ".join(test) if test[0] != "CMD-SHELL" else f"CMD {test[1]}")
+        if self.kind == "env":
+            return "ENV " + " ".join(f"{name}={value}" for name, value in self.arg("vars"))
         values = " ".join(
             " ".join(v) if isinstance(v, tuple) and all(isinstance(x, str) for x in v) else str(v)
             for _, v in self.args
@@ -159,12 +161,21 @@ class EnvSpec:
             raise InvalidSpec(f"repo source must be a URL or a path, got {src!r}")
         return self._add("repo", src=str(src), dst=sandbox_path(dst, what="repo destination"), ref=ref)
 
-    def run(self, cmd: str) -> EnvSpec:
+    def run(self, cmd: str, *, build_args: Mapping[str, str] | None = None) -> EnvSpec:
         """Run a shell command (``/bin/sh -c``); its changes become a layer. It reaches the outside
-        through NAT but nothing of the host, unless the build asks for ``network="host"``."""
+        through NAT but nothing of the host, unless the build asks for ``network="host"``.
+        ``build_args`` are variables of this command only, not kept in the image (a Dockerfile's ARG);
+        the image's environment wins over them."""
         if not isinstance(cmd, str) or not cmd.strip():
             raise InvalidSpec("run() needs a non-empty shell command string")
-        return self._add("run", cmd=cmd)
+        if not build_args:
+            return self._add("run", cmd=cmd)
+        if not isinstance(build_args, Mapping):
+            raise InvalidSpec(f"build_args must be a mapping of names to strings, got {build_args!r}")
+        for name, value in build_args.items():
+            if not isinstance(name, str) or not _ENV_NAME.match(name) or not isinstance(value, str) or "\0" in value:
+                raise InvalidSpec(f"bad build arg {name}={value!r}: names are identifiers, values strings")
+        return self._add("run", cmd=cmd, build_args=tuple(sorted(build_args.items())))
 
     def env(self, **variables: str) -> EnvSpec:
         """Set environment variables for later steps and every exec."""

@@ -200,9 +200,7 @@ class _Translator:
         script = shlex.join(command.value) if command.json else command.value[0]
         # Docker gives RUN the build args as environment variables, not kept in the image.
         exports = {k: v for k, v in stage.args.items() if v is not None and k not in stage.env}
-        if exports:
-            script = "export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(exports.items())) + "\n" + script
-        stage.spec = self._spec(lambda: stage.spec.run(script))
+        stage.spec = self._spec(lambda: stage.spec.run(script, build_args=exports))
 
     def _env_step(self, command, stage: _Stage) -> None:
         values = command.value  # every value of one line sees the variables from before that line
