@@ -31,8 +31,8 @@ SAMPLE = {
 }
 
 
-def _text(stats: dict, **kwargs) -> str:
-    console = Console(file=io.StringIO(), width=120)
+def _text(stats: dict, width: int = 120, **kwargs) -> str:
+    console = Console(file=io.StringIO(), width=width)
     console.print(render(stats, source="http://fleet:8000", **kwargs))
     return console.file.getvalue()
 
@@ -56,6 +56,19 @@ def test_sample_frame_shows_the_figures():
                    "ro-7", "last 300 s", "paged in", " 1%"):
         assert figure in out, figure
     assert out.index("sb-hotcpu000001") < out.index("sb-2b341d1d55f6")  # busiest first
+
+
+def test_an_80_column_terminal_cuts_no_figure():
+    """Boxes that do not fit side by side go on to the next line; table cells fold, never end in "…"."""
+    for stats in (SAMPLE, _cluster()):
+        out = _text(stats, width=80)
+        assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
+        latency = next(line for line in out.splitlines() if " ms " in line)
+        assert latency.split()[1:6] == ["ms", "p50", "p90", "p99", "max"], latency
+        assert "1.59  28.3  28.3  28.3" in out and "84.4  84.4  84.4  84.4" in out
+        for sandbox in stats["sandboxes"]:
+            assert sandbox["id"] in out
+        assert "img-c4be15c69f12676b" in out
 
 
 def test_alarming_frame_shows_alerts_shortage_and_dashes():
@@ -130,7 +143,7 @@ def test_cluster_frame_shows_nodes_and_where_each_sandbox_is():
     down_row = next(line for line in out.splitlines() if "n9f8e7" in line and "no" in line.split())
     assert down_row.count("-") >= 5
     sandbox_row = next(line for line in out.splitlines() if "sb-n1a2b3-hotcpu000001" in line)
-    assert sandbox_row.split()[1] == "n1a2b3"
+    assert sandbox_row.split()[0] == "n1a2b3"
     pool_row = next(line for line in out.splitlines() if "3/4" in line)
     assert "n1a2b3" in pool_row
 

@@ -7,10 +7,12 @@ import time
 from datetime import datetime
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
+from rich.measure import Measurement
 from rich.panel import Panel
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from ..engine.telemetry import ALERTS
@@ -132,8 +134,10 @@ def _pools(stats: dict) -> RenderableType:
     if not pools:
         return Text("no warm pools", style="dim")
     cluster = "nodes" in stats
-    table = Table(*(["node"] if cluster else []), "pool", "ready/target", "filling", "handouts", "misses", "last error",
-                  title="pools")
+    sources = max((len(_short(pool.get("source"))) for pool in pools), default=4)
+    others = [Column(name, overflow="fold") for name in ("ready/target", "filling", "handouts", "misses", "last error")]
+    table = Table(*([Column("node", no_wrap=True)] if cluster else []), Column("pool", no_wrap=True, min_width=sources),
+                  *others, title="pools")
     for pool in pools:
         error = pool.get("last_error")
         table.add_row(
@@ -147,8 +151,15 @@ def _pools(stats: dict) -> RenderableType:
 def _sandboxes(stats: dict, limit: int) -> RenderableType:
     rows = sorted(stats.get("sandboxes") or [], key=lambda s: s.get("cpu_s") or 0.0, reverse=True)
     cluster = "nodes" in stats
-    table = Table(*(["node"] if cluster else []), "id", "state", "CPU s", "memory MB", "paged in", "net out/in", "denied",
-                  "age", "rollout", title="sandboxes by CPU")
+    # Whole ids and states, whatever the width; the other figures fold onto a second line, never to "…".
+    longest = max((len(str(sb.get("id", "?"))) for sb in rows[:limit]), default=2)
+    nodes = max((len(str(sb.get("node", "?"))) for sb in rows[:limit]), default=4)
+    others = [Column(name, overflow="fold") for name in
+              ("CPU s", "mem MB", "paged in", "net out/in", "denied", "age", "rollout")]
+    table = Table(*([Column("node", no_wrap=True, min_width=nodes)] if cluster else []),
+                  Column("id", no_wrap=True, min_width=longest),
+                  Column("state", no_wrap=True), *others, title="sandboxes by CPU", box=box.SIMPLE_HEAD,
+                  padding=(0, 1, 0, 0), pad_edge=False, show_edge=False)
     for sb in rows[:limit]:
         memory = sb.get("memory_bytes")
         offline = sb.get("network", "none") == "none"
@@ -171,8 +182,9 @@ def _paged_in(pages: dict | None) -> str:
 
 def _nodes(stats: dict) -> RenderableType:
     """A cluster's nodes, one row each; a node not answering shows in red with dashes."""
-    table = Table("node", "alive", "sandboxes", "memory committed / free MB", "creating/waiting", "create p50 ms",
-                  "exec p50 ms", title="nodes")
+    table = Table(Column("node", no_wrap=True), *(Column(name, overflow="fold") for name in (
+        "alive", "sandboxes", "memory committed / free MB", "creating/waiting", "create p50 ms", "exec p50 ms")),
+        title="nodes")
     for node in stats["nodes"]:
         if not node.get("alive"):
             table.add_row(Text(node.get("node", "?"), style=HOT), Text("no", style=HOT), *["-"] * 5)
@@ -193,11 +205,36 @@ def _alerts(stats: dict) -> RenderableType:
     return Panel(Text("\n".join(alerts), style=HOT), title="alerts", border_style="red")
 
 
-def _row(*boxes: RenderableType) -> Table:
+class _Row:
+    """Boxes side by side, each at its natural width; those that do not fit the terminal go on to the
+    next line, since a squeezed box cuts its figures to ``…``."""
+
+    def __init__(self, *boxes: RenderableType) -> None:
+        self.boxes = boxes
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        line: list[RenderableType] = []
+        used = 0
+        for box in self.boxes:
+            width = Measurement.get(console, options, box).maximum
+            if line and used + 1 + width > options.max_width:
+                yield _grid(line)
+                line, used = [], 0
+            used += width + (1 if line else 0)
+            line.append(box)
+        if line:
+            yield _grid(line)
+
+
+def _grid(boxes: list[RenderableType]) -> Table:
     # A grid, not rich's Columns: Columns aligns boxes to a uniform grid and pads them apart.
     row = Table.grid(padding=(0, 1))
     row.add_row(*boxes)
     return row
+
+
+def _row(*boxes: RenderableType) -> _Row:
+    return _Row(*boxes)
 
 
 def _header(source: str) -> Text:
