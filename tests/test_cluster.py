@@ -421,7 +421,28 @@ def test_cli_ray_with_no_cluster_at_the_address_is_one_line_at_once():
     assert done.returncode == 2
     assert done.stderr.startswith("error: InfrastructureError: no Ray cluster answers at 127.0.0.1:1"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "start one on this machine with `ray start --head`, then `fanfold ray start`" in done.stderr
     assert time.monotonic() - started < 10, "not Ray's own minutes of retries"
+
+
+def test_joining_silences_rays_token_notice_and_nothing_else(tmp_path):
+    """Ray logs that token authentication is on at every join of ``auto`` on a machine holding a token."""
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("a-token-of-this-test-0123456789abcdef\n")
+    script = """if True:
+        import sys
+        from ray._private.authentication import authentication_token_setup as setup
+        if sys.argv[1] == "quiet":
+            from fanfold.cluster.node import quiet_token_notice
+            quiet_token_notice()
+        setup.maybe_enable_token_auth_if_token_available()
+        setup._warn_token_auth_disabled()  # another warning of that logger still shows
+    """
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    loud, quiet = (subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60,
+                                  env={**env, "HOME": str(tmp_path)}) for mode in ("loud", "quiet"))
+    assert "Token authentication is enabled" in loud.stderr and "is disabled" in loud.stderr
+    assert "Token authentication is enabled" not in quiet.stderr and "is disabled" in quiet.stderr, quiet.stderr
 
 
 def test_cli_ray_without_ray_installed_names_the_extra():

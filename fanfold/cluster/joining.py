@@ -11,6 +11,8 @@ PROBE_TIMEOUT_S = 3.0
 """How long to wait for a TCP connection to the cluster's address before saying nothing is there."""
 CLIENT_PORT = 10001
 """Ray Client's port when a ray:// address names none."""
+START_HINT = ("start one on this machine with `ray start --head`, then `fanfold ray start` as root;"
+              " or name a running one with --address HOST:6379 or RAY_ADDRESS")
 
 
 def join(address: str | None) -> None:
@@ -38,8 +40,8 @@ def _check_reachable(address: str) -> None:
         socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
     except OSError as err:
         dialled = "" if address == f"{host}:{port}" else f" ({host}:{port})"
-        raise InfrastructureError(f"no Ray cluster answers at {address}{dialled}: {err.strerror or err or 'timed out'}"
-                                  ) from None
+        raise InfrastructureError(f"no Ray cluster answers at {address}{dialled}: {err.strerror or err or 'timed out'};"
+                                  f" {START_HINT}") from None
 
 
 def _endpoint(address: str) -> tuple[str, int]:
@@ -53,7 +55,9 @@ def _endpoint(address: str) -> tuple[str, int]:
     try:
         resolved = canonicalize_bootstrap_address_or_die(address)
     except ConnectionError as err:
-        raise InfrastructureError(f"no Ray cluster found: {err}") from None
+        # Ray found no address: RAY_ADDRESS is unset and no cluster was started on this machine.
+        raise InfrastructureError(f"no Ray cluster runs on this machine and RAY_ADDRESS is not set: {START_HINT}"
+                                  ) from None
     except ValueError as err:
         raise InvalidRequest(f"--address {address}: {err}") from None
     host, _, port = resolved.rpartition(":")

@@ -27,6 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import InvalidRequest
+from .joining import START_HINT
 
 log = logging.getLogger("fanfold.cluster")
 
@@ -255,15 +256,33 @@ def _named_nodes(exclude: set[str]) -> list[Any]:
     return found
 
 
+class _TokenNotice(logging.Filter):
+    """Drops Ray's notice that token authentication is on, logged at every ``ray.init("auto")`` on a
+    machine that holds a token: that is how a secured cluster runs, not news. Other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(TOKEN_NOTICE)
+
+
+TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+_TOKEN_LOGGER = logging.getLogger("ray._private.authentication.authentication_token_setup")
+
+
+def quiet_token_notice() -> None:
+    """Filter Ray's token notice out of this process's log (once)."""
+    if not any(isinstance(f, _TokenNotice) for f in _TOKEN_LOGGER.filters):
+        _TOKEN_LOGGER.addFilter(_TokenNotice())
+
+
 def connect(address: str | None = "auto") -> None:
     """Join the Ray cluster at ``address`` (``auto``, ``ray://host:10001``) unless this process has."""
     if not ray.is_initialized():
+        quiet_token_notice()
         try:
             ray.init(address=address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING,
                      log_to_driver=False)
         except ConnectionError as err:
-            raise InvalidRequest(f"no Ray cluster at {address or 'auto'}: {err} (start one with `ray start --head`,"
-                                 " or pass its address)") from None
+            raise InvalidRequest(f"no Ray cluster at {address or 'auto'}: {err} ({START_HINT})") from None
 
 
 def controller() -> Any:
