@@ -199,8 +199,8 @@ def test_ls_prints_whole_ids_and_labels_into_a_pipe():
     sandbox_id = _created("--label", label)
     try:
         rows = [line.split("\t") for line in run_cli("ls").stdout.splitlines()]
-        assert rows[0] == ["ID", "STATE", "IMAGE", "CPUS", "MEM MB", "LABELS"]
-        assert [row for row in rows if row[0] == sandbox_id][0][-1] == label
+        assert rows[0] == ["ID", "STATE", "IMAGE", "CPUS", "MEM MB", "TENANT", "LABELS"]
+        assert [row for row in rows if row[0] == sandbox_id][0][-2:] == ["(host)", label]
     finally:
         run_cli("rm", sandbox_id)
 

@@ -484,18 +484,21 @@ def test_cli_refuses_a_bad_rule_in_one_line(net_server: Server, host: Fleet, rul
     status, output = cli(net_server, "create", "--allow", rule)
     assert status == 2 and output.startswith("error: InvalidRequest: ") and repr(rule) in output, output
     assert len(output.strip().splitlines()) == 1, output
-    assert host.list() == []
+    assert [info for info in host.list() if info.tenant == ""] == []  # it sees alice's served one too
 
 
 @pytest.mark.parametrize("args, named", [
     (("--network", "none", "--allow", WWW), "--network none takes no --allow"),
     (("--network", "sideways"), "'sideways' is not one of"),
+    (("--network", "open", "--allow", WWW), "--network open reaches every public address, so --allow would narrow"),
+    (("--live",), "--live lets a replay's misses out: it goes with --replay NAME"),
+    (("--network", "none", "--record", "rec-cli"), "--network none takes no"),
 ])
 def test_cli_refuses_options_that_do_not_fit(net_server: Server, host: Fleet, args: tuple[str, ...],
                                              named: str) -> None:
     status, output = cli(net_server, "create", *args)
     assert status == 2 and named in output, output
-    assert host.list() == []
+    assert [info for info in host.list() if info.tenant == ""] == []  # it sees alice's served one too
 
 
 def test_cli_open_for_a_tenant_is_a_clear_error(net_server: Server, alice: Fleet, host: Fleet) -> None:
@@ -509,10 +512,26 @@ def test_cli_open_for_a_tenant_is_a_clear_error(net_server: Server, alice: Fleet
 
 
 def test_cli_help_names_the_network_options() -> None:
-    done = run_cli("create", "--help")
-    assert done.returncode == 0
-    for option in ("--allow", "--deny", "--network"):
-        assert option in done.stdout, option
+    for command in ("create", "run", "network"):
+        done = run_cli(command, "--help")
+        assert done.returncode == 0
+        for option in ("--allow", "--deny", "--network", "--record", "--replay", "--live"):
+            assert option in done.stdout, (command, option)
+
+
+def test_cli_run_records_and_replays(net_server: Server, host: Fleet) -> None:
+    name = f"rec-cli-{uuid.uuid4().hex[:8]}"
+    fetch = ("--", "curl", "-sS", f"http://{WWW}/hello")
+    try:
+        assert cli(net_server, "run", "--allow", WWW, "--record", name, *fetch) == (0, f"hello from {WWW}")
+        status, listed = cli(net_server, "recordings")
+        assert status == 0 and name in listed, listed
+        assert cli(net_server, "run", "--replay", name, *fetch) == (0, f"hello from {WWW}")
+        status, missed = cli(net_server, "run", "--replay", name, "--", "curl", "-sS", "-o", "/dev/null",
+                             "-w", "%{http_code}", f"http://{API}/hello")
+        assert (status, missed) == (0, "502"), missed
+    finally:
+        host.delete_recording(name)
 
 
 # -- helpers --------------------------------------------------------------------------------------

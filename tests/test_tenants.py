@@ -178,6 +178,13 @@ async def test_the_hosts_own_tenant_sees_and_acts_on_every_tenants_sandboxes(tse
                 await bob.get(sandbox.id)
             assert snapshot.id not in {snap.id for snap in await bob.snapshots()}
             assert (await sandbox.exec("echo back")).stdout == b"back\n"
+            # The CLI on the unix socket: a TENANT column, and alice's sandbox is one it may act on.
+            listed = await asyncio.to_thread(run_cli, "--url", tserver.unix_url, "ls")
+            rows = [line.split("\t") for line in listed.stdout.splitlines()]
+            assert rows[0] == ["ID", "STATE", "IMAGE", "CPUS", "MEM MB", "TENANT", "LABELS"], listed.stderr
+            assert [row[5:] for row in rows if row[0] == sandbox.id] == [["alice", "who=alice"]]
+            done = await asyncio.to_thread(run_cli, "--url", tserver.unix_url, "exec", sandbox.id, "--", "echo", "cli")
+            assert (done.returncode, done.stdout) == (0, "cli\n"), done.stderr
         await host.delete_snapshot(snapshot.id)
 
 

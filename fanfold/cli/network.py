@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import click
 
 from .common import _fleet, console
-from .netopts import network_options, network_value
+from .netopts import network_options
 
 
 @click.command()
@@ -17,8 +18,7 @@ from .netopts import network_options, network_value
 @click.option("--cut", is_flag=True, help="End the connections already open too (else only new ones follow it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the policy and traffic as one JSON object.")
 @click.pass_context
-def network(ctx: click.Context, sandbox_id: str, network: str | None, allow: tuple[str, ...], deny: tuple[str, ...],
-            cut: bool, as_json: bool) -> None:
+def network(ctx: click.Context, sandbox_id: str, network: Any, cut: bool, as_json: bool) -> None:
     """Show a sandbox's network policy and traffic through the proxy; change the policy (--allow, --deny, --network).
 
     With --allow, --deny or --network the policy of SANDBOX_ID changes first, in force at once for
@@ -30,8 +30,8 @@ def network(ctx: click.Context, sandbox_id: str, network: str | None, allow: tup
     """
     with _fleet(ctx) as fleet:
         sandbox = fleet.get(sandbox_id)
-        if network is not None or allow or deny:
-            sandbox.set_network(network_value(network, allow, deny), cut=cut)
+        if network is not None:
+            sandbox.set_network(network, cut=cut)
         policy, stats = sandbox.refresh().network, sandbox.network_stats()
     if as_json:
         click.echo(json.dumps({"network": policy, "traffic": stats}))

@@ -13,7 +13,10 @@ import click
 from ..models import Persistence
 from ..refs import BASES
 from .common import _fleet, _limits_options, _pairs, _stdout_console, console
-from .netopts import network_options, network_value
+from .netopts import network_options
+
+HOST_TENANT = "(host)"
+"""How ``ls`` shows the host's own tenant (its name is empty)."""
 
 if TYPE_CHECKING:
     from ..client import Fleet, Sandbox
@@ -86,7 +89,7 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, entrypoint,  # type: ignore[no-untyped-def]
-        network, allow, deny, cmd) -> None:
+        network, cmd) -> None:
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
     As `docker run` does: CMD goes after the image's entrypoint, as its arguments, in place of the
@@ -96,7 +99,7 @@ def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, sec
     with _fleet(ctx) as fleet:
         with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
                           env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
-                          network=network_value(network, allow, deny)) as sandbox:
+                          network=network or "none") as sandbox:
             argv = _command(fleet, sandbox.info.image_id, image, entrypoint, cmd)
             result = _exec(sandbox, argv, timeout=timeout, cwd=cwd)
     _exit_with(result)
@@ -137,7 +140,7 @@ def _command(fleet: Fleet, image_id: str, asked: str, entrypoint: str | None, cm
 @network_options
 @click.pass_context
 def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  # type: ignore[no-untyped-def]
-           persistence, priority, idle_timeout, user, seccomp, network, allow, deny) -> None:
+           persistence, priority, idle_timeout, user, seccomp, network) -> None:
     """Create a sandbox that outlives this command; print its id.
 
     --image also takes a snapshot id or name, to start from a snapshot.
@@ -146,7 +149,7 @@ def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  #
         sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
                                env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
                                detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
-                               user=user, seccomp=_profile_path(seccomp), network=network_value(network, allow, deny))
+                               user=user, seccomp=_profile_path(seccomp), network=network or "none")
     click.echo(sandbox.id)
 
 
@@ -172,22 +175,23 @@ def exec_(ctx, sandbox_id, timeout, cwd, env, user, cmd) -> None:  # type: ignor
 @click.option("--json", "as_json", is_flag=True, help="One JSON array of sandboxes.")
 @click.pass_context
 def ls(ctx: click.Context, as_json: bool) -> None:
-    """List sandboxes."""
+    """List sandboxes: the host's own tenant (embedded, or a server's unix socket) sees every tenant's."""
     with _fleet(ctx) as fleet:
         infos = fleet.list()
     if as_json:
         click.echo(json.dumps([info.to_dict() for info in infos]))
         return
-    header = ("ID", "STATE", "IMAGE", "CPUS", "MEM MB", "LABELS")
+    header = ("ID", "STATE", "IMAGE", "CPUS", "MEM MB", "TENANT", "LABELS")
     rows = [(info.id, info.state, info.image_id, str(info.limits.cpus), str(info.limits.memory_mb),
-             ",".join(f"{k}={v}" for k, v in info.labels.items())) for info in infos]
+             info.tenant or HOST_TENANT, ",".join(f"{k}={v}" for k, v in info.labels.items())) for info in infos]
     if not sys.stdout.isatty():  # a pipe or a file: whole ids, one sandbox a line, for cut and awk
         for row in (header, *rows):
             click.echo("\t".join(row))
         return
     from rich.table import Column, Table
 
-    table = Table(Column("ID", no_wrap=True), "STATE", Column("IMAGE", no_wrap=True), "CPUS", "MEM MB", "LABELS")
+    table = Table(Column("ID", no_wrap=True), "STATE", Column("IMAGE", no_wrap=True), "CPUS", "MEM MB", "TENANT",
+                  "LABELS")
     for row in rows:
         table.add_row(*row)
     _stdout_console().print(table)
