@@ -300,3 +300,18 @@ def test_build_tag_docker_run_semantics_and_images_inspect_history(tmp_path):
     missing = run_cli("images", "inspect", name.replace("habits", "habit"))
     assert missing.returncode == 2 and f"did you mean {name}" in missing.stderr
     assert run_cli("rmi", name).returncode == 0
+
+
+def test_build_prints_each_step_once_numbered_in_order(tmp_path):
+    mark = f"m{os.getpid()}-{tmp_path.name}"
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM host\nARG VERSION={mark}\nENV APP=demo\nRUN echo $VERSION [x] > /v\nUSER nobody\n"
+        "RUN cat /v && \\\n    echo two\n")
+    done = run_cli("build", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert [line.split("]")[0] for line in lines] == ["[1/5", "[2/5", "[3/5", "[4/5", "[5/5"], lines
+    assert lines[1] == "[2/5] ENV APP=demo cached" and lines[3] == "[4/5] USER nobody built", lines
+    assert lines[2] == "[3/5] RUN echo $VERSION [x] > /v ... built" and "export" not in done.stderr, lines
+    image = done.stdout.strip()
+    assert run_cli("run", "--image", image, "--", "cat", "/v").stdout == f"{mark} [x]\n"

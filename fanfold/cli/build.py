@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import click
 
@@ -41,17 +41,46 @@ def build(ctx: click.Context, specfile: str | None, dockerfile: str | None, buil
             raise click.UsageError("--build-arg and --target apply to Dockerfiles; SPECFILE is a Python spec file")
         spec = _load_spec(specfile)
 
-    def show(event: StepEvent) -> None:
-        if event.status == "running":
-            console.print(f"[{event.index + 1}/{event.total}] {event.description} ...", highlight=False)
-        else:
-            colour = {"cached": "dim", "built": "green", "failed": "red"}[event.status]
-            console.print(f"[{event.index + 1}/{event.total}] {event.description} [{colour}]{event.status}[/{colour}]",
-                          highlight=False)
-
     with _fleet(ctx) as fleet:
-        image = fleet.build(spec, on_step=show, network=network, tag=tag)  # type: ignore[arg-type]
+        image = fleet.build(spec, on_step=StepPrinter(console.print), network=network, tag=tag)  # type: ignore[arg-type]
     click.echo(image.to_json() if as_json else image.id)
+
+
+class StepPrinter:
+    """One line a step: ``[3/6] RUN make ...`` as it starts, its status appended as it ends (a cached
+    or config step ends at once). Only a command's first line is shown."""
+
+    COLOURS = {"cached": "dim", "built": "green", "failed": "red"}
+
+    def __init__(self, print_: Callable[..., None]) -> None:
+        self.print, self.started = print_, None
+
+    def __call__(self, event: StepEvent) -> None:
+        from rich.text import Text
+
+        line = f"[{event.index + 1}/{event.total}] {_first_line(event.description)}"
+        if event.status == "running":
+            self._end_open_line()
+            self.print(Text(line + " ..."), end="", highlight=False)
+            self.started = event
+            return
+        status = Text(event.status, style=self.COLOURS.get(event.status, ""))
+        if self.started is not None and (self.started.index, self.started.description) == (event.index, event.description):
+            self.print(Text(" ").append_text(status), highlight=False)
+        else:
+            self._end_open_line()
+            self.print(Text(line + " ").append_text(status), highlight=False)
+        self.started = None
+
+    def _end_open_line(self) -> None:
+        if self.started is not None:
+            self.print("")
+            self.started = None
+
+
+def _first_line(description: str) -> str:
+    lines = description.strip().splitlines() or [""]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} … (+{len(lines) - 1} lines)"
 
 
 def _load_dockerfile(specfile: str | None, dockerfile: str | None, build_args: tuple[str, ...],
