@@ -27,7 +27,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import InvalidRequest
-from .joining import START_HINT
 
 log = logging.getLogger("fanfold.cluster")
 
@@ -282,7 +281,8 @@ def connect(address: str | None = "auto") -> None:
             ray.init(address=address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING,
                      log_to_driver=False)
         except ConnectionError as err:
-            raise InvalidRequest(f"no Ray cluster at {address or 'auto'}: {err} ({START_HINT})") from None
+            raise InvalidRequest(f"no Ray cluster at {address or 'auto'}: {err} (start one with `ray start --head`,"
+                                 " or pass its address)") from None
 
 
 def controller() -> Any:
