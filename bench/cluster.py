@@ -44,7 +44,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from fanfold import AsyncFleet, EngineConfig, FanfoldError, ids  # noqa: E402
+from fanfold import AsyncFleet, CreateParams, EngineConfig, FanfoldError, ids  # noqa: E402
 from fanfold.cluster.node import TAG_FILE, ClusterConfig, start_cluster, stop_cluster  # noqa: E402
 from fanfold.engine import Engine  # noqa: E402
 from fanfold.host import disk, mounts  # noqa: E402
@@ -208,7 +208,7 @@ async def timed(call: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
 async def warm_up(fleet: AsyncFleet, embedded: AsyncFleet) -> None:
     """Every node (and the embedded engine) brings its base up once, before anything is timed."""
     nodes = list(fleet._transport.nodes.values())
-    infos = await asyncio.gather(*(node.http.create("host") for node in nodes))
+    infos = await asyncio.gather(*(node.http.create(CreateParams()) for node in nodes))
     await asyncio.gather(*(node.http.kill(info.id) for node, info in zip(nodes, infos)))
     await (await embedded.create()).kill()
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
     from .images import Image
     from .images.builder import StepEvent
     from .models import (
-        ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Outcome, OutputChunk, Persistence, PoolInfo,
+        CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Outcome, OutputChunk, Persistence, PoolInfo,
         SandboxInfo, SnapshotInfo,
     )
     from .spec import EnvSpec
@@ -55,7 +55,7 @@ _EXPORTS = {
     ".images": ("Image",),
     ".images.builder": ("StepEvent",),
     ".models": (
-        "ExecResult", "FileEntry", "ForkResult", "LeaseInfo", "Limits", "Outcome", "OutputChunk", "Persistence",
+        "CreateParams", "ExecResult", "FileEntry", "ForkResult", "LeaseInfo", "Limits", "Outcome", "OutputChunk", "Persistence",
         "PoolInfo", "SandboxInfo", "SnapshotInfo",
     ),
     ".spec": ("EnvSpec",),
@@ -72,6 +72,7 @@ __all__ = [
     "CapacityExceeded",
     "CheckpointFailed",
     "CommandFailed",
+    "CreateParams",
     "EngineConfig",
     "EnvSpec",
     "ExecResult",

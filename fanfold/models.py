@@ -1,14 +1,56 @@
-"""Plain data shared by every layer: limits, exec results, sandbox and file records."""
+"""Plain data shared by every layer: limits, create's parameters, exec results, sandbox and file records.
+
+Each shape is defined here once. A field's bounds live in its metadata (``bounds``): the
+dataclass checks them (``check_bounds``) and the server's request bodies, derived from these
+classes (``fanfold.web.schemas``), carry them into its schema, so every transport refuses
+the same values the same way.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidRequest
 
 MIB = 1024 * 1024
+DAY_S = 86_400
+
+
+def bounds(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           min_length: int | None = None, max_length: int | None = None) -> dict[str, Any]:
+    """A field's metadata: the bounds its value keeps (pydantic's names, so a schema can take them as they are)."""
+    named = {"ge": ge, "gt": gt, "le": le, "min_length": min_length, "max_length": max_length}
+    return {key: value for key, value in named.items() if value is not None}
+
+
+def check_bounds(obj: Any, prefix: str = "") -> None:
+    """InvalidRequest unless each field of dataclass ``obj`` keeps the bounds in its metadata; a
+    bounded ``int`` field is made an int and a bounded ``float`` one a float."""
+    for spec in fields(obj):
+        meta, value, name = spec.metadata, getattr(obj, spec.name), prefix + spec.name
+        if not meta or value is None:
+            continue
+        if "min_length" in meta or "max_length" in meta:
+            low, high = meta.get("min_length", 0), meta.get("max_length")
+            if not isinstance(value, (str, list, tuple)):
+                raise InvalidRequest(f"{name} must be a string, got {value!r}")
+            if len(value) < low or (high is not None and len(value) > high):
+                raise InvalidRequest(f"{name} must be {low} to {high} long, got {len(value)}")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequest(f"{name} must be a number, got {value!r}")
+        low_ok = value >= meta["ge"] if "ge" in meta else value > meta.get("gt", float("-inf"))
+        if not low_ok or value > meta.get("le", float("inf")):
+            low = f"from {meta['ge']} to" if "ge" in meta else f"above {meta.get('gt')} and at most"
+            raise InvalidRequest(f"{name}={value} is out of range: use a value {low} {meta.get('le')}")
+        if str(spec.type).split(" |")[0] == "int":
+            if not float(value).is_integer():
+                raise InvalidRequest(f"{name} must be a whole number, got {value!r}")
+            object.__setattr__(obj, spec.name, int(value))
+        elif str(spec.type).split(" |")[0] == "float":
+            object.__setattr__(obj, spec.name, float(value))
 
 
 class Outcome(str, enum.Enum):
@@ -28,32 +70,17 @@ class Outcome(str, enum.Enum):
 class Limits:
     """Resource limits of one sandbox."""
 
-    cpus: float = 1.0
+    cpus: float = field(default=1.0, metadata=bounds(ge=0.01, le=1024))
     """CPU quota in cores (fractions allowed)."""
-    memory_mb: int = 512
-    """Memory limit; crossing it OOM-kills the offending process."""
-    pids: int = 256
+    memory_mb: int = field(default=512, metadata=bounds(ge=16, le=1 << 22))
+    """Memory limit in MiB; crossing it OOM-kills the offending process."""
+    pids: int = field(default=256, metadata=bounds(ge=8, le=1 << 22))
     """Most processes and threads alive at once (fork bombs stop here)."""
-    disk_mb: int = 1024
-    """Most bytes the sandbox may write to its filesystem."""
+    disk_mb: int = field(default=1024, metadata=bounds(ge=1, le=1 << 24))
+    """Most MiB the sandbox may write to its filesystem."""
 
     def __post_init__(self) -> None:
-        checks = [
-            ("cpus", self.cpus, 0.01, 1024),
-            ("memory_mb", self.memory_mb, 16, 1 << 22),
-            ("pids", self.pids, 8, 1 << 22),
-            ("disk_mb", self.disk_mb, 1, 1 << 24),
-        ]
-        for name, value, low, high in checks:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidRequest(f"limit {name} must be a number, got {value!r}")
-            if not low <= value <= high:
-                raise InvalidRequest(f"limit {name}={value} is out of range: use a value from {low} to {high}")
-        for name in ("memory_mb", "pids", "disk_mb"):
-            if not float(getattr(self, name)).is_integer():
-                raise InvalidRequest(f"limit {name} must be a whole number, got {getattr(self, name)!r}")
-            object.__setattr__(self, name, int(getattr(self, name)))
-        object.__setattr__(self, "cpus", float(self.cpus))
+        check_bounds(self, "limit ")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +141,56 @@ class Persistence(str, enum.Enum):
     """Kept (suspended when idle) as a cache; under memory or disk pressure evicted, lowest priority first."""
     PERSISTENT = "persistent"
     """Kept (suspended when idle) until killed or its deadline."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CreateParams:
+    """What a create asks for: the SDK builds it, every transport carries it, the engine makes it.
+    The server's create body is these fields with ``limits`` spread out (``cpus``, ``memory_mb``, ...)."""
+
+    image: str = field(default="host", metadata=bounds(min_length=1, max_length=256))
+    """An image id, reference or base name, or a snapshot's id or name (a server's tenant: one of its own)."""
+    limits: Limits | None = None
+    """None: ``Limits()``; from a memory snapshot the sandbox keeps the snapshot's cpu, memory and pids
+    limits (and with None its disk limit too)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of its services and commands."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Free-form tags; ``list`` filters by them."""
+    deadline: float | None = field(default=None, metadata=bounds(gt=0, le=365 * DAY_S))
+    """Hard lifetime in seconds; None: the host's default (an hour unless configured), none if persistent."""
+    detached: bool = False
+    """Outlive the creating client (until killed or its deadline)."""
+    persistence: str = "ephemeral"
+    """``ephemeral``, ``sticky`` or ``persistent``: what becomes of it when idle (see ``Persistence``)."""
+    priority: int = field(default=0, metadata=bounds(ge=0, le=10))
+    """0-10, for sticky sandboxes: under memory or disk pressure the lowest go first."""
+    idle_timeout: float | None = field(default=None, metadata=bounds(gt=0, le=30 * DAY_S))
+    """Seconds without a call before it is suspended (ephemeral: destroyed)."""
+    queue_timeout: float | None = field(default=None, metadata=bounds(ge=0, le=3600))
+    """Seconds to wait for a create slot and host headroom before CapacityExceeded (default 300)."""
+    user: str | None = field(default=None, metadata=bounds(max_length=65))
+    """``name[:group]`` or ``uid[:gid]`` its commands run as, resolved in its /etc/passwd; by default the
+    image's ``USER``, else root."""
+    seccomp: str = field(default="default", metadata=bounds(min_length=1, max_length=4096))
+    """The syscall filter: ``default``, ``unconfined`` or the path of an OCI seccomp profile on the host
+    (a server's tenants other than the host's own: ``default`` only)."""
+    network: Any = "none"
+    """``"none"`` (loopback only), ``"open"`` (any public address; the host's own callers only) or a
+    ``fanfold.net.policy.NetworkPolicy`` as a dict (``{"allow": [...], "deny": [...], ...}``): traffic
+    leaves only through the host's filtering proxy, which the sandbox's proxy variables name."""
+
+    def __post_init__(self) -> None:
+        if self.limits is not None and not isinstance(self.limits, Limits):
+            raise InvalidRequest(f"limits must be a fanfold.Limits, got {self.limits!r}")
+        check_bounds(self)
+        try:
+            object.__setattr__(self, "persistence", Persistence(self.persistence).value)
+        except ValueError:
+            choices = ", ".join(p.value for p in Persistence)
+            raise InvalidRequest(f"persistence must be one of {choices}, got {self.persistence!r}") from None
+        if not isinstance(self.detached, bool):
+            raise InvalidRequest(f"detached is true or false, got {self.detached!r}")
 
 
 STATES = ("creating", "running", "paused", "suspended", "destroying")

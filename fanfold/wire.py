@@ -14,7 +14,9 @@ from . import errors
 from .errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec, ServiceFailed
 from .images import Image
 from .images.builder import StepEvent
-from .models import ExecResult, FileEntry, ForkResult, Limits, Outcome, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
+from .models import (
+    CreateParams, ExecResult, FileEntry, ForkResult, Limits, Outcome, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
+)
 from .spec import EnvSpec
 
 
@@ -30,6 +32,18 @@ def unb64(text: str, what: str) -> bytes:
 
 
 # -- sandboxes, snapshots, forks, results, files, images ------------------------------------------
+
+
+def create_to_json(params: CreateParams) -> dict[str, Any]:
+    """A create's parameters as the server's create body takes them: the limits' fields spread out."""
+    spread = {spec.name: getattr(params, spec.name) for spec in dataclasses.fields(params) if spec.name != "limits"}
+    return {**spread, **dataclasses.asdict(params.limits or Limits())}
+
+
+def create_from_json(data: dict[str, Any]) -> CreateParams:
+    limit_names = {spec.name for spec in dataclasses.fields(Limits)}
+    limits = Limits(**{key: value for key, value in data.items() if key in limit_names})
+    return CreateParams(limits=limits, **{key: value for key, value in data.items() if key not in limit_names})
 
 
 def info_to_json(info: SandboxInfo) -> dict[str, Any]:

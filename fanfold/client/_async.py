@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Corou
 
 from ..config import EngineConfig, env_lease_ttl, env_token, env_url
 from ..errors import InvalidRequest, SandboxNotFound
-from ..models import ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
+from ..models import (
+    CreateParams, ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
+)
 from ..spec import EnvSpec
 from ..tools import run_tool
 from ._fanout import AsyncRollouts, RolloutFn
@@ -167,27 +169,18 @@ class AsyncFleet:
     ) -> AsyncSandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
-        ``deadline`` and ``idle_timeout`` are in seconds (every sandbox but a persistent one
-        gets the host's default deadline, an hour unless configured); ``persistence`` and
-        ``priority`` (0-10) say what becomes of it when idle or when the host runs short (see
-        ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
-        (default 300), before a retryable CapacityExceeded. ``user`` (``name[:group]`` or
-        ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
-        ``seccomp`` is the syscall filter: ``default``, ``unconfined`` or the path of a profile on
-        the host (over HTTP only the host's own tenant may choose another than ``default``).
-        ``network`` is ``"none"`` (loopback only), ``{"allow": [...], "deny": [...]}`` (host names,
-        ``*.`` wildcards, addresses, CIDRs, each with an optional ``:port``; traffic leaves only
-        through the host's filtering proxy, which its proxy variables name) or ``"open"`` (the
-        host's own callers only).
+        The parameters are ``CreateParams``'s, each documented there; ``cpus``, ``memory_mb``, ``pids``
+        and ``disk_mb`` make its ``Limits``. Every sandbox but a persistent one gets the host's default
+        deadline (an hour unless configured); in a burst the create queues up to ``queue_timeout``
+        seconds (default 300) before a retryable CapacityExceeded.
         """
-        limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
-        source = image.id if isinstance(image, SnapshotInfo) else image
-        info = await self._transport.create(
-            source, limits=limits, env=env, labels=labels, deadline=deadline, detached=detached,
-            persistence=_persistence(persistence), priority=priority, idle_timeout=idle_timeout,
-            queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
+        params = CreateParams(
+            image=image if isinstance(image, str) else image.id,
+            limits=Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb), env=env or {},
+            labels=labels or {}, deadline=deadline, detached=detached, persistence=persistence, priority=priority,
+            idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
         )
-        return AsyncSandbox(self, info)
+        return AsyncSandbox(self, await self._transport.create(params))
 
     async def pool(
         self, image: str | Image | SnapshotInfo = "host", size: int | None = None, *, cpus: float = 1.0,
@@ -274,14 +267,6 @@ def ray_address(url: str) -> str | None:
     if rest in ("", "auto"):
         return rest or None
     return url
-
-
-def _persistence(value: Persistence | str) -> str:
-    try:
-        return Persistence(value).value
-    except ValueError:
-        choices = ", ".join(p.value for p in Persistence)
-        raise InvalidRequest(f"persistence must be one of {choices}, got {value!r}") from None
 
 
 class AsyncSandbox:

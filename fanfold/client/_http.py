@@ -27,7 +27,9 @@ from ..errors import (
 )
 from ..images import Image
 from ..images.builder import Network, OnStep, check_network, source_path
-from ..models import ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo
+from ..models import (
+    CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo,
+)
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
 from ..transport.h1 import Client, ConnectionLost, Response
 
@@ -277,21 +279,10 @@ class HttpTransport:
         if not info.detached and info.persistence == "ephemeral":
             self._created.add(info.id)
 
-    async def create(
-        self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
-        labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
-        persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
-        queue_timeout: float | None = None, user: str | None = None, seccomp: str = "default",
-        network: Any = "none",
-    ) -> SandboxInfo:
-        limits = limits or Limits()
-        body = {
-            "image": image.id if isinstance(image, Image) else image, **limits.__dict__,
-            "env": env or {}, "labels": labels or {}, "deadline": deadline, "detached": detached,
-            "persistence": persistence, "priority": priority, "idle_timeout": idle_timeout,
-            "lease": self.lease.id if self.lease is not None and not detached and persistence == "ephemeral" else None,
-            "queue_timeout": queue_timeout, "user": user, "seccomp": seccomp, "network": _network(network),
-        }
+    async def create(self, params: CreateParams) -> SandboxInfo:
+        owned = self.lease is not None and not params.detached and params.persistence == "ephemeral"
+        body = {**wire.create_to_json(params), "network": _network(params.network),
+                "lease": self.lease.id if owned and self.lease is not None else None}
         info = wire.info_from_json(await self._make("/v1/sandboxes", body))
         self._track(info)
         return info

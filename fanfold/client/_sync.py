@@ -165,18 +165,10 @@ class Fleet:
     ) -> Sandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
-        ``deadline`` and ``idle_timeout`` are in seconds (every sandbox but a persistent one
-        gets the host's default deadline, an hour unless configured); ``persistence`` and
-        ``priority`` (0-10) say what becomes of it when idle or when the host runs short (see
-        ``Persistence``). In a burst the create queues, up to ``queue_timeout`` seconds
-        (default 300), before a retryable CapacityExceeded. ``user`` (``name[:group]`` or
-        ``uid[:gid]``) is whom its commands run as; by default the image's ``USER``, else root.
-        ``seccomp`` is the syscall filter: ``default``, ``unconfined`` or the path of a profile on
-        the host (over HTTP only the host's own tenant may choose another than ``default``).
-        ``network`` is ``"none"`` (loopback only), ``{"allow": [...], "deny": [...]}`` (host names,
-        ``*.`` wildcards, addresses, CIDRs, each with an optional ``:port``; traffic leaves only
-        through the host's filtering proxy, which its proxy variables name) or ``"open"`` (the
-        host's own callers only).
+        The parameters are ``CreateParams``'s, each documented there; ``cpus``, ``memory_mb``, ``pids``
+        and ``disk_mb`` make its ``Limits``. Every sandbox but a persistent one gets the host's default
+        deadline (an hour unless configured); in a burst the create queues up to ``queue_timeout``
+        seconds (default 300) before a retryable CapacityExceeded.
         """
         inner = self._call(self._async.create(
             image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, env=env, labels=labels,

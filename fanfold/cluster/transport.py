@@ -22,7 +22,7 @@ from .. import ids
 from ..client import LEASE_TTL_S, HttpTransport
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, NotFound, SandboxNotFound, SnapshotNotFound
 from ..images import Image
-from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
+from ..models import CreateParams, ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..refs import BASES
 from . import node as nodemod
 from .joining import first_line, join
@@ -308,11 +308,10 @@ class RayTransport:
 
     # -- sandboxes --------------------------------------------------------------------------
 
-    async def create(self, image: str | Image = "host", *, limits: Limits | None = None, **options: Any) -> SandboxInfo:
+    async def create(self, params: CreateParams) -> SandboxInfo:
         """Place the create (headroom, then the image's or snapshot's locality) and make it there,
         bringing the image (rebuild or pull) or the snapshot (a pull from its node) over first."""
-        source = image.id if isinstance(image, Image) else image
-        limits = limits or Limits()
+        source, limits = params.image, params.limits or Limits()
         candidates = await self._candidates(source, limits)
         last: FanfoldError | None = None
         for node in candidates[:3]:
@@ -320,7 +319,7 @@ class RayTransport:
             node.inflight_memory_mb += limits.memory_mb
             try:
                 await self._bring(source, node)
-                info = await self._on(node, node.http.create(source, limits=limits, **options))
+                info = await self._on(node, node.http.create(params))
                 node.commit(limits.memory_mb, limits.cpus)  # placement sees it before the next stats read
                 self._made[info.id] = limits
                 return info

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # a contract for type checkers: importing it loads nothing mo
     from ..images import Image
     from ..images.builder import Network, OnStep
     from ..images.oci import OnPull
-    from ..models import ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
+    from ..models import CreateParams, ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
     from ..spec import EnvSpec
 
 OnOutput = Callable[[str, bytes], Awaitable[None] | None]
@@ -32,7 +32,7 @@ MAX_LEASE_TTL_S = 86_400.0
 class EngineAPI(Protocol):
     """What every fleet drives: the in-process ``Engine``, ``HttpTransport`` (a ``fanfold serve``
     server) and ``RayTransport`` (a Ray cluster's servers). Same methods, results and exceptions,
-    so the SDK above is written once; the tests check the implementations against this list."""
+    so the SDK above is written once; tests/test_api.py keeps all three in step with this list."""
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
@@ -47,13 +47,7 @@ class EngineAPI(Protocol):
     async def login(self, registry: str, username: str, password: str) -> None: ...
     async def logout(self, registry: str) -> None: ...
 
-    async def create(
-        self, image: str | Image = "host", *, limits: Limits | None = None, env: dict[str, str] | None = None,
-        labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
-        persistence: str = "ephemeral", priority: int = 0, idle_timeout: float | None = None,
-        queue_timeout: float | None = None, user: str | None = None, seccomp: str = "default",
-        network: Any = "none",
-    ) -> SandboxInfo: ...
+    async def create(self, params: CreateParams) -> SandboxInfo: ...
     async def set_network(self, sandbox_id: str, network: Any, *, cut: bool = False) -> SandboxInfo: ...
     async def network_stats(self, sandbox_id: str) -> dict[str, Any]: ...
     async def expose(self, sandbox_id: str, port: int) -> str: ...

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import CheckpointFailed, InfrastructureError, InvalidRequest
 from ..host.offload import host_errors, on_thread
-from ..models import ExecResult, ForkResult, SandboxInfo, SnapshotInfo
+from ..models import CreateParams, ExecResult, ForkResult, SandboxInfo, SnapshotInfo
 from . import db as dbmod
 from .api import MAX_FORK
 from .checks import check_deadline
@@ -132,13 +132,13 @@ class Checkpoints:
         if deadline is None and parent.deadline_at is not None:
             # A fresh default deadline would let the children outlive their parent's.
             deadline = max(parent.deadline_at - dbmod.now(), 0.001)  # past it, they are reaped at once
+        params = CreateParams(
+            image=snap.id, limits=parent.limits, env=env, labels=parent.labels, deadline=deadline,
+            detached=parent.detached, persistence=parent.persistence, priority=parent.priority,
+            idle_timeout=parent.idle_timeout, user=parent.user or None, seccomp=parent.seccomp, network=parent.network,
+        )
         made = await asyncio.gather(*(
-            self._create(
-                snap.id, limits=parent.limits, env=env, labels=parent.labels, deadline=deadline,
-                detached=parent.detached, tenant=row["tenant"], persistence=parent.persistence,
-                priority=parent.priority, idle_timeout=parent.idle_timeout, lease=_lease_of(row["owner"]),
-                user=parent.user or None, seccomp=parent.seccomp, network=parent.network,
-            ) for _ in range(count)
+            self._create(params, tenant=row["tenant"], lease=_lease_of(row["owner"])) for _ in range(count)
         ), return_exceptions=True)
         children = [c for c in made if isinstance(c, SandboxInfo)]
         failed = [c for c in made if isinstance(c, BaseException)]

@@ -27,7 +27,7 @@ from ..images import Image, LayerStore, users
 from ..store import trust
 from ..images.builder import Builder, Network, OnStep
 from ..models import (
-    ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
+    CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo,
 )
 from ..runtime import SECCOMP_PROFILES as PROFILES, check_seccomp, get_backend
 from ..spec import BASES, EnvSpec, check_user
@@ -203,42 +203,17 @@ class Engine:
 
     # -- sandboxes ----------------------------------------------------------------------------
 
-    async def create(
-        self,
-        image: str | Image = "host",
-        *,
-        limits: Limits | None = None,
-        env: dict[str, str] | None = None,
-        labels: dict[str, str] | None = None,
-        deadline: float | None = None,
-        detached: bool = False,
-        tenant: str = "",
-        persistence: str = "ephemeral",
-        priority: int = 0,
-        idle_timeout: float | None = None,
-        lease: str | None = None,
-        queue_timeout: float | None = None,
-        user: str | None = None,
-        seccomp: str = "default",
-        network: Any = "none",
-    ) -> SandboxInfo:
-        """Start a sandbox from an image or a snapshot (id or name); it is running when this returns.
+    async def create(self, params: CreateParams, *, tenant: str = "", lease: str | None = None) -> SandboxInfo:
+        """Start a sandbox as ``params`` say (see ``CreateParams``); it is running when this returns.
 
-        From a memory snapshot it continues where the snapshot stopped, with the snapshot's
-        cpu, memory and pids limits. ``tenant`` names the server token the sandbox belongs to
-        ("" for local callers). Sticky and persistent sandboxes outlive their creator; a
-        sandbox with a ``lease`` dies when the lease expires. A create waits up to
-        ``queue_timeout`` seconds for a slot and for host headroom before CapacityExceeded.
-        ``user`` (``name[:group]`` or ``uid[:gid]``, resolved in the sandbox's /etc/passwd) is whom
-        its commands run as unless an exec says otherwise; by default the image's ``USER``, else root.
-        ``seccomp`` is the syscall filter its processes start under: ``default`` (Docker's default,
-        tightened), ``unconfined``, or the path of an OCI seccomp profile on the host; a create from a
-        memory snapshot keeps the filters its processes had.
-        ``network`` is ``"none"`` (loopback only, the default), ``{"allow": [...], "deny": [...]}`` (names,
-        ``*.`` wildcards, addresses and CIDRs, each with an optional ``:port``: traffic goes out through the
-        host's filtering proxy, which the sandbox's proxy variables name) or ``"open"`` (any public address;
-        the host's own callers only). ``set_network`` changes it while the sandbox runs.
+        ``tenant`` names the server token the sandbox belongs to ("" for local callers); a sandbox
+        with a ``lease`` dies when the lease expires. Sticky and persistent sandboxes outlive their
+        creator. A create from a memory snapshot continues where the snapshot stopped, with its
+        cpu, memory and pids limits and the seccomp filters its processes had. ``set_network``
+        changes the network policy while the sandbox runs.
         """
+        if not isinstance(params, CreateParams):
+            raise InvalidRequest(f"create takes a fanfold.CreateParams, got {params!r}")
         if not self._started or self.life.closing:
             raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
         task = asyncio.current_task()
@@ -246,11 +221,7 @@ class Engine:
             self._creating.add(task)
         started = time.perf_counter()
         try:
-            info, pooled = await self._create(
-                image, limits, env, labels, deadline, detached, tenant, _persistence(persistence, priority, idle_timeout),
-                self.leases.owner_for(lease, tenant), _wait(queue_timeout, self.config.queue_timeout_s), user,
-                seccomp, network,
-            )
+            info, pooled = await self._create(params, tenant, self.leases.owner_for(lease, tenant))
         except (InfrastructureError, CapacityExceeded) as err:
             self.telemetry.create_failed_infra("capacity" if isinstance(err, CapacityExceeded) else "infra_error")
             raise
@@ -270,28 +241,28 @@ class Engine:
             return image
         return image if image.startswith(SNAPSHOT_PREFIX) else (await self.catalog.resolve(image, tenant)).id
 
-    async def _create(self, image, limits, env, labels, deadline, detached, tenant, policy, owner, wait, user, seccomp, network) -> tuple[SandboxInfo, bool]:  # type: ignore[no-untyped-def]
-        if limits is not None and not isinstance(limits, Limits):
-            raise InvalidRequest("limits must be a fanfold.Limits")
-        net = self.life.network.check(network, tenant)
+    async def _create(self, params: CreateParams, tenant: str, owner: str) -> tuple[SandboxInfo, bool]:
+        net = self.life.network.check(params.network, tenant)
+        seccomp = params.seccomp
         if seccomp not in PROFILES:  # a profile file, read off the loop
             seccomp = await asyncio.to_thread(check_seccomp, seccomp)
-        if user is not None and user != "":
-            check_user(user)
-        env, labels = check_strings(env, "env"), check_labels(labels)
-        check_deadline(deadline)
-        source, img, limits = await self.sources.source_limits(await self._scoped(image, tenant), limits)
+        if params.user:
+            check_user(params.user)
+        env, labels = check_strings(params.env, "env"), check_labels(params.labels)
+        wait = self.config.queue_timeout_s if params.queue_timeout is None else params.queue_timeout
+        source, img, limits = await self.sources.source_limits(await self._scoped(params.image, tenant),
+                                                               params.limits)
         check_fits_host(limits)
-        persistence, priority, idle_timeout = policy
+        deadline, persistence = params.deadline, params.persistence
         if deadline is None and persistence != "persistent":
             deadline = self.config.default_deadline_s
-        detached = detached or persistence != "ephemeral"
+        detached = params.detached or persistence != "ephemeral"
         if detached:
             owner = "detached"
         info = SandboxInfo(
             id="", state="running", image_id=img.id, limits=limits, labels=labels, created_at=0.0, detached=detached,
-            source=source, persistence=persistence, priority=priority, idle_timeout=idle_timeout, user=user or img.user,
-            seccomp=seccomp, network="none" if net is None else net.to_wire(),
+            source=source, persistence=persistence, priority=params.priority, idle_timeout=params.idle_timeout,
+            user=params.user or img.user, seccomp=seccomp, network="none" if net is None else net.to_wire(),
         )
         # Each quota check runs with no await before the row it counts is in: creates never overshoot.
         self.quotas.check_create(tenant, limits)
@@ -641,23 +612,3 @@ def _port(port: int, proxy_port: int) -> int:
     return port
 
 
-def _wait(queue_timeout: float | None, default: float) -> float:
-    if queue_timeout is None:
-        return default
-    if isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float)) or queue_timeout < 0:
-        raise InvalidRequest(f"queue_timeout must be a non-negative number of seconds, got {queue_timeout!r}")
-    return float(queue_timeout)
-
-
-def _persistence(persistence: str, priority: int, idle_timeout: float | None) -> tuple[str, int, float | None]:
-    names = [p.value for p in Persistence]
-    value = persistence.value if isinstance(persistence, Persistence) else persistence
-    if value not in names:
-        raise InvalidRequest(f"persistence must be one of {', '.join(names)}, got {persistence!r}")
-    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 10:
-        raise InvalidRequest(f"priority must be a whole number from 0 to 10, got {priority!r}")
-    if idle_timeout is not None and (
-        isinstance(idle_timeout, bool) or not isinstance(idle_timeout, (int, float)) or idle_timeout <= 0
-    ):
-        raise InvalidRequest(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
-    return value, priority, None if idle_timeout is None else float(idle_timeout)

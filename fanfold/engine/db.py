@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import time
 from pathlib import Path
+from typing import TypeVar
 
 from ..models import Limits, SandboxInfo, SnapshotInfo
 from ..runtime.base import Handle
+
+T = TypeVar("T", SandboxInfo, SnapshotInfo)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -94,15 +98,14 @@ class Database:
 
     def insert(self, info: SandboxInfo, *, owner: str, env: dict[str, str], layers: tuple[str, ...], tenant: str = "",
                claimed_by: str | None = None, backend: str = "") -> None:
-        self.conn.execute(
-            "INSERT INTO sandboxes (id, state, image_id, owner, detached, limits, labels, env, created_at, deadline_at,"
-            " tenant, source, layers, persistence, priority, idle_timeout, active_at, claimed_by, exec_user,"
-            " seccomp, backend, network) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (info.id, info.state, info.image_id, owner, int(info.detached), json.dumps(info.limits.__dict__),
-             json.dumps(info.labels), json.dumps(env), info.created_at, info.deadline_at, tenant, info.source,
-             json.dumps(list(layers)), info.persistence, info.priority, info.idle_timeout, info.created_at, claimed_by,
-             info.user, info.seccomp, backend, json.dumps(info.network)),
-        )
+        self._insert("sandboxes", {
+            **columns_of(info), "owner": owner, "env": json.dumps(env), "layers": json.dumps(list(layers)),
+            "tenant": tenant, "active_at": info.created_at, "claimed_by": claimed_by, "backend": backend,
+        })
+
+    def _insert(self, table: str, columns: dict[str, object]) -> None:
+        marks = ", ".join("?" * len(columns))
+        self.conn.execute(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", tuple(columns.values()))
 
     def update(self, sandbox_id: str, **fields: object) -> None:
         names = ", ".join(f"{name}=?" for name in fields)
@@ -127,13 +130,7 @@ class Database:
     # -- snapshots ----------------------------------------------------------------------------
 
     def insert_snapshot(self, info: SnapshotInfo, *, layers: tuple[str, ...], tenant: str) -> None:
-        self.conn.execute(
-            "INSERT INTO snapshots (id, parent, image_id, sandbox_id, layers, memory, kind, name, limits, size_bytes,"
-            " created_at, tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (info.id, info.parent, info.image_id, info.sandbox_id, json.dumps(list(layers)), int(info.memory),
-             info.kind, info.name, json.dumps(info.limits.__dict__ if info.limits else Limits().__dict__),
-             info.size_bytes, info.created_at, tenant),
-        )
+        self._insert("snapshots", {**columns_of(info), "layers": json.dumps(list(layers)), "tenant": tenant})
 
     def snapshot(self, ref: str) -> sqlite3.Row | None:
         """A snapshot by id or name."""
@@ -240,22 +237,36 @@ def row_layers(row: sqlite3.Row) -> tuple[str, ...]:
     return tuple(json.loads(row["layers"]))
 
 
+# A record's fields are its row's columns, but for these: kept under another name, or as JSON.
+COLUMN_OF = {"user": "exec_user"}
+AS_JSON = ("limits", "labels", "network")
+
+
+def columns_of(record: SandboxInfo | SnapshotInfo) -> dict[str, object]:
+    """A sandbox's or snapshot's record as its row's columns (a snapshot without limits: the defaults)."""
+    columns: dict[str, object] = {}
+    for spec in dataclasses.fields(record):
+        value = getattr(record, spec.name)
+        if spec.name == "limits":
+            value = dataclasses.asdict(value or Limits())
+        columns[COLUMN_OF.get(spec.name, spec.name)] = json.dumps(value) if spec.name in AS_JSON else value
+    return columns
+
+
+def _record(cls: type[T], row: sqlite3.Row) -> T:
+    values = {}
+    for spec in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = row[COLUMN_OF.get(spec.name, spec.name)]
+        values[spec.name] = json.loads(value) if spec.name in AS_JSON else bool(value) if spec.type == "bool" else value
+    return cls(**{**values, "limits": Limits(**values["limits"])})
+
+
 def row_info(row: sqlite3.Row) -> SandboxInfo:
-    return SandboxInfo(
-        id=row["id"], state=row["state"], image_id=row["image_id"], limits=Limits(**json.loads(row["limits"])),
-        labels=json.loads(row["labels"]), created_at=row["created_at"], deadline_at=row["deadline_at"],
-        detached=bool(row["detached"]), source=row["source"], persistence=row["persistence"],
-        priority=row["priority"], idle_timeout=row["idle_timeout"], user=row["exec_user"],
-        seccomp=row["seccomp"], network=json.loads(row["network"] or '"none"'), tenant=row["tenant"],
-    )
+    return _record(SandboxInfo, row)
 
 
 def snapshot_info(row: sqlite3.Row) -> SnapshotInfo:
-    return SnapshotInfo(
-        id=row["id"], parent=row["parent"], image_id=row["image_id"], sandbox_id=row["sandbox_id"],
-        memory=bool(row["memory"]), kind=row["kind"], created_at=row["created_at"], size_bytes=row["size_bytes"],
-        name=row["name"], limits=Limits(**json.loads(row["limits"])),
-    )
+    return _record(SnapshotInfo, row)
 
 
 def now() -> float:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -56,6 +57,7 @@ from ..errors import (
     CapacityExceeded, FanfoldError, InvalidRequest, LeaseNotFound, NotFound, QuotaExceeded, Retryable,
     SandboxNotFound, Unauthorized,
 )
+from ..models import CreateParams
 from ..web.auth import LOCAL_TENANT, Tenants
 from ..web.deps import check_source_of, host_only
 from ..web.status import error_response
@@ -160,14 +162,13 @@ class SessionEngine:
         return await self.engine.build(await self.engine.catalog.scoped(spec, self.tenant), on_step, network=network,
                                        tag=tag, tenant=self.tenant)
 
-    async def create(self, image: Any = "host", **options: Any) -> Any:
-        if isinstance(image, str):
-            check_source_of(self.engine, image, self.tenant)
-        if options.get("seccomp", "default") != "default":
+    async def create(self, params: CreateParams) -> Any:
+        check_source_of(self.engine, params.image, self.tenant)
+        if params.seccomp != "default":
             host_only(self.tenant, "choose a seccomp profile other than default")
         # Ephemeral and under the lease, whatever the env asked: the session's end must end it.
-        options.update(detached=False, persistence="ephemeral")
-        info = await self.engine.create(image, tenant=self.tenant, lease=self.lease, **options)
+        params = dataclasses.replace(params, detached=False, persistence="ephemeral")
+        info = await self.engine.create(params, tenant=self.tenant, lease=self.lease)
         self.made.add(info.id)
         return info
 

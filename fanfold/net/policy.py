@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 from ..errors import InvalidRequest
@@ -134,7 +134,6 @@ def _split_port(text: str) -> tuple[str, int | None]:
     return inside, int(number)
 
 
-KEYS = ("allow", "deny", "open", "record", "replay", "live", "cache", "transparent")
 _RECORDING = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -161,8 +160,12 @@ def _rules(value: Any, key: str) -> tuple[Rule, ...]:
 class NetworkPolicy:
     """Where a sandbox's traffic may go through the proxy; ``None`` stands for no network at all."""
 
-    allow: tuple[Rule, ...] = ()
-    deny: tuple[Rule, ...] = ()
+    allow: tuple[Rule, ...] = field(default=(), metadata={"max_length": MAX_RULES})
+    """Host names (pypi.org), wildcards (*.example.com: names below it), addresses and CIDRs (10.0.0.0/8),
+    each with an optional :PORT. Private, loopback and link-local addresses stay out of reach unless the
+    operator made them reachable."""
+    deny: tuple[Rule, ...] = field(default=(), metadata={"max_length": MAX_RULES})
+    """Rules as in allow; deny wins."""
     open: bool = False
     """Any public address (the host's own tenant only)."""
     record: str | None = None
@@ -272,6 +275,10 @@ class NetworkPolicy:
         if self.open or any(r.matches_address(address, port) or r.matches_name(name, port) for r in self.allow):
             return None
         return f"no allow rule matches {address}:{port} (which {name} resolves to)"
+
+
+KEYS = tuple(spec.name for spec in fields(NetworkPolicy))
+"""What a policy's dict may hold: its fields, named once (the server's request bodies derive from them too)."""
 
 
 class Reachable:

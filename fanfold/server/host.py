@@ -9,10 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
-from ..models import Limits
 from ..web.auth import LOCAL_TENANT
 from ..web.deps import check_source, engine, seen_by, tenant
-from ..web.schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest
+from ..web.schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest, limits_of
 
 router = APIRouter(prefix="/v1", tags=["host"])
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (401, 404, 422, 429, 503)}
@@ -43,7 +42,7 @@ async def set_pool(body: PoolRequest, request: Request, caller: str = Depends(te
     """Keep sandboxes of an image (or one of the caller's snapshots) warm for the caller's creates with the
     same limits; size 0 removes the pool."""
     check_source(request, body.image, caller)
-    limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb)
+    limits = limits_of(body)
     return (await engine(request).set_pool(body.image, body.size, limits=limits, wait=body.wait,
                                            tenant=caller)).to_dict()
 

@@ -10,8 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine import Engine
 from ..errors import InvalidRequest
-from ..models import Limits
-from ..wire import b64, fork_to_json, info_to_json, result_to_json, unb64
+from ..wire import b64, create_from_json, fork_to_json, info_to_json, result_to_json, unb64
 from ..web.deps import (
     ERRORS, NDJSON, RequestID, check_source, engine, host_only, ndjson_events, owned_sandbox, seen_by, tenant,
     until_disconnect,
@@ -36,13 +35,9 @@ async def create(
     check_source(request, body.image, caller)
     if body.seccomp != "default":
         host_only(caller, "choose a seccomp profile other than default")
-    limits = Limits(cpus=body.cpus, memory_mb=body.memory_mb, pids=body.pids, disk_mb=body.disk_mb)
-    info = await _once(request, caller, request_id, body.model_dump(), lambda: fleet.create(
-        body.image, limits=limits, env=body.env, labels=body.labels, deadline=body.deadline,
-        detached=body.detached, persistence=body.persistence, priority=body.priority,
-        idle_timeout=body.idle_timeout, tenant=caller, lease=body.lease, queue_timeout=body.queue_timeout,
-        user=body.user, seccomp=body.seccomp, network=network_value(body.network),
-    ))
+    params = create_from_json({**body.model_dump(exclude={"lease"}), "network": network_value(body.network)})
+    info = await _once(request, caller, request_id, body.model_dump(),
+                       lambda: fleet.create(params, tenant=caller, lease=body.lease))
     return info_to_json(info)
 
 

@@ -35,7 +35,7 @@ from ..engine import Engine
 from ..engine.admission import check_fits_host
 from ..engine.api import MAX_LEASE_TTL_S
 from ..errors import InvalidRequest, LeaseNotFound, NotFound, SandboxGone, SandboxNotFound, SnapshotNotFound, ToolError
-from ..models import Limits
+from ..models import CreateParams, Limits
 from ..spec import BASES
 from ..tools import TOOLS, function_call_output, parse_arguments, run_checked
 from ..wire import error_to_json
@@ -220,11 +220,11 @@ class Rollouts:
             lease = await self._lease(tenant, row["deadline_at"])
             try:
                 limits = Limits(**params["limits"]) if params["limits"] else None
-                info = await self.engine.create(
-                    params["snapshot"] or params["image"], limits=limits, env=params["env"], tenant=tenant, lease=lease,
+                info = await self.engine.create(CreateParams(
+                    image=params["snapshot"] or params["image"], limits=limits, env=params["env"],
                     labels={**params["labels"], "rollout_id": rollout_id}, deadline=row["deadline_at"] - time.time(),
                     network=params.get("network", "none"),
-                )
+                ), tenant=tenant, lease=lease)
             except BaseException:
                 await asyncio.shield(self._end_lease(lease, tenant))
                 raise

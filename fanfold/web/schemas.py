@@ -1,50 +1,93 @@
-"""Request and response bodies of the HTTP API, as pydantic models (they make /openapi.json)."""
+"""Request and response bodies of the HTTP API, as pydantic models (they make /openapi.json).
+
+The bodies of fanfold's own shapes are derived from their one definition (``fanfold.models``,
+``fanfold.net.policy``) by ``model_of``: field names, types, defaults, bounds and docstrings, so
+the server takes exactly what the engine takes.
+"""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StringConstraints, create_model, field_validator, model_validator,
+)
 
-from ..engine.api import MAX_FORK
+from ..engine.api import MAX_FORK, MAX_POOL
+from ..models import (
+    CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo,
+    SnapshotInfo,
+)
+from ..net.policy import NetworkPolicy
 
-PersistenceName = Literal["ephemeral", "sticky", "persistent"]
-IDLE_TIMEOUT_MAX = 30 * 86400
+PersistenceName = Literal[tuple(p.value for p in Persistence)]  # type: ignore[valid-type]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a class (the string literal that follows its annotation)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def fields_of(cls: type, *, skip: tuple[str, ...] = (), **types: Any) -> dict[str, Any]:
+    """pydantic fields of dataclass ``cls``: its types (or those ``types`` name instead), defaults,
+    bounds (field metadata) and docstrings."""
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    made: dict[str, Any] = {}
+    for spec in dataclasses.fields(cls):
+        if spec.name in skip:
+            continue
+        default: dict[str, Any] = {}
+        if spec.default is not dataclasses.MISSING:
+            default["default"] = spec.default
+        elif spec.default_factory is not dataclasses.MISSING:
+            default["default_factory"] = spec.default_factory
+        if spec.name in docs:
+            default["description"] = docs[spec.name]
+        hint = types.get(spec.name, hints[spec.name])
+        # The engine takes true or false only, never "yes" or 1.
+        made[spec.name] = (StrictBool if hint is bool else hint, Field(**default, **spec.metadata))
+    return made
+
+
+def model_of(cls: type, *, name: str = "", base: type[BaseModel] = BaseModel, skip: tuple[str, ...] = (),
+             **types: Any) -> Any:
+    """A pydantic model with dataclass ``cls``'s fields (see ``fields_of``)."""
+    return create_model(name or f"{cls.__name__}Body", __base__=base, __doc__=cls.__doc__,
+                        **fields_of(cls, skip=skip, **types))
+
+
 NetworkName = Literal["none", "open"]
 NETWORK_HELP = (
     "none: loopback only; open: any public address (the host's own tenant only); or allow/deny rules: the"
     " sandbox's traffic leaves only through the host's filtering proxy, which its proxy variables name.")
+NetworkRule = Annotated[str, StringConstraints(min_length=1, max_length=300)]
+NetworkRules = model_of(NetworkPolicy, name="NetworkRules", base=_Body, allow=list[NetworkRule],
+                        deny=list[NetworkRule])
+NetworkValue = Annotated[NetworkName | NetworkRules, Field(description=NETWORK_HELP)]
 
 
-class NetworkRules(_Body):
-    allow: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] = Field(
-        default_factory=list, max_length=1024, description=(
-            "Host names (pypi.org), wildcards (*.example.com: names below it), addresses and CIDRs (10.0.0.0/8),"
-            " each with an optional :PORT. Private, loopback and link-local addresses stay out of reach unless"
-            " the operator made them reachable."))
-    deny: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] = Field(
-        default_factory=list, max_length=1024, description="Rules as in allow; deny wins.")
-    open: StrictBool = Field(False, description="Any public address but what deny names (the host's own tenant only).")
-    record: str | None = Field(None, description=(
-        "Store every request and response under this name (the sandbox then trusts the fleet's CA)."))
-    replay: str | None = Field(None, description="Answer from this recording, with no outside access.")
-    live: StrictBool = Field(False, description="With replay: a request not in the recording goes out instead.")
-    cache: StrictBool = Field(False, description="Serve immutable downloads from the host's shared cache.")
-
-
-def network_value(body: NetworkName | NetworkRules) -> Any:
-    """A policy as the engine takes it (``open`` only when set, so the same policy reads the same everywhere)."""
+def network_value(body: NetworkName | BaseModel) -> Any:
+    """A policy as the engine takes it (only what is set, so the same policy reads the same everywhere)."""
     return body if isinstance(body, str) else body.model_dump(exclude_defaults=True)
 
 
 class NetworkRequest(_Body):
-    network: NetworkName | NetworkRules = Field(description=NETWORK_HELP)
+    network: NetworkValue
     cut: bool = Field(False, description="End the connections already open too (else only new ones follow it).")
 
 
@@ -55,54 +98,36 @@ class PortBody(BaseModel):
         "For the host's own tenant: a URL on the server host's loopback reaching the port (any TCP protocol)."))
 
 
-class CreateRequest(_Body):
-    image: str = Field("host", min_length=1, max_length=256,
-                       description="Image id or base name, or the id or name of one of the caller's snapshots.")
-    cpus: float = Field(1.0, ge=0.01, le=1024, description="CPU quota in cores.")
-    memory_mb: int = Field(512, ge=16, le=1 << 22)
-    pids: int = Field(256, ge=8, le=1 << 22)
-    disk_mb: int = Field(1024, ge=1, le=1 << 24)
-    env: dict[str, str] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
-    deadline: float | None = Field(None, gt=0, le=365 * 86400, description="Hard lifetime in seconds.")
-    detached: bool = Field(False, description="Outlive the creating client (until killed or its deadline).")
-    persistence: PersistenceName = Field("ephemeral", description=(
-        "ephemeral: dies with its creator, destroyed when idle; sticky: kept suspended when idle, evicted under"
-        " pressure (lowest priority first); persistent: kept suspended when idle, until killed."))
-    priority: int = Field(0, ge=0, le=10, description="Eviction order of sticky sandboxes: the lowest go first.")
-    idle_timeout: float | None = Field(None, gt=0, le=IDLE_TIMEOUT_MAX, description=(
-        "Seconds without a call before it is suspended (ephemeral: destroyed)."))
-    lease: str | None = Field(None, min_length=1, max_length=64, description=(
-        "A lease of the caller's (POST /v1/leases): the sandbox dies when the lease is closed or expires."))
-    queue_timeout: float | None = Field(None, ge=0, le=3600, description=(
-        "Seconds to wait for a create slot and host headroom before 429 capacity_exceeded (default 300)."))
-    user: str | None = Field(None, max_length=65, description=(
-        "name[:group] or uid[:gid] its commands run as, resolved in its /etc/passwd (default: the image's USER, else root)."))
-    seccomp: str = Field("default", min_length=1, max_length=4096, description=(
-        "The syscall filter: default, unconfined or the path of an OCI seccomp profile on the host;"
-        " only the host's own tenant may choose another than default."))
-    network: NetworkName | NetworkRules = Field("none", description=NETWORK_HELP)
+LimitsBody = model_of(Limits, name="LimitsBody")
+LIMIT_FIELDS = fields_of(Limits)
+"""A request body's limits, spread out among its other fields (``cpus``, ``memory_mb``, ...)."""
+_create_fields = fields_of(CreateParams, skip=("limits",), persistence=PersistenceName, network=NetworkValue)
+CreateRequest = create_model(
+    "CreateRequest", __base__=_Body, __doc__=CreateParams.__doc__, image=_create_fields.pop("image"),
+    **LIMIT_FIELDS, **_create_fields, lease=(str | None, Field(None, min_length=1, max_length=64, description=(
+        "A lease of the caller's (POST /v1/leases): the sandbox dies when the lease is closed or expires."))),
+)
+PoolRequest = create_model(
+    "PoolRequest", __base__=_Body, __doc__="A warm pool: its image, size and limits.",
+    image=(str, Field("host", min_length=1, max_length=256, description=(
+        "Image id or base name, or a snapshot of the caller's."))),
+    size=(int | None, Field(description="Sandboxes kept warm; null follows recent demand; 0 removes the pool.",
+                            ge=0, le=MAX_POOL)),
+    **LIMIT_FIELDS,
+    wait=(float | None, Field(None, gt=0, le=3600, description="Answer only once the pool is full (seconds to wait).")),
+)
+
+
+def limits_of(body: BaseModel) -> Limits:
+    """The limits a request body spreads out among its fields."""
+    return Limits(**body.model_dump(include=set(LIMIT_FIELDS)))
 
 
 class LeaseRequest(_Body):
     ttl: float | None = Field(None, ge=1, le=86400, description="Seconds a renewal keeps it alive (default 30).")
 
 
-class LeaseBody(BaseModel):
-    id: str
-    ttl: float
-    expires_at: float
-    sandboxes: int = Field(0, description="Sandboxes it owns now.")
-
-
-class PoolRequest(_Body):
-    image: str = Field("host", min_length=1, max_length=256, description="Image id or base name, or a snapshot of the caller's.")
-    size: int | None = Field(description="Sandboxes kept warm; null follows recent demand; 0 removes the pool.", ge=0, le=4096)
-    cpus: float = Field(1.0, ge=0.01, le=1024)
-    memory_mb: int = Field(512, ge=16, le=1 << 22)
-    pids: int = Field(256, ge=8, le=1 << 22)
-    disk_mb: int = Field(1024, ge=1, le=1 << 24)
-    wait: float | None = Field(None, gt=0, le=3600, description="Answer only once the pool is full (seconds to wait).")
+LeaseBody = model_of(LeaseInfo, name="LeaseBody")
 
 
 class SnapshotRequest(_Body):
@@ -135,30 +160,7 @@ class ForkRequest(_Body):
         "Seconds from now after which the children are destroyed; default: the parent's deadline."))
 
 
-class LimitsBody(BaseModel):
-    cpus: float
-    memory_mb: int
-    pids: int
-    disk_mb: int
-
-
-class SandboxBody(BaseModel):
-    id: str
-    state: str
-    image_id: str
-    limits: LimitsBody
-    labels: dict[str, str]
-    created_at: float
-    deadline_at: float | None
-    detached: bool
-    source: str = Field(description="The image or snapshot id it was made from, and that reset returns it to.")
-    persistence: PersistenceName
-    priority: int
-    idle_timeout: float | None
-    user: str = Field("", description="Whom its commands run as unless an exec says otherwise (\"\": root).")
-    seccomp: str = Field("default", description="Its syscall filter: default, unconfined or a profile file's path.")
-    network: Any = Field("none", description="Its network policy: none, open, or {allow, deny} rules.")
-    tenant: str = Field("", description="The tenant it belongs to (\"\": the host's own).")
+SandboxBody = model_of(SandboxInfo, name="SandboxBody", limits=LimitsBody, persistence=PersistenceName)
 
 
 class ExecRequest(_Body):
@@ -173,54 +175,17 @@ class ExecRequest(_Body):
         "name[:group] or uid[:gid] to run as, resolved in the sandbox's /etc/passwd (default: the sandbox's user)."))
 
 
-class ExecResultBody(BaseModel):
-    outcome: Literal["exited", "timeout", "oom", "killed"]
-    exit_code: int | None
-    signal: int | None
-    stdout: str = Field(description="base64")
-    stderr: str = Field(description="base64")
-    stdout_truncated: bool
-    stderr_truncated: bool
-    duration_s: float
-    limits_hit: list[str]
-    cpu_s: float = Field(0.0, description="CPU time of the sandbox's cgroup while the command ran.")
-    memory_peak_bytes: int = Field(0, description="Peak memory of the sandbox's cgroup while the command ran.")
-
-
-class SnapshotBody(BaseModel):
-    id: str
-    parent: str = Field(description="The snapshot or image the sandbox was made from.")
-    image_id: str
-    sandbox_id: str
-    memory: bool
-    kind: str = Field(description="snapshot, fork or suspend.")
-    created_at: float
-    size_bytes: int
-    name: str | None
-    limits: LimitsBody | None
-
-
-class ForkBody(BaseModel):
-    parent_id: str
-    children: list[SandboxBody]
-    snapshot_id: str
-    parent_pause_ms: float
-    total_ms: float
-    setup: list[ExecResultBody] = Field(description="The result of cmd in each child, in order.")
-    user_random_copied: bool
+Base64 = Annotated[str, Field(description="base64")]
+ExecResultBody = model_of(ExecResult, name="ExecResultBody", stdout=Base64, stderr=Base64, limits_hit=list[str])
+SnapshotBody = model_of(SnapshotInfo, name="SnapshotBody", limits=LimitsBody | None)
+ForkBody = model_of(ForkResult, name="ForkBody", children=list[SandboxBody], setup=list[ExecResultBody])
 
 
 class GcBody(BaseModel):
     removed: list[str] = Field(description="Ids of the snapshots removed.")
 
 
-class FileEntryBody(BaseModel):
-    name: str
-    path: str
-    type: Literal["file", "dir", "symlink", "other"]
-    size: int
-    mode: int
-    mtime: float
+FileEntryBody = model_of(FileEntry, name="FileEntryBody", type=Literal["file", "dir", "symlink", "other"])
 
 
 class WrittenBody(BaseModel):
@@ -259,16 +224,7 @@ class WhoAmI(BaseModel):
     version: str
 
 
-class PoolBody(BaseModel):
-    source: str
-    limits: LimitsBody
-    size: int | None
-    target: int
-    ready: int
-    filling: int
-    handouts: int
-    misses: int
-    last_error: str | None
+PoolBody = model_of(PoolInfo, name="PoolBody", limits=LimitsBody)
 
 
 # -- rollouts: tools over HTTP keyed by rollout id ---------------------------------------------
@@ -282,11 +238,7 @@ EnvValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]
 RolloutState = Literal["pending", "creating", "running", "paused", "suspended", "destroying", "expired", "gone"]
 
 
-class RolloutLimits(_Body):
-    cpus: float = Field(1.0, ge=0.01, le=1024, description="CPU quota in cores.")
-    memory_mb: int = Field(512, ge=16, le=1 << 22)
-    pids: int = Field(256, ge=8, le=1 << 22)
-    disk_mb: int = Field(1024, ge=1, le=1 << 24)
+RolloutLimits = model_of(Limits, name="RolloutLimits", base=_Body)
 
 
 class RolloutRequest(_Body):
@@ -302,7 +254,7 @@ class RolloutRequest(_Body):
     deadline: float = Field(3600, gt=0, le=ROLLOUT_DEADLINE_MAX, description=(
         "Seconds from now after which the rollout ends and its sandboxes are destroyed."))
     labels: dict[LabelName, str] = Field(default_factory=dict, description="Put on its sandbox, with rollout_id.")
-    network: NetworkName | NetworkRules = Field("none", description=NETWORK_HELP)
+    network: NetworkValue = "none"
 
     @model_validator(mode="after")
     def _one_source(self) -> RolloutRequest:

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ...errors import FanfoldError, SandboxNotFound
-from ...models import SandboxInfo
+from ...models import CreateParams, SandboxInfo
 from ...web.deps import check_source
 from ...web.status import status_for
 from .auth import tenant_of_key
@@ -185,8 +185,9 @@ async def create(body: NewSandbox, request: Request, tenant: str = Depends(calle
     image = DEFAULT_TEMPLATES.get(body.templateID, body.templateID)
     check_source(request, image, tenant)
     labels = {**(body.metadata or {}), TEMPLATE_LABEL: body.templateID}
-    info = await engine(request).create(image, env=body.envVars, labels=labels, deadline=body.timeout, tenant=tenant,
-                                        network=network_of(body))
+    params = CreateParams(image=image, env=body.envVars or {}, labels=labels, deadline=body.timeout,
+                          network=network_of(body))
+    info = await engine(request).create(params, tenant=tenant)
     return created(request, info)
 
 
