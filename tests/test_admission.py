@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fanfold import AsyncFleet, CapacityExceeded, LeaseNotFound, SandboxNotFound
+from fanfold import AsyncFleet, CapacityExceeded, CreateParams, LeaseNotFound, SandboxNotFound
 from fanfold.engine import Engine
 
 from conftest import fleet_args, leaks
@@ -98,8 +98,8 @@ async def test_a_lease_not_renewed_takes_its_sandboxes_with_it(config):
     await engine.start()
     try:
         lease = await engine.open_lease(1)
-        info = await engine.create(lease=lease.id)
-        kept = await engine.create()
+        info = await engine.create(CreateParams(), lease=lease.id)
+        kept = await engine.create(CreateParams())
         renewed = await engine.renew_lease(lease.id)
         assert renewed.sandboxes == 1 and renewed.expires_at > lease.expires_at
         deadline = time.monotonic() + 15
@@ -110,9 +110,9 @@ async def test_a_lease_not_renewed_takes_its_sandboxes_with_it(config):
         with pytest.raises(LeaseNotFound):
             await engine.renew_lease(lease.id)
         with pytest.raises(LeaseNotFound):
-            await engine.create(lease=lease.id)
+            await engine.create(CreateParams(), lease=lease.id)
         closing = await engine.open_lease(30)
-        await engine.create(lease=closing.id)
+        await engine.create(CreateParams(), lease=closing.id)
         assert await engine.close_lease(closing.id) == 1
     finally:
         await engine.close()
@@ -135,7 +135,7 @@ async def test_a_create_whose_lease_ends_while_it_waits_leaves_nothing(config, m
     try:
         lease = await engine.open_lease(30)
         monkeypatch.setattr(engine, "_create", held)
-        create = asyncio.create_task(engine.create(lease=lease.id))
+        create = asyncio.create_task(engine.create(CreateParams(), lease=lease.id))
         await queued.wait()
         assert await engine.close_lease(lease.id) == 0
         release.set()
@@ -156,7 +156,7 @@ async def test_the_lease_heartbeat_is_not_starved_by_calls_holding_every_connect
     await transport.start()
     try:
         transport._client = transport._new_client(limit=2)  # a pool of two, both kept busy below
-        boxes = [await transport.create() for _ in range(2)]
+        boxes = [await transport.create(CreateParams()) for _ in range(2)]
         slow = await asyncio.gather(*(transport.exec(box.id, "sleep 4") for box in boxes))
         assert all(result.ok for result in slow), "the lease held: nothing was reaped under the execs"
         assert {info.id for info in await transport.list()} >= {box.id for box in boxes}

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import inspect
 
 import pytest
 
 import fanfold
-from fanfold import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox, EnvSpec, Files, Fleet, Fork, Limits, Sandbox
+from fanfold import (
+    AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox, CreateParams, EnvSpec, Files, Fleet, Fork, Limits, Sandbox,
+)
 from fanfold.errors import FanfoldError, InvalidRequest, InvalidSpec
 
 
@@ -96,3 +100,57 @@ def test_snapshots_and_forks_survive_the_wire():
 async def test_bad_persistence_is_refused_before_any_call():
     with pytest.raises(InvalidRequest, match="persistence"):
         await AsyncFleet("unix:///nonexistent.sock").create(persistence="forever")
+
+
+def _implementations() -> list[type]:
+    from fanfold.client._http import HttpTransport
+    from fanfold.engine import Engine
+
+    found = [Engine, HttpTransport]
+    if importlib.util.find_spec("ray") is not None:  # the ray extra: RayTransport imports ray
+        from fanfold.cluster.transport import RayTransport
+
+        found.append(RayTransport)
+    return found
+
+
+@pytest.mark.parametrize("impl", _implementations(), ids=lambda cls: cls.__name__)
+def test_every_transport_implements_the_engine_api_with_its_signatures(impl):
+    from fanfold.engine.api import EngineAPI
+
+    calls = [(name, spec) for name, spec in inspect.getmembers(EngineAPI, inspect.isfunction) if not name.startswith("_")]
+    assert {"create", "exec", "fork", "snapshot", "suspend", "read_file", "set_pool", "stats"} <= dict(calls).keys()
+    assert len(calls) == 40
+    for name, spec in calls:
+        wanted, got = inspect.signature(spec), inspect.signature(getattr(impl, name))
+        shared = [p for p in got.parameters.values() if p.name in wanted.parameters]
+        assert [p.name for p in shared] == list(wanted.parameters), (name, str(got))
+        for param in wanted.parameters.values():  # taken the same way: positional or keyword, same default
+            given = got.parameters[param.name]
+            assert (given.kind, given.default) == (param.kind, param.default), (name, param.name)
+        extra = [p for p in got.parameters.values() if p.name not in wanted.parameters]
+        assert all(p.default is not inspect.Parameter.empty and p.kind is p.KEYWORD_ONLY for p in extra), (name, str(got))
+        assert inspect.iscoroutinefunction(getattr(impl, name)), name
+
+
+@pytest.mark.parametrize("create", [AsyncFleet.create, Fleet.create], ids=["AsyncFleet", "Fleet"])
+def test_the_sdks_create_takes_exactly_create_params(create):
+    """The SDK's create spells CreateParams out (its limits spread): same names, same defaults."""
+    wanted = {f.name: f.default for f in dataclasses.fields(Limits)}
+    for spec in dataclasses.fields(CreateParams):
+        if spec.name != "limits":
+            wanted[spec.name] = {} if spec.default is dataclasses.MISSING else spec.default
+    params = inspect.signature(create).parameters
+    got = {name: p.default for name, p in params.items() if name != "self"}
+    got.update({name: {} for name, value in got.items() if name in ("env", "labels") and value is None})
+    assert got == wanted
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"priority": 11}, "priority=11 is out of range"), ({"deadline": 0}, "deadline=0 is out of range"),
+    ({"idle_timeout": True}, "idle_timeout must be a number"), ({"user": "u" * 66}, "user must be"),
+    ({"persistence": "forever"}, "persistence must be one of"), ({"limits": {"cpus": 2}}, "fanfold.Limits"),
+])
+def test_bad_create_params_are_rejected(kwargs, match):
+    with pytest.raises(InvalidRequest, match=match):
+        CreateParams(**kwargs)

@@ -11,6 +11,8 @@ from e2b.exceptions import TimeoutException
 from e2b_code_interpreter import Sandbox
 from e2b.exceptions import SandboxException
 
+from fanfold import CreateParams
+
 
 @pytest.fixture
 def e2b_env(server, monkeypatch):
@@ -76,7 +78,7 @@ async def test_a_cell_queued_on_an_ended_context_starts_no_kernel_that_would_blo
     engine = Engine(config)
     await engine.start()
     try:
-        info = await engine.create("host", deadline=120)
+        info = await engine.create(CreateParams(deadline=120))
         kernels = Kernels(engine)
         kernel = kernels.get(info.id, None)
         running = kernel.execute("print('on', flush=True)\nimport time\ntime.sleep(60)", {})
@@ -161,7 +163,7 @@ async def test_contexts_of_a_sandbox_killed_elsewhere_are_forgotten(config):
     app = create_app(config)
     async with app.router.lifespan_context(app):
         engine = app.state.engine
-        info = await engine.create("host")
+        info = await engine.create(CreateParams())
         kernel = kernels(app).get(info.id, None)
         events = [event async for event in kernel.execute("1 + 1", {})]
         assert events[0]["text"] == "2" and info.id in kernels(app).by_sandbox

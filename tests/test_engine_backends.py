@@ -36,7 +36,7 @@ import pytest
 
 from conftest import run_as_nobody, STATE_DIR, leaks, stray_processes
 from fanfold import (
-    AsyncFleet, CapacityExceeded, EngineConfig, FanfoldError, FileNotFoundInSandbox, InfrastructureError,
+    AsyncFleet, CapacityExceeded, CreateParams, EngineConfig, FanfoldError, FileNotFoundInSandbox, InfrastructureError,
     InvalidRequest, LeaseNotFound, Outcome, SandboxGone, SandboxNotFound, SnapshotInUse, SnapshotNotFound,
 )
 from fanfold._agent.build import agent_binary
@@ -323,8 +323,8 @@ async def test_leases_renew_close_expire_and_adopt(cfg: EngineConfig):
     async with AsyncFleet(config=cfg) as fleet:
         engine = engine_of(fleet)
         lease = await engine.open_lease(ttl=60)
-        first = await engine.create(lease=lease.id)
-        second = await engine.create(lease=lease.id)
+        first = await engine.create(CreateParams(), lease=lease.id)
+        second = await engine.create(CreateParams(), lease=lease.id)
         renewed = await engine.renew_lease(lease.id)
         assert (renewed.sandboxes, renewed.ttl) == (2, 60.0) and renewed.expires_at >= lease.expires_at
 
@@ -338,12 +338,12 @@ async def test_leases_renew_close_expire_and_adopt(cfg: EngineConfig):
             await engine.renew_lease(lease.id)
 
         short = await engine.open_lease(ttl=1)
-        left = await engine.create(lease=short.id)
+        left = await engine.create(CreateParams(), lease=short.id)
         await until(gone(engine, left.id), "the reaper to reap the unrenewed lease's sandbox")
         with pytest.raises(LeaseNotFound):
             await engine.renew_lease(short.id)
         with pytest.raises(LeaseNotFound):
-            await engine.create(lease=short.id)
+            await engine.create(CreateParams(), lease=short.id)
         assert left.id not in await engine.backend.list_ids()
 
         assert await engine.close_lease(other.id) == 1
@@ -358,9 +358,9 @@ OWNER = textwrap.dedent("""
     async def main():
         engine = Engine(EngineConfig(backend=sys.argv[1], state_dir=sys.argv[2]))
         await engine.start()
-        info = await engine.create()
+        info = await engine.create(CreateParams())
         await engine.exec(info.id, "nohup sleep 1000 >/dev/null 2>&1 &")
-        detached = await engine.create(detached=True)
+        detached = await engine.create(CreateParams(detached=True))
         print(json.dumps({"id": info.id, "pid": engine.db.get(info.id)["pid"], "detached": detached.id}), flush=True)
         os.kill(os.getpid(), 9)
 

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from fanfold import EngineConfig, Fleet
+from fanfold import CreateParams, EngineConfig, Fleet
 from fanfold.errors import FanfoldError, InvalidRequest
 
 CURL = "curl -sS --max-time 10"
@@ -293,8 +293,8 @@ def test_a_netd_that_dies_is_replaced_with_every_sandbox_attached(net_config):
         engine = Engine(net_config)
         await engine.start()
         try:
-            one = await engine.create(network={"allow": ["www.outside.test"]})
-            two = await engine.create(network={"allow": ["api.outside.test"]})
+            one = await engine.create(CreateParams(network={"allow": ["www.outside.test"]}))
+            two = await engine.create(CreateParams(network={"allow": ["api.outside.test"]}))
             netd = engine.life.network.netd
             assert netd is not None and netd.process is not None
             pid = netd.process.pid
@@ -322,7 +322,8 @@ def test_a_burst_of_policy_sandboxes_leaves_nothing_behind(net_config, outside):
         await engine.start()
         network = engine.life.network
         try:
-            made = await asyncio.gather(*(engine.create(network={"allow": ["www.outside.test"]}) for _ in range(12)))
+            allow = CreateParams(network={"allow": ["www.outside.test"]})
+            made = await asyncio.gather(*(engine.create(allow) for _ in range(12)))
             results = await asyncio.gather(*(engine.exec(i.id, f"{CURL} http://www.outside.test/hello") for i in made))
             assert all(r.text == "hello from www.outside.test" for r in results)
             assert len(network.listeners) == 12
@@ -345,7 +346,7 @@ def test_the_info_of_a_sandbox_made_by_another_engine_keeps_its_policy_and_gets_
     async def run() -> None:
         first = Engine(net_config)
         await first.start()
-        info = await first.create(network={"allow": ["www.outside.test"]}, detached=True)
+        info = await first.create(CreateParams(network={"allow": ["www.outside.test"]}, detached=True))
         await first.close()  # its netd ends; the detached sandbox lives on
         second = Engine(net_config)
         await second.start()
@@ -397,7 +398,7 @@ def test_traffic_shows_in_stats_and_metrics(net_config, outside):
         engine = Engine(net_config)
         await engine.start()
         try:
-            info = await engine.create(network={"allow": ["www.outside.test"]})
+            info = await engine.create(CreateParams(network={"allow": ["www.outside.test"]}))
             for host in ("www", "www", "api"):
                 await engine.exec(info.id, f"{CURL} -o /dev/null http://{host}.outside.test/bytes/10000")
             await engine.life.network.refresh()  # what the reaper does once a second

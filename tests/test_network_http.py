@@ -184,6 +184,18 @@ def test_an_allow_list_reaches_its_names_only(alice: Fleet, net_server: Server, 
             assert http.get(f"/v1/sandboxes/{sandbox.id}").json()["network"]["allow"] == [WWW]
 
 
+@pytest.mark.parametrize("who", ["host", "alice"])
+def test_transparent_capture_works_over_http(who: str, request: pytest.FixtureRequest) -> None:
+    """Every key of a network policy the engine takes, the server takes: here ``transparent``,
+    which captures the traffic of tools that ignore the proxy variables."""
+    fleet: Fleet = request.getfixturevalue(who)
+    with fleet.create(network={"allow": [WWW], "transparent": True}) as sandbox:
+        assert sandbox.info.network == {"allow": [WWW], "deny": [], "transparent": True}
+        assert curl(sandbox, f"http://{WWW}/hello", "--noproxy", "*") == (0, f"hello from {WWW}")
+        status, _ = curl(sandbox, f"http://{API}/hello", "--noproxy", "*")
+        assert status == 6  # the name does not resolve: no rule names it
+
+
 def test_a_policy_sent_as_raw_json_comes_back_as_sent(net_server: Server) -> None:
     policy = {"allow": [WWW, "*.outside.test:443", "203.0.113.0/24"], "deny": [API]}
     with api(net_server, "alice") as http:

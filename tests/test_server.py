@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import gzip
-import inspect
 import io
 import json
 import os
@@ -22,11 +22,10 @@ import httpx
 import pytest
 
 from conftest import TOKENS, Server, leaks, run_cli, start_server, stop_server
-from fanfold import AsyncFleet, FanfoldError, InvalidRequest, Retryable, SandboxNotFound, Unauthorized
+from fanfold import (
+    AsyncFleet, CreateParams, FanfoldError, InvalidRequest, Limits, Retryable, SandboxNotFound, Unauthorized,
+)
 from fanfold import errors as fe
-from fanfold.client._http import HttpTransport
-from fanfold.engine.api import EngineAPI
-from fanfold.engine import Engine
 from fanfold.web.status import status_for
 
 
@@ -225,6 +224,39 @@ async def test_bad_input_gets_a_typed_error_never_a_500(server):
     for response in cases:
         body = response.json()
         assert body["kind"] and body["message"], body
+
+
+SCHEMA_BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "min_length": "minLength",
+                 "max_length": "maxLength"}
+
+
+async def test_bounds_are_the_models_own_and_enforced_alike_embedded_and_over_http(server):
+    """Limits' and CreateParams' bounds are written once, in their fields: every body that carries them
+    serves those bounds, and a value just past one is refused by the dataclass and by the server alike."""
+    async with client(server, None) as http:
+        schemas = (await http.get("/openapi.json")).json()["components"]["schemas"]
+    carriers = [("CreateRequest", Limits), ("PoolRequest", Limits), ("RolloutLimits", Limits),
+                ("CreateRequest", CreateParams)]
+    for body, cls in carriers:
+        for spec in dataclasses.fields(cls):
+            if not spec.metadata:
+                continue
+            served = schemas[body]["properties"][spec.name]
+            served = next(s for s in served.get("anyOf", [served]) if s.get("type") != "null")
+            wanted = {SCHEMA_BOUNDS[key]: value for key, value in spec.metadata.items()}
+            assert {key: served[key] for key in SCHEMA_BOUNDS.values() if key in served} == wanted, (body, spec.name)
+    async with client(server) as http:
+        before = (await http.get("/v1/sandboxes")).json()
+        for spec in dataclasses.fields(Limits):
+            step = 0.001 if spec.type == "float" else 1
+            for past in (spec.metadata["ge"] - step, spec.metadata["le"] + step):
+                with pytest.raises(InvalidRequest, match=f"limit {spec.name}={past} is out of range"):
+                    Limits(**{spec.name: past})
+                refused = await http.post("/v1/sandboxes", json={spec.name: past})
+                assert refused.status_code == 422 and spec.name in refused.json()["message"], refused.text
+                pool = await http.put("/v1/pools", json={"size": 0, spec.name: past})
+                assert pool.status_code == 422, pool.text
+        assert (await http.get("/v1/sandboxes")).json() == before
 
 
 async def test_huge_headers_and_bodies_are_refused_and_the_server_lives_on(server):
@@ -436,24 +468,6 @@ def test_cli_works_against_a_server(server):
     assert run_cli("rm", sandbox_id, env=env).returncode == 0
     refused = run_cli("--url", server.tcp_url, "ls")
     assert refused.returncode == 2 and "Unauthorized" in refused.stderr and "Traceback" not in refused.stderr
-
-
-def test_both_transports_implement_the_same_contract():
-    calls = [(name, spec) for name, spec in inspect.getmembers(EngineAPI, inspect.isfunction) if not name.startswith("_")]
-    assert {"create", "exec", "fork", "snapshot", "suspend", "read_file", "set_pool", "stats"} <= dict(calls).keys()
-    assert len(calls) == 40
-    for name, spec in calls:
-        wanted = inspect.signature(spec)
-        for impl in (Engine, HttpTransport):
-            got = inspect.signature(getattr(impl, name))
-            shared = [p for p in got.parameters.values() if p.name in wanted.parameters]
-            assert [p.name for p in shared] == list(wanted.parameters), (impl.__name__, name)
-            for param in wanted.parameters.values():  # taken the same way: positional or keyword, same default
-                given = got.parameters[param.name]
-                assert (given.kind, given.default) == (param.kind, param.default), (impl.__name__, name, param.name)
-            extra = [p for p in got.parameters.values() if p.name not in wanted.parameters]
-            assert all(p.default is not inspect.Parameter.empty for p in extra), (impl.__name__, name)
-            assert inspect.iscoroutinefunction(getattr(impl, name)), (impl.__name__, name)
 
 
 def test_bad_urls_are_clear_errors():
