@@ -352,7 +352,7 @@ async def test_leases_renew_close_expire_and_adopt(cfg: EngineConfig):
 
 OWNER = textwrap.dedent("""
     import asyncio, json, os, sys
-    from fanfold import EngineConfig
+    from fanfold import CreateParams, EngineConfig
     from fanfold.engine import Engine
 
     async def main():
