@@ -184,7 +184,7 @@ async def test_host_errors_from_resume_and_reset_are_retryable_not_raw(config, m
                 assert (await sandbox.refresh()).state == "suspended"  # nothing lost: resumed later
             assert (await sandbox.exec("cat /root/note")).text == "kept\n"
             with monkeypatch.context() as patch:
-                patch.setattr(resources, "mount_rootfs", lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space")))
+                patch.setattr(resources, "mount_trusted", lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space")))
                 with pytest.raises(InfrastructureError, match="resetting sandbox"):
                     await sandbox.reset()
     assert leaks(config) == CLEAN
