@@ -8,7 +8,10 @@ the same values the same way.
 
 from __future__ import annotations
 
+import ast
 import enum
+import functools
+import inspect
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -23,6 +26,29 @@ def bounds(*, ge: float | None = None, gt: float | None = None, le: float | None
     """A field's metadata: the bounds its value keeps (pydantic's names, so a schema can take them as they are)."""
     named = {"ge": ge, "gt": gt, "le": le, "min_length": min_length, "max_length": max_length}
     return {key: value for key, value in named.items() if value is not None}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a class (the string literal that follows its annotation)."""
+    return _docs_of_classes(inspect.getsourcefile(cls) or "").get(cls.__qualname__, {})
+
+
+@functools.cache
+def _docs_of_classes(path: str) -> dict[str, dict[str, str]]:
+    """Every top-level class's field docstrings in the module at ``path`` (one parse a module: the CLI
+    reads them as it starts)."""
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), path)
+    found: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        docs = found.setdefault(node.name, {})
+        for item, after in zip(node.body, node.body[1:]):
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and isinstance(after, ast.Expr) \
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[item.target.id] = inspect.cleandoc(after.value.value)
+    return found
 
 
 def check_bounds(obj: Any, prefix: str = "") -> None:

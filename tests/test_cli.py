@@ -315,3 +315,29 @@ def test_build_prints_each_step_once_numbered_in_order(tmp_path):
     assert lines[2] == "[3/5] RUN echo $VERSION [x] > /v ... built" and "export" not in done.stderr, lines
     image = done.stdout.strip()
     assert run_cli("run", "--image", image, "--", "cat", "/v").stdout == f"{mark} [x]\n"
+
+
+def test_create_options_are_the_models_own():
+    """The CLI's limit and lifecycle options take their defaults, ranges and help from Limits and
+    CreateParams: no second copy to drift, and a value past a model's bound is refused up front."""
+    from dataclasses import fields
+
+    import click
+
+    from fanfold import CreateParams, Limits
+    from fanfold.cli import main
+    from fanfold.models import field_docs
+
+    create = main.get_command(click.Context(main), "create")
+    options = {param.name: param for param in create.params}
+    for cls, names in ((Limits, [f.name for f in fields(Limits)]), (CreateParams, ["deadline", "priority", "idle_timeout"])):
+        docs = field_docs(cls)
+        for spec in fields(cls):
+            if spec.name not in names:
+                continue
+            option, low = options[spec.name], spec.metadata.get("ge", spec.metadata.get("gt"))
+            assert option.default == spec.default and option.help.startswith(docs[spec.name].replace("``", ""))
+            shown_low = int(low) if float(low).is_integer() else low
+            assert option.help.endswith(f"{shown_low} to {int(spec.metadata['le'])}]"), option.help
+    refused = run_cli("create", "--memory-mb", "8")
+    assert refused.returncode == 2 and "error:" in refused.stderr and "memory_mb=8 is out of range" in refused.stderr

@@ -4,7 +4,7 @@ options, KEY=VALUE pairs and byte sizes. Cheap to import: rich loads on first us
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
@@ -59,14 +59,37 @@ def _join_ray(url: str) -> None:
         join(ray_address(url))
 
 
+def model_option(cls: type, name: str, **extra: Any) -> Callable[[Any], Any]:
+    """A ``--NAME`` option for field ``name`` of model ``cls`` (``Limits``, ``CreateParams``): its type,
+    default, help (its docstring) and range (its bounds, which the model itself enforces, so a bad
+    value is the same one-line error as from any transport) are the model's, never a copy."""
+    from dataclasses import MISSING, fields
+
+    from ..models import field_docs
+
+    spec = next(f for f in fields(cls) if f.name == name)
+    meta, kind = spec.metadata, str(spec.type).split(" |")[0]
+    low, high = meta.get("ge", meta.get("gt")), meta.get("le")
+    help_text = field_docs(cls).get(name, "").replace("``", "")
+    if low is not None and high is not None:
+        help_text += f" [{'above ' if 'gt' in meta else ''}{_number(low)} to {_number(high)}]"
+    default = None if spec.default is MISSING else spec.default
+    options: dict[str, Any] = {"type": {"int": int, "float": float}.get(kind), "default": default,
+                               "show_default": default is not None, "help": help_text}
+    return click.option(f"--{name.replace('_', '-')}", **{**options, **extra})
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
 def _resource_options(fn):  # type: ignore[no-untyped-def]
-    for option in reversed([
-        click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota in cores."),
-        click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory limit."),
-        click.option("--pids", type=int, default=256, show_default=True, help="Most processes at once."),
-        click.option("--disk-mb", type=int, default=1024, show_default=True, help="Most bytes written to disk."),
-    ]):
-        fn = option(fn)
+    from dataclasses import fields
+
+    from ..models import Limits
+
+    for spec in reversed(fields(Limits)):
+        fn = model_option(Limits, spec.name)(fn)
     return fn
 
 

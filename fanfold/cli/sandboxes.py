@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..models import Persistence
+from ..models import CreateParams, Persistence
 from ..refs import BASES
-from .common import _fleet, _limits_options, _pairs, _stdout_console, console
+from .common import _fleet, _limits_options, _pairs, _stdout_console, console, model_option
 from .netopts import network_options
 
 HOST_TENANT = "(host)"
@@ -126,15 +126,11 @@ def _command(fleet: Fleet, image_id: str, asked: str, entrypoint: str | None, cm
 
 @click.command()
 @_limits_options
-@click.option("--deadline", type=float, default=None, help="Destroy it after this many seconds.")
+@model_option(CreateParams, "deadline", metavar="SECONDS")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Label (repeatable).")
-@click.option("--persistence", type=click.Choice([p.value for p in Persistence]), default="ephemeral",
-              show_default=True, help="When idle: ephemeral is destroyed, sticky is suspended and may be evicted "
-                                      "under pressure, persistent is suspended and kept.")
-@click.option("--priority", type=click.IntRange(0, 10), default=0, show_default=True,
-              help="Eviction order of sticky sandboxes under pressure: the lowest go first.")
-@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
-              help="Suspend it (ephemeral: destroy it) after this long without a call.")
+@model_option(CreateParams, "persistence", type=click.Choice([p.value for p in Persistence]))
+@model_option(CreateParams, "priority")
+@model_option(CreateParams, "idle_timeout", metavar="SECONDS")
 @_USER
 @_SECCOMP
 @network_options

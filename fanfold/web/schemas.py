@@ -7,10 +7,7 @@ the server takes exactly what the engine takes.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import textwrap
 import typing
 from typing import Annotated, Any, Literal
 
@@ -21,7 +18,7 @@ from pydantic import (
 from ..engine.api import MAX_FORK, MAX_POOL
 from ..models import (
     CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Persistence, PoolInfo, SandboxInfo,
-    SnapshotInfo,
+    SnapshotInfo, field_docs,
 )
 from ..net.policy import NetworkPolicy
 
@@ -30,17 +27,6 @@ PersistenceName = Literal[tuple(p.value for p in Persistence)]  # type: ignore[v
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a class (the string literal that follows its annotation)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
 
 
 def fields_of(cls: type, *, skip: tuple[str, ...] = (), **types: Any) -> dict[str, Any]:
