@@ -224,14 +224,14 @@ def run_cli(*args: str, input: str | None = None, timeout: float = 120,
     )
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_leaks_at_end(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
-    yield
+def settle(config: EngineConfig) -> None:
+    """Release all a state dir holds: an engine adopts what earlier ones left (a killed run's disk,
+    cgroups, sandboxes), kills the detached sandboxes, and closes."""
     import asyncio
 
     from fanfold.engine import Engine
 
-    async def settle() -> None:
+    async def release() -> None:
         engine = Engine(config)
         await engine.start()
         for info in await engine.list():
@@ -239,7 +239,13 @@ def no_leaks_at_end(config: EngineConfig, tmp_path_factory: pytest.TempPathFacto
                 await engine.kill(info.id)
         await engine.close()
 
-    asyncio.run(settle())
+    asyncio.run(release())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks_at_end(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
+    yield
+    settle(config)
     strays = stray_processes((tmp_path_factory.getbasetemp(),))
     for line in strays:  # reported below, but not left running for hours after a failed run
         try:

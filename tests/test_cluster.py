@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import STATE_DIR, leaks, run_cli, stray_processes
+from conftest import STATE_DIR, leaks, run_cli, settle, stray_processes
 
 ray = pytest.importorskip("ray")
 
@@ -39,10 +39,19 @@ def _node_args(**extra: object) -> dict[str, object]:
             **extra}
 
 
+def release_leftover_nodes() -> None:
+    """A run killed mid-cluster leaves its node servers' state dirs (a mounted disk, parent cgroups) under
+    node ids no later run reuses: an engine on each releases them before the dirs go."""
+    for state_dir in sorted(ROOT.iterdir()) if ROOT.is_dir() else ():
+        if state_dir.is_dir():
+            settle(EngineConfig(state_dir=state_dir))
+    shutil.rmtree(ROOT, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """Head (no fanfold) plus two fanfold nodes; at the end every server, sandbox and Ray process is gone."""
-    shutil.rmtree(ROOT, ignore_errors=True)
+    release_leftover_nodes()
     ray_cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "object_store_memory": 80 * 2**20, "include_dashboard": False})
     for _ in range(2):
