@@ -12,6 +12,16 @@ apt_get() {
     return 1
 }
 
+# missing_packages PACKAGE...: those of the packages dpkg does not have installed, one a line (all of
+# them where dpkg-query itself is absent); never fails.
+missing_packages() {
+    local pkg
+    for pkg in "$@"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || echo "$pkg"
+    done
+    return 0
+}
+
 # apt_install PACKAGE...: update the lists, then install the packages (no recommends), with retries.
 apt_install() {
     apt_get update -qq && apt_get install -y -qq --no-install-recommends "$@" >/dev/null

@@ -75,10 +75,7 @@ PACKAGES=(gcc libc6-dev make pkg-config xz-utils patch ca-certificates
           libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf
           libnl-3-dev libcap-dev libnet1-dev libbsd-dev libgnutls28-dev libaio-dev uuid-dev libnftables-dev
           iproute2 iptables)
-missing=()
-for pkg in "${PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
+mapfile -t missing < <(missing_packages "${PACKAGES[@]}")
 if (( ${#missing[@]} )); then
     echo "setup: installing CRIU build dependencies: ${missing[*]}"
     apt_install "${missing[@]}" || die "apt-get install ${missing[*]} failed"

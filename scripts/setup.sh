@@ -34,19 +34,12 @@ PYTHON="${PYTHON:-python3}"
 VENV="${FANFOLD_VENV:-.venv}"
 STAMP="$VENV/.fanfold-installed"
 
-# The probes: each says what is missing and never fails because a tool is absent.
-missing_packages() {
-    local pkg
-    for pkg in "${PACKAGES[@]}"; do
-        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || echo "$pkg"
-    done
-    return 0
-}
+# The probes (missing_packages is apt.sh's): each says what is missing and never fails because a tool is absent.
 venv_current() { [[ -x "$VENV/bin/python" && -f "$STAMP" && ! pyproject.toml -nt "$STAMP" ]]; }
 
 if (( check )); then
     status=0
-    mapfile -t missing < <(missing_packages)
+    mapfile -t missing < <(missing_packages "${PACKAGES[@]}")
     if (( ${#missing[@]} )); then echo "setup: missing packages: ${missing[*]}"; status=1; fi
     venv_current || { echo "setup: missing: the virtual environment $VENV with fanfold"; status=1; }
     bash scripts/criu.sh --check --install-only || status=1  # installed, not run against this kernel
@@ -55,7 +48,7 @@ if (( check )); then
     exit "$status"
 fi
 
-mapfile -t missing < <(missing_packages)
+mapfile -t missing < <(missing_packages "${PACKAGES[@]}")
 if (( ${#missing[@]} )); then
     echo "setup: installing ${missing[*]}"
     apt_install "${missing[@]}" || { echo "setup: apt-get install ${missing[*]} failed" >&2; exit 1; }
