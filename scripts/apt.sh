@@ -7,7 +7,7 @@ apt_get() {
     local try
     for try in 1 2 3; do
         DEBIAN_FRONTEND=noninteractive apt-get "${APT_RETRY_OPTS[@]}" "$@" && return 0
-        (( try < 3 )) && { echo "setup: apt-get $1 failed (try $try of 3); trying again" >&2; sleep $((try * 10)); }
+        (( try < 3 )) && { echo "setup: apt-get $* failed (try $try of 3); trying again" >&2; sleep $((try * 10)); }
     done
     return 1
 }

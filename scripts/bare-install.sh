@@ -24,6 +24,7 @@ case "${1:-}" in
 esac
 if [[ -n "$keep" ]]; then
     root="$keep"; mkdir -p "$root"
+    [[ -z "$(ls -A "$root")" ]] || die "--keep $root: the directory is not empty (a failed try would empty it)"
 else
     root="$(mktemp -d "${TMPDIR:-/var/tmp}/fanfold-bare.XXXXXX")"
 fi
@@ -93,7 +94,10 @@ in_root() {
 }
 echo "bare-install: scripts/setup.sh --install-only in the bare root ($((SECONDS - start)) s so far)"
 in_root bash /src/fanfold/scripts/setup.sh --install-only </dev/null || die "set-up's install stage failed on a bare Debian 12"
-echo "bare-install: a second run finds everything in place"
+echo "bare-install: a second run installs nothing, and --check finds everything in place"
+again="$(in_root bash /src/fanfold/scripts/setup.sh --install-only </dev/null 2>&1)" || { echo "$again" >&2; die "a second install failed"; }
+[[ "$again" != *"setup: installing"* && "$again" != *"setup: building"* ]] \
+    || { echo "$again" >&2; die "a second install installed again: a probe does not see what the first installed"; }
 in_root bash /src/fanfold/scripts/setup.sh --check </dev/null || die "set-up's --check finds something missing after the install"
 in_root bash -c 'cd /src/fanfold && .venv/bin/fanfold --help >/dev/null && .venv/bin/python -c "import fanfold, ray, fastapi"' \
     </dev/null || die "the installed fanfold does not run"

@@ -8,6 +8,7 @@ what is missing and exit 1, never die with the shell's 127 as runsc's did under 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -65,12 +66,27 @@ def test_criu_probe_with_criu_absent(tmp_path):
     assert not (tmp_path / "criu").exists(), "--check must create nothing"
 
 
+def criu_recipe() -> str:
+    """The build recipe criu.sh writes into its stamp: the run dir and each patch's sha256."""
+    patches = sorted((SCRIPTS / "criu").glob("*.patch"))
+    return "rundir=/dev/shm" + "".join(f"\npatch={p.name} sha256:{hashlib.sha256(p.read_bytes()).hexdigest()}"
+                                       for p in patches)
+
+
 def test_criu_probe_with_a_binary_that_does_not_run(tmp_path):
+    """The stamp matches this recipe: only the binary, which cannot say its version, makes it missing."""
     directory = tmp_path / "criu"
     directory.mkdir()
     (directory / "criu").write_text("#!/bin/sh\nexit 127\n")
     (directory / "criu").chmod(0o755)
-    (directory / "criu.stamp").write_text("version=4.1.1\nrundir=/dev/shm\n")
+    (directory / "criu.stamp").write_text(f"version=4.1.1\n{criu_recipe()}\n")
+    working = tmp_path / "good"
+    working.mkdir()
+    (working / "criu").write_text("#!/bin/sh\necho 'Version: 4.1.1'\n")
+    (working / "criu").chmod(0o755)
+    (working / "criu.stamp").write_text(f"version=4.1.1\n{criu_recipe()}\n")
+    current = run("criu.sh", "--check", "--install-only", env={"FANFOLD_CRIU_DIR": str(working)})
+    assert current.returncode == 0, current.stdout + current.stderr  # the same stamp with a binary that answers
     done = run("criu.sh", "--check", env={"FANFOLD_CRIU_DIR": str(directory)})
     assert done.returncode == 1 and "missing: CRIU" in done.stdout, done.stderr
 
@@ -93,7 +109,7 @@ def test_setup_refuses_an_unknown_option():
     assert "--install-only" in done.stderr  # the usage follows
 
 
-def test_setup_probe_on_this_machine_agrees_with_the_doctor():
+def test_setup_probe_finds_this_machine_set_up():
     """This machine was set up by the suite's own `make test`: the probes find everything."""
     if not (ROOT / ".venv" / "bin" / "python").exists():
         pytest.skip("this checkout has no virtual environment of its own (set-up was not run here)")
