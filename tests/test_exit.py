@@ -118,6 +118,30 @@ def test_a_sandbox_used_after_the_exit_closed_its_fleet_is_an_error_not_a_hang(c
     assert traces(config, sandbox_id) == []
 
 
+def test_a_thread_still_waiting_on_the_fleet_at_exit_is_woken_not_left_hanging(config):
+    """Threading's exit hooks run before non-daemon threads are joined: a worker still inside
+    ``fleet.call`` when the fleet closes gets its work cancelled, and the program ends."""
+    out, err, code = run_to_exit("""
+        import asyncio, threading
+        from fanfold import Fleet
+        fleet = Fleet()
+        sandbox = fleet.create("host")
+
+        def worker():
+            try:
+                fleet.call(asyncio.sleep(600))
+            except BaseException as exc:
+                print("worker:", type(exc).__name__, flush=True)
+
+        threading.Thread(target=worker).start()
+        print(sandbox.id, flush=True)
+    """, timeout=90)
+    assert_exited_cleanly(err, code)
+    sandbox_id, said = out.split("\n", 1)
+    assert said.strip() == "worker: CancelledError", out
+    assert traces(config, sandbox_id) == []
+
+
 def test_a_forked_child_exits_without_touching_its_parents_fleet(config):
     out, err, code = run_to_exit("""
         import os

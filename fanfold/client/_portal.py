@@ -5,7 +5,9 @@ sandboxes) while threads still work. ``atexit`` is too late: Python shuts every 
 pool (``asyncio.to_thread``'s, the engine's host threads) before its ``atexit`` hooks run, so a
 close from there fails and leaves its sandboxes behind. Threading's own exit hooks run before that
 shutdown, the last registered first: ours is registered after the pools' own. Once exit has begun
-no portal starts (its loop thread would be frozen by exit, and a late ``__del__`` hang on it).
+no portal starts (its loop thread would be frozen by exit, and a late ``__del__`` hang on it). Work
+a thread still awaits on a portal that stops is cancelled, so that thread wakes (and exit's join of
+it ends) instead of waiting on a stopped loop.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ class Portal:
     ``on_exit`` is called if the interpreter exits while the portal runs (its owner's close, which stops it)."""
 
     def __init__(self, on_exit: Callable[[], None] | None = None) -> None:
-        if _exit.begun:
-            raise FanfoldError("the interpreter is exiting: its fleets are closed and none can start now;"
-                               " close fleets and sandboxes before the program ends (e.g. `with Fleet() as fleet:`)")
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="fanfold-loop", daemon=True)
-        self._thread.start()
-        _exit.running[self] = on_exit
+        with _exit.lock:  # exit's close_all sees every portal that started, or none starts
+            if _exit.begun:
+                raise FanfoldError("the interpreter is exiting: its fleets are closed and none can start now;"
+                                   " close fleets and sandboxes before the program ends (e.g. `with Fleet() as fleet:`)")
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name="fanfold-loop", daemon=True)
+            self._thread.start()
+            _exit.running[self] = on_exit
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         task, settled = self._start(coro)
@@ -75,12 +78,29 @@ class Portal:
                 self.call(closer())
 
     def stop(self) -> None:
-        _exit.running.pop(self, None)
+        with _exit.lock:
+            _exit.running.pop(self, None)
         if self.loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self.loop).result(timeout=STOP_GRACE_S)
+            except TimeoutError:
+                pass  # work that will not end: the loop stops under it
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)
         if not self.loop.is_running():
             self.loop.close()
+
+
+STOP_GRACE_S = 10.0
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel every other task on this loop and wait for them: their waiters wake."""
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others)
 
 
 class _Exit:
@@ -89,10 +109,13 @@ class _Exit:
     def __init__(self) -> None:
         self.running: dict[Portal, Callable[[], None] | None] = {}
         self.begun = False
+        self.lock = threading.Lock()
 
     def close_all(self) -> None:
-        self.begun = True
-        for portal, on_exit in reversed(list(self.running.items())):  # the newest first, as atexit would
+        with self.lock:
+            self.begun = True
+            running = list(self.running.items())
+        for portal, on_exit in reversed(running):  # the newest first, as atexit would
             try:
                 if on_exit is not None:
                     on_exit()
@@ -104,6 +127,7 @@ class _Exit:
     def forget(self) -> None:
         # A forked child has none of its parent's loop threads: waiting on them at its exit would hang.
         self.running.clear()
+        self.lock = threading.Lock()  # another thread may have held it at the fork
 
 
 _exit = _Exit()
