@@ -285,3 +285,21 @@ def test_extra_cas_reach_build_steps_and_sandboxes_and_no_layer(config, probe):
         assert not (tree / "etc/fanfold").exists()
         bundle = tree / "etc/ssl/certs/ca-certificates.crt"
         assert not bundle.exists() or ca not in bundle.read_bytes()
+
+
+def test_the_extra_ca_layer_is_roots_even_when_a_mapped_root_makes_it(tmp_path):
+    """A create under a user namespace makes the layer as its mapped host uid: its files must still be
+    uid 0's on disk, or /etc and /etc/ssl show as nobody's in every later sandbox."""
+    from fanfold.host import idmap
+    from fanfold.store.trust import Trust
+
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc/ssl/certs").mkdir(parents=True)
+    trust = Trust(b"-----BEGIN CERTIFICATE-----\n", tmp_path / "trust")
+    trust.cache_dir.mkdir()
+    with idmap.as_mapped_root(1_000_000):
+        trust._make(trust.cache_dir / "layer", rootfs, "/etc/ssl/certs/ca-certificates.crt", b"bundle\n")
+    owners = {(p.relative_to(tmp_path).as_posix(), os.lstat(p).st_uid, os.lstat(p).st_gid)
+              for p in [trust.cache_dir / "layer", *(trust.cache_dir / "layer").rglob("*")]}
+    assert {(path, 0, 0) for path, _, _ in owners} == owners
+    assert "trust/layer/etc/fanfold/trust.pem" in {path for path, _, _ in owners}

@@ -77,6 +77,11 @@ class Trust:
                 os.chmod(tmp / path.lstrip("/"), 0o644)
             (tmp / TRUST_LINK.lstrip("/")).symlink_to(where)  # absolute: resolved in the sandbox's root
             os.chmod(tmp, 0o755)
+            # Made as a user namespace's mapped root (a create's set-up), these are that host uid's on
+            # disk; a layer's files are uid 0's (the idmapped mount shows them as root inside).
+            for top, dirs, files in os.walk(tmp):
+                for name in (".", *dirs, *files):
+                    os.lchown(os.path.join(top, name), 0, 0)
             try:
                 tmp.rename(layer)
             except OSError:  # another process made it meanwhile: the same bytes
