@@ -30,7 +30,8 @@ def bounds(*, ge: float | None = None, gt: float | None = None, le: float | None
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a class (the string literal that follows its annotation)."""
-    return _docs_of_classes(inspect.getsourcefile(cls) or "").get(cls.__qualname__, {})
+    path = inspect.getsourcefile(cls)
+    return _docs_of_classes(path).get(cls.__qualname__, {}) if path else {}
 
 
 @functools.cache
