@@ -215,13 +215,13 @@ class _Row:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         line: list[RenderableType] = []
         used = 0
-        for box in self.boxes:
-            width = Measurement.get(console, options, box).maximum
+        for part in self.boxes:
+            width = Measurement.get(console, options, part).maximum
             if line and used + 1 + width > options.max_width:
                 yield _grid(line)
                 line, used = [], 0
             used += width + (1 if line else 0)
-            line.append(box)
+            line.append(part)
         if line:
             yield _grid(line)
 
@@ -233,18 +233,14 @@ def _grid(boxes: list[RenderableType]) -> Table:
     return row
 
 
-def _row(*boxes: RenderableType) -> _Row:
-    return _Row(*boxes)
-
-
 def _header(source: str) -> Text:
     return Text.assemble(("fanfold top", "bold"), f"  {source}  ", (datetime.now().strftime("%H:%M:%S"), "dim"))
 
 
 def render(stats: dict, *, source: str, limit: int = 20) -> RenderableType:
     """One frame of ``fanfold top`` for a ``/v1/stats`` dict; ``limit`` caps the sandbox rows."""
-    counts = _row(_states(stats), _queue(stats), _host(stats))
-    timing = _row(_latency(stats), _rates(stats), _network(stats))
+    counts = _Row(_states(stats), _queue(stats), _host(stats))
+    timing = _Row(_latency(stats), _rates(stats), _network(stats))
     nodes = [_nodes(stats)] if "nodes" in stats else []
     return Group(_header(source), _alerts(stats), counts, timing, *nodes, _pools(stats), _sandboxes(stats, limit))
 

@@ -61,8 +61,8 @@ def sandbox_oom_result(before: dict[str, int], after: dict[str, int], sandbox_id
     which the OOM killer takes with every process inside), or None when no OOM kill was counted."""
     if after.get("oom_kill", 0) <= before.get("oom_kill", 0):
         return None
-    note = (f"fanfold: sandbox {sandbox_id} ran out of memory and ended with the command (under gVisor the OOM"
-            " killer takes the whole sandbox, one host process); it was destroyed\n")
+    note = (f"fanfold: sandbox {sandbox_id} ran out of memory and ended with the command (the OOM killer took"
+            " the whole sandbox); it was destroyed\n")
     return ExecResult(
         outcome=Outcome.OOM, exit_code=None, signal=signals.SIGKILL, stderr=note.encode(), duration_s=duration_s,
         limits_hit=("memory",), cpu_s=max(0, after.get("cpu_us", 0) - before.get("cpu_us", 0)) / 1e6,

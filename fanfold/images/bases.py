@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ..errors import BuildFailed, HostNotReady, ImageNotFound
+from ..host import mounts
 from ..spec import BASES
 from ..store import LayerStore
 
@@ -124,6 +125,8 @@ def _debootstrap(tree: Path, mirror: str) -> None:
             ["debootstrap", "--variant=minbase", "bookworm", str(tree), mirror], capture_output=True, text=True
         )
         if done.returncode == 0 or attempt == DEBOOTSTRAP_TRIES or not _network_failure(done.stdout + done.stderr):
+            break
+        if mounts.mounts_under(tree):  # a second stage that failed left its /proc: no fresh start to make
             break
         # The archive or the network to it failed for a moment: start again from an empty tree.
         for child in tree.iterdir():

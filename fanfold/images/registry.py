@@ -215,7 +215,7 @@ _UNREACHED = re.compile(
     r"|temporary failure in name resolution|dial tcp[^\n]*i/o timeout|proxyconnect"
 )
 _UNAVAILABLE = re.compile(
-    r"connection refused|connection reset|\beof\b|timeout|no such host|\b50[0-4]\b|internal server error|bad gateway"
+    r"connection reset|\beof\b|timeout|\b50[0-4]\b|internal server error|bad gateway"
     r"|service unavailable|broken pipe|unexpected end|too many requests|\b429\b"
 )
 
