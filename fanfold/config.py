@@ -148,10 +148,16 @@ class EngineConfig:
     clients route an id to its node; 1-12 lowercase letters and digits. None (default): ``sb-…``."""
     net_cache_mb: int = field(default_factory=lambda: _env_int("FANFOLD_NET_CACHE_MB", 4096))
     """Most disk the shared download cache (``network={"cache": True}``) takes; the least recently used go first."""
+    workers: int = field(default_factory=lambda: _env_workers(os.environ.get("FANFOLD_WORKERS", "0")))
+    """Engine worker processes (``FANFOLD_WORKERS``): 0 (default) runs the engine in this process; N runs N
+    worker processes, each an engine over a share of the sandboxes, behind a router here, so creates,
+    execs and destroys spread over the host's cores; ``auto`` is one per core, at most 32."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir).absolute())
         check_node_tag(self.node_tag)
+        if not isinstance(self.workers, int) or not 0 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"FANFOLD_WORKERS (workers=) must be 0 to {MAX_WORKERS} or auto, got {self.workers!r}")
         if self.disk not in DISKS:
             raise ValueError(f"FANFOLD_DISK (disk=) must be one of {', '.join(DISKS)}, got {self.disk!r}")
         if self.pull not in PULL_POLICIES:
@@ -170,6 +176,18 @@ class EngineConfig:
     @property
     def cgroup_parent(self) -> str:
         return f"fanfold-{self.tag}"
+
+
+MAX_WORKERS = 64
+
+
+def _env_workers(text: str) -> int:
+    if text.strip() == "auto":
+        return min(32, os.cpu_count() or 1)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"FANFOLD_WORKERS must be a number of worker processes or auto, got {text!r}") from None
 
 
 def _env_int(name: str, default: int) -> int:
