@@ -23,9 +23,24 @@ def check_node_tag(tag: str | None) -> str | None:
     return tag
 
 
-def new_id(prefix: str, node_tag: str | None = None) -> str:
-    """A fresh id: ``prefix`` + (``node_tag-``) + 12 random hex digits."""
-    return f"{prefix}{node_tag}-{secrets.token_hex(6)}" if node_tag else prefix + secrets.token_hex(6)
+def new_id(prefix: str, node_tag: str | None = None, shard: tuple[int, int] | None = None) -> str:
+    """A fresh id: ``prefix`` + (``node_tag-``) + 12 random hex digits; with ``shard`` (index, count),
+    digits that ``shard_of`` maps to that index."""
+    number = secrets.randbits(48)
+    if shard is not None:
+        index, count = shard
+        number = number // count * count + index
+        if number >= 1 << 48:
+            number -= count
+    digits = f"{number:012x}"
+    return f"{prefix}{node_tag}-{digits}" if node_tag else prefix + digits
+
+
+def shard_of(any_id: str, count: int) -> int:
+    """Which of ``count`` engine workers holds a sandbox: its id's random digits modulo ``count``
+    (0 for what is not an id, whose calls then fail there as for any unknown id)."""
+    match = _ID.match(any_id) if isinstance(any_id, str) else None
+    return int(any_id[-12:], 16) % count if match else 0
 
 
 def node_of(any_id: str) -> str | None:

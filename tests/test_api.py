@@ -105,8 +105,9 @@ async def test_bad_persistence_is_refused_before_any_call():
 def _implementations() -> list[type]:
     from fanfold.client._http import HttpTransport
     from fanfold.engine import Engine
+    from fanfold.engine.workers import Router
 
-    found = [Engine, HttpTransport]
+    found = [Engine, Router, HttpTransport]
     if importlib.util.find_spec("ray") is not None:  # the ray extra: RayTransport imports ray
         from fanfold.cluster.transport import RayTransport
 

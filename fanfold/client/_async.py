@@ -46,8 +46,10 @@ class AsyncFleet:
         self._transport: Transport
         if self.url is None:
             from ..engine import Engine
+            from ..engine.workers import Router
 
-            engine = Engine(config)
+            config = config or EngineConfig()
+            engine = Router(config) if config.workers else Engine(config)
             self._transport, self.config = engine, engine.config
         elif config is not None:
             raise InvalidRequest("config= sets up an embedded engine; a remote fleet uses its server's")

@@ -1,6 +1,7 @@
 """The engine's API contract: the calls a fleet makes, whatever carries them. Read this first.
 
-Implementations: ``Engine`` (in process, the embedded default), ``client._http.HttpTransport``
+Implementations: ``Engine`` (in process, the embedded default), ``workers.Router`` (the same engine as
+worker processes, ``EngineConfig.workers``), ``client._http.HttpTransport``
 (a ``fanfold serve`` server in front of an Engine) and ``cluster.transport.RayTransport`` (every
 node's server on a Ray cluster). The limits every side enforces the same way live here too.
 """

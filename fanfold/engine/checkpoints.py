@@ -190,7 +190,7 @@ class Checkpoints:
         # Claimed while its processes go (CRIU ends them): an engine that saw it running with a dead
         # PID 1 would destroy it as broken; and the row names the snapshot at once, so no collection
         # takes what it is to stand on. It is suspended once all it held is released.
-        self.life.db.update(sandbox_id, claimed_by=self.life.owner)
+        self.life.db.update(sandbox_id, claimed_by=self.life.claimer)
         try:
             snap, _ = await self._take(row, memory=True, kind="suspend", leave_running=False)
             self.life.db.update(sandbox_id, suspended_to=snap.id, layers=dbmod.row_layers(row) + (snap.id,))
@@ -210,7 +210,7 @@ class Checkpoints:
         """Back to exactly the image or snapshot the sandbox was made from: disk, processes, memory."""
         async with self.life.changing(sandbox_id, wake=False, interrupt=True) as row:
             await self.life.backend.release(sandbox_id, dbmod.row_handle(row))
-            self.life.db.update(sandbox_id, state="creating", pid=None, suspended_to=None, claimed_by=self.life.owner)
+            self.life.db.update(sandbox_id, state="creating", pid=None, suspended_to=None, claimed_by=self.life.claimer)
             try:
                 with host_errors(f"resetting sandbox {sandbox_id} failed"):
                     info = dbmod.row_info(row)

@@ -60,9 +60,16 @@ if TYPE_CHECKING:
 class Engine:
     """The async core every client drives, in-process or through the server."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, owner: str | None = None,
+                 shard: tuple[int, int] | None = None) -> None:
         self.config = config or EngineConfig()
-        self.owner = owner_token()
+        self.claimer = owner_token()
+        """This process, in the rows it is creating, destroying or suspending: if it dies, any engine reaps them."""
+        self.owner = owner or self.claimer
+        """Who owns the sandboxes this engine makes: this process, or the router whose worker it is."""
+        self.shard = shard
+        """(index, count) when this engine is one of a router's workers (``engine.workers``): it mints
+        ids of its own share and reaps, times out and adopts only those."""
         self._db: dbmod.Database | None = None
         self._reaper_task: asyncio.Task[None] | None = None
         self._creating: set[asyncio.Task[object]] = set()
@@ -96,7 +103,7 @@ class Engine:
         self.telemetry = Telemetry(lambda: self.figures.gauges())
         self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve, tier=self.backend.name)
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
-                                     self.owner)
+                                     self.owner, self.shard, self.claimer)
         self.pools = Pools(cfg, self.admission, self.telemetry, life)
         life.forget = self.pools.forget
         self.execs = Execs(life)
@@ -133,7 +140,7 @@ class Engine:
         for lease_id in list(self.leases.opened):
             await self.leases.reap(lease_id, expired=False)
         for row in self.db.rows():
-            if row["owner"] == self.owner:
+            if row["owner"] == self.owner and self.life.ours(row):
                 await self.life.destroy(row["id"])
         await asyncio.gather(*list(self.life.destroying.values()), return_exceptions=True)
         await self.life.calls_done(timeout=10)

@@ -70,10 +70,14 @@ class Lifecycle:
 
     def __init__(
         self, config: EngineConfig, db: dbmod.Database, backend: Backend, sources: Sources, snaps: SnapshotStore,
-        admission: Admission, telemetry: Telemetry, owner: str,
+        admission: Admission, telemetry: Telemetry, owner: str, shard: tuple[int, int] | None = None,
+        claimer: str | None = None,
     ) -> None:
         self.config, self.db, self.backend, self.sources, self.snaps = config, db, backend, sources, snaps
-        self.admission, self.telemetry, self.owner = admission, telemetry, owner
+        self.admission, self.telemetry, self.owner, self.shard = admission, telemetry, owner, shard
+        self.claimer = claimer or owner
+        """This process's token in ``claimed_by`` (and on its warm pools' rows): the owner may be a router,
+        which outlives a worker that dies mid-create."""
         self.network = Network(config, backend)
         self.trust_env = trust_env() if config.extra_ca_file and backend.capabilities.isolated else {}
         """What points tools at the extra CAs the backend lays over each root (``store.trust``)."""
@@ -117,12 +121,19 @@ class Lifecycle:
         return row
 
     def ours(self, row: Any) -> bool:
-        """Whether this engine's backend runs the row's sandbox: engines of several backends
-        (crun and gVisor, say) may share a state dir, each minding its own sandboxes. Rows from
-        before backends were recorded are the oci backend's (or the fake's)."""
-        return row["backend"] == self.backend.name or (not row["backend"] and self.backend.name != "runsc")
+        """Whether this engine runs the row's sandbox: engines of several backends (crun and gVisor,
+        say) may share a state dir, each minding its own sandboxes, and a router's workers each mind
+        their share (``mine``). Rows from before backends were recorded are the oci backend's (or the fake's)."""
+        ours = row["backend"] == self.backend.name or (not row["backend"] and self.backend.name != "runsc")
+        return ours and self.mine(row["id"])
+
+    def mine(self, sandbox_id: str) -> bool:
+        """Whether a sandbox id falls in this engine's share: every id, unless it is a router's worker."""
+        return self.shard is None or ids.shard_of(sandbox_id, self.shard[1]) == self.shard[0]
 
     def refuse_unless_ours(self, row: Any) -> None:
+        if not self.mine(row["id"]):
+            raise InfrastructureError(f"sandbox {row['id']} is another engine worker's; call it through the router")
         if not self.ours(row):
             raise InvalidRequest(f"sandbox {row['id']} runs on the {row['backend'] or 'oci'} backend, this engine on"
                                  f" {self.backend.name}: use an engine (or server) of that backend on this state dir")
@@ -230,13 +241,13 @@ class Lifecycle:
     async def bring_up(self, info: SandboxInfo, deadline: float | None, owner: str, env: dict[str, str], tenant: str,
                        *, state: str = "running") -> SandboxInfo:
         """Insert the row, then start the sandbox; on any failure release all it got."""
-        sandbox_id = ids.new_id(ids.SANDBOX, self.config.node_tag)
+        sandbox_id = ids.new_id(ids.SANDBOX, self.config.node_tag, self.shard)
         now = dbmod.now()
         info = dataclasses.replace(
             info, id=sandbox_id, state="creating", created_at=now, deadline_at=now + deadline if deadline else None,
         )
         # claimed_by names the engine bringing it up: if that engine dies, any engine reaps the row.
-        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.owner,
+        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.claimer,
                        backend=self.backend.name)
         try:
             with host_errors("creating sandbox failed"):
@@ -276,7 +287,7 @@ class Lifecycle:
         img_id = self.snaps.row(source)["image_id"] if source.startswith(SNAPSHOT_PREFIX) else source
         info = SandboxInfo(id="", state="pooled", image_id=img_id, limits=limits, source=source)
         async with self.admission.slot(self.config.queue_timeout_s, None):
-            made = await self.bring_up(info, None, self.owner, {}, "", state="pooled")
+            made = await self.bring_up(info, None, self.claimer, {}, "", state="pooled")
         return made.id
 
     def warm(self, sandbox_id: str) -> bool | None:
@@ -377,7 +388,7 @@ class Lifecycle:
         self.forget(sandbox_id)
         row = self.db.get(sandbox_id)
         if row is not None:
-            self.db.update(sandbox_id, state="destroying", claimed_by=self.owner)
+            self.db.update(sandbox_id, state="destroying", claimed_by=self.claimer)
         self.network.unexpose(sandbox_id)
         await self.network.detach(sandbox_id)
         await self.backend.release(sandbox_id, dbmod.row_handle(row) if row is not None else None)

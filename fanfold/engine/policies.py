@@ -36,7 +36,7 @@ class Policies:
                 continue
             if row["persistence"] == "ephemeral":
                 await life.destroy(row["id"])
-            elif can_suspend and life.db.claim(row["id"], life.owner):
+            elif can_suspend and life.db.claim(row["id"], life.claimer):
                 try:
                     await self._suspend(row["id"])
                 except FanfoldError as err:  # one sandbox's failure must not hold up the rest

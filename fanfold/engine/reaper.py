@@ -67,7 +67,7 @@ class Reaper:
         # another engine's create in flight from looking like a leftover.
         known = {row["id"] for row in self.life.db.rows()}
         released = 0
-        for sandbox_id in leftovers - known:
+        for sandbox_id in {i for i in leftovers - known if self.life.mine(i)}:
             try:
                 await self.life.backend.release(sandbox_id)
                 released += 1
@@ -149,6 +149,6 @@ class Reaper:
             return "owner"
         if self._crashed(row):
             return "crashed"
-        if row["state"] == "destroying" and row["claimed_by"] == life.owner and row["id"] not in life.destroying:
+        if row["state"] == "destroying" and row["claimed_by"] == life.claimer and row["id"] not in life.destroying:
             return "retry"  # its release failed (a busy mount, a cgroup slow to empty): try again
         return None
