@@ -1,11 +1,14 @@
 """Burst benchmark: N simultaneous create, exec, destroy cycles, as at a training-step boundary.
 
-    python bench/burst.py [--count 500] [--json] [--no-peers]
+    python bench/burst.py [--count 500] [--workers N] [--json] [--no-peers]
 
 Runs the burst twice on an embedded engine: without a warm pool (every create queues for
 a slot and brings its sandbox up) and with a pool of N filled beforehand. Then the same
 burst of N simultaneous `bwrap --unshare-all true` runs as a peer. The last line is one
-JSON object; create times are measured from the call, so they include queueing.
+JSON object; create times are measured from the call, so they include queueing. The burst
+without a pool also reports busiest_process_cpu_ms_per_cycle and total_cpu_ms_per_cycle
+(common.cpu_per_cycle): the own CPU of the busiest engine process (this one, or one worker
+process with --workers), and that of every process, crun and the other children included.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fanfold import AsyncFleet, EngineConfig, FanfoldError, InfrastructureError  # noqa: E402
-from common import BWRAP_TRUE, leaked, pct  # noqa: E402
+from fanfold import AsyncFleet, FanfoldError, InfrastructureError  # noqa: E402
+from common import BWRAP_TRUE, add_workers_option, cpu_per_cycle, cpu_snapshot, engine_config, leaked, pct  # noqa: E402
 
 GOALS = {"ok": "all", "infra_errors": 0, "create_p99_ms_without_pool": 1000, "create_p99_ms_with_pool": 10,
          "engine_peak_rss_mb": 300}
@@ -105,11 +108,14 @@ async def main() -> None:
     parser.add_argument("--count", type=int, default=500, help="simultaneous cycles per burst")
     parser.add_argument("--json", action="store_true", help="print only the final JSON line on stdout")
     parser.add_argument("--no-peers", action="store_true", help="skip the bubblewrap burst")
+    add_workers_option(parser)
     args = parser.parse_args()
-    config = EngineConfig()
+    config = engine_config(args.workers)
     async with AsyncFleet(config=config) as fleet:
         await (await fleet.create("host")).kill()  # the base is built and cached before timing
+        cpu_before = cpu_snapshot()
         without = await burst(fleet, args.count)
+        without.update(cpu_per_cycle(cpu_before, cpu_snapshot(), args.count))
         fill_started = time.perf_counter()
         await fleet.pool("host", args.count, wait=600)
         fill_s = time.perf_counter() - fill_started
@@ -118,7 +124,7 @@ async def main() -> None:
         await fleet.pool("host", 0)
     peer = None if args.no_peers else bwrap_burst(args.count)
     result = {
-        "count": args.count, "without_pool": without, "with_pool": with_pool, "bwrap": peer,
+        "count": args.count, "workers": config.workers, "without_pool": without, "with_pool": with_pool, "bwrap": peer,
         "bwrap_vs_fanfold_rate": round(peer["sandboxes_per_s"] / without["sandboxes_per_s"], 2) if peer else None,
         "goals": GOALS,
         "met": {

@@ -1,13 +1,15 @@
 """Sandbox lifecycle benchmark: create, exec `true`, destroy, against peers on the same host.
 
-    python bench/lifecycle.py [--cycles 200] [--concurrency 8] [--json] [--profile FILE]
+    python bench/lifecycle.py [--cycles 200] [--concurrency 8] [--workers N] [--json] [--profile FILE]
 
 Runs the cycles sequentially and at the given concurrency on a cached image, then the
 same cycle for plain subprocess `true`, `bwrap --unshare-all true` and `podman run --rm`
 (a peer that cannot run here is reported as null). The last line is one JSON object;
 its engine_cpu_ms_per_cycle is the CPU (user + system, from getrusage) of this process,
 which runs the embedded engine, plus its reaped children (crun, CRIU), per concurrent
-cycle. --profile writes a cProfile of the concurrent phase to FILE.
+cycle. busiest_process_cpu_ms_per_cycle and total_cpu_ms_per_cycle (common.cpu_per_cycle)
+count the engine's worker processes too (--workers): the busiest single process's own CPU,
+and everything's. --profile writes a cProfile of this process in the concurrent phase to FILE.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import argparse
 import asyncio
 import cProfile
 import json
-import resource
 import shutil
 import statistics
 import subprocess
@@ -27,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import BWRAP_TRUE, leaked, pct  # noqa: E402
-from fanfold import AsyncFleet, EngineConfig  # noqa: E402
+from common import BWRAP_TRUE, add_workers_option, cpu_per_cycle, cpu_snapshot, engine_config, leaked, pct  # noqa: E402
+from fanfold import AsyncFleet  # noqa: E402
 
 
 def summary(values: list[float]) -> dict[str, float | None]:
@@ -55,12 +56,6 @@ async def fanfold_cycles(fleet: AsyncFleet, cycles: int, concurrency: int) -> di
 
     await asyncio.gather(*(cycle() for _ in range(cycles)))
     return times
-
-
-def cpu_ms() -> tuple[float, float]:
-    """CPU seconds (user + system) of this process and of its reaped children, in ms."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (own.ru_utime + own.ru_stime) * 1000, (children.ru_utime + children.ru_stime) * 1000
 
 
 def time_command(argv: list[str], cycles: int) -> list[float] | None:
@@ -112,27 +107,30 @@ async def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the final JSON line on stdout")
     parser.add_argument("--no-peers", action="store_true", help="skip the peer measurements")
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of the concurrent phase here")
+    add_workers_option(parser)
     args = parser.parse_args()
-    config = EngineConfig()
+    config = engine_config(args.workers)
     async with AsyncFleet(config=config) as fleet:
         await fleet.create("host")  # build the base once; it is destroyed with the fleet
         await fanfold_cycles(fleet, 10, 1)  # warm-up
         sequential = await fanfold_cycles(fleet, args.cycles, 1)
         profile = cProfile.Profile() if args.profile else None
-        cpu_before, concurrent_start = cpu_ms(), time.perf_counter()
+        cpu_before, concurrent_start = cpu_snapshot(), time.perf_counter()
         if profile:
             profile.enable()
         concurrent = await fanfold_cycles(fleet, args.cycles, args.concurrency)
         if profile:
             profile.disable()
             profile.dump_stats(args.profile)
-        concurrent_wall, cpu_after = time.perf_counter() - concurrent_start, cpu_ms()
-    own_ms, children_ms = ((after - before) / args.cycles for before, after in zip(cpu_before, cpu_after))
+        concurrent_wall, cpu_after = time.perf_counter() - concurrent_start, cpu_snapshot()  # workers exit at close
+    own_ms = (cpu_after.bench.own_ms - cpu_before.bench.own_ms) / args.cycles
+    children_ms = (cpu_after.bench.reaped_children_ms - cpu_before.bench.reaped_children_ms) / args.cycles
     leaks = leaked(config)
     peer = {} if args.no_peers else peers(args.cycles)
     cycle_p50 = pct(sequential["cycle"], 0.5)
     result = {
         "cycles": args.cycles,
+        "workers": config.workers,
         "create_p50_ms": pct(sequential["create"], 0.5),
         "create_p99_ms": pct(sequential["create"], 0.99),
         "exec_p50_ms": pct(sequential["exec"], 0.5),
@@ -148,6 +146,7 @@ async def main() -> None:
         },
         "engine_cpu_ms_per_cycle": round(own_ms + children_ms, 2),
         "engine_cpu_split_ms": {"engine": round(own_ms, 2), "runtime_children": round(children_ms, 2)},
+        **cpu_per_cycle(cpu_before, cpu_after, args.cycles),
         "peers": peer,
         "podman_vs_fanfold_cycle": round(peer["podman_cycle_p50_ms"] / cycle_p50, 2)
         if peer.get("podman_cycle_p50_ms") and cycle_p50 else None,

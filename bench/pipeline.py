@@ -1,6 +1,6 @@
 """Pipelining benchmark: does the fleet keep a policy server busy while tools run?
 
-    python bench/pipeline.py [--episodes 512] [--levels 1,8,64,256] [--episodes-at-1 32] [--json]
+    python bench/pipeline.py [--episodes 512] [--levels 1,8,64,256,1024] [--episodes-at-1 32] [--workers N] [--json]
 
 A simulated policy server (its own process, OpenAI-compatible chat completions) answers one
 request at a time, spending 3 ms on each; every answer is a tool call whose latency is drawn
@@ -10,9 +10,14 @@ flight, each in a fresh sandbox (a warm pool of N, refilled as it is used; ``--p
 trajectories stored in SQLite.
 
 For each N: the server's busy fraction (its time spent answering over the wall time), the
-episodes per second, and the ideal busy fraction of an overhead-free fleet,
-min(1, N x 3 / (3 + 400)). N=1 is sequential, so by default it runs fewer episodes
-(``--episodes-at-1``); ``--full`` runs every level with ``--episodes``. The last line is JSON.
+episodes per second, the ideal busy fraction of an overhead-free fleet, min(1, N x 3 / (3 + 400)),
+and the CPU per episode (one create, six execs, one destroy) of the busiest engine process and of
+them all (``busiest_process_cpu_ms_per_cycle``, ``total_cpu_ms_per_cycle``: common.cpu_per_cycle;
+the policy server is not counted). A level runs 512 episodes, or twice N where that is more, so
+every level reaches N in flight (1,024 in flight: 2,048 episodes, about 2-3 minutes on 2 cores);
+``--episodes`` sets one count for every level. N=1 is sequential, so by default it runs fewer
+episodes (``--episodes-at-1``); ``--full`` runs it like the others. The last line is JSON, with
+``busy_fraction_at_256`` and ``busy_fraction_at_1024`` where those levels ran.
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fanfold import AsyncFleet, EnvSpec  # noqa: E402
 from fanfold.rl import AsyncSandboxEnv, OpenAIPolicy, Tool, ToolOutcome, TrajectoryStore, run_episode  # noqa: E402
-from common import leaked, pct  # noqa: E402
+from common import add_workers_option, cpu_per_cycle, cpu_snapshot, engine_config, leaked, pct  # noqa: E402
 
 POLICY_MS = 3.0
 TOOL_S = (0.3, 0.5)
 STEPS = 6
-GOALS = {"busy_fraction_at_256": 0.7, "speedup_64_vs_1": 50, "busy_vs_ideal_min": 0.9}
+GOALS = {"busy_fraction_at_256": 0.85, "busy_fraction_at_1024": 0.9, "speedup_64_vs_1": 50, "busy_vs_ideal_min": 0.9}
+DEFAULT_EPISODES = 512
 
 
 # -- the simulated policy server (its own process) ------------------------------------------------
@@ -123,11 +129,11 @@ async def level(fleet: AsyncFleet, image: Any, url: str, in_flight: int, episode
         finally:
             await env.close()
 
-    before = await _server_stats(url)
+    before, cpu_before = await _server_stats(url), cpu_snapshot()
     started = time.perf_counter()
     results = [r async for r in fleet.map(rollout, range(episodes), concurrency=in_flight, progress=False)]
     wall = time.perf_counter() - started
-    after = await _server_stats(url)
+    after, cpu_after = await _server_stats(url), cpu_snapshot()
     await policy.close()
     store.close()
     await fleet.pool(image, size=0, memory_mb=64, pids=32)
@@ -140,6 +146,7 @@ async def level(fleet: AsyncFleet, image: Any, url: str, in_flight: int, episode
         "busy_vs_ideal": round(busy / ideal, 3), "policy_requests": after["requests"] - before["requests"],
         "tool_ms_mean": round(1000 * sum(WorkEnv.tool_seconds) / max(1, len(WorkEnv.tool_seconds)), 1),
         "tool_ms_p99": round(1000 * (pct(WorkEnv.tool_seconds, 0.99) or 0), 1),
+        **cpu_per_cycle(cpu_before, cpu_after, episodes),
     }
 
 
@@ -171,11 +178,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.05)
     levels = []
     try:
-        async with AsyncFleet() as fleet:
+        async with AsyncFleet(config=engine_config(args.workers)) as fleet:
             image = await fleet.build(WorkEnv.env_spec())
             with tempfile.TemporaryDirectory() as tmp:
                 for in_flight in args.levels:
-                    count = args.episodes if args.full or in_flight > 1 else min(args.episodes, args.episodes_at_1)
+                    count = episodes_at(in_flight, args)
                     result = await level(fleet, image, url, in_flight, count, Path(tmp) / f"traj-{in_flight}.db",
                                          args.pool)
                     levels.append(result)
@@ -186,9 +193,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         server.terminate()
         server.join(10)
     by_n = {r["in_flight"]: r for r in levels}
-    summary: dict[str, Any] = {"levels": levels, "leaked": leaked(config), "goals": GOALS}
-    if 256 in by_n:
-        summary["busy_fraction_at_256"] = by_n[256]["busy_fraction"]
+    summary: dict[str, Any] = {"workers": config.workers, "levels": levels, "leaked": leaked(config), "goals": GOALS}
+    for n in (256, 1024):
+        if n in by_n:
+            summary[f"busy_fraction_at_{n}"] = by_n[n]["busy_fraction"]
     if 64 in by_n and 1 in by_n:
         summary["speedup_64_vs_1"] = round(by_n[64]["episodes_per_s"] / by_n[1]["episodes_per_s"], 1)
     if 64 in by_n:
@@ -197,16 +205,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def episodes_at(in_flight: int, args: argparse.Namespace) -> int:
+    """Episodes at one level: --episodes, else 512 or 2N; N=1 runs --episodes-at-1 unless --full."""
+    count = args.episodes or max(DEFAULT_EPISODES, 2 * in_flight)
+    return count if args.full or in_flight > 1 else min(count, args.episodes_at_1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=512, help="episodes per level (default 512)")
+    parser.add_argument("--episodes", type=int, help="episodes at every level (default: 512, or 2N where more)")
     parser.add_argument("--episodes-at-1", type=int, default=32, help="episodes at N=1 unless --full (default 32)")
-    parser.add_argument("--full", action="store_true", help="run --episodes at every level, N=1 included (~21 min)")
-    parser.add_argument("--levels", type=lambda text: [int(n) for n in text.split(",")], default=[1, 8, 64, 256],
-                        help="rollouts in flight, comma-separated (default 1,8,64,256)")
+    parser.add_argument("--full", action="store_true", help="run N=1 like the other levels (~21 min more)")
+    parser.add_argument("--levels", type=lambda text: [int(n) for n in text.split(",")], default=[1, 8, 64, 256, 1024],
+                        help="rollouts in flight, comma-separated (default 1,8,64,256,1024)")
     parser.add_argument("--pool", choices=("in-flight", "none"), default="in-flight",
                         help="warm pool per level: N sandboxes, refilled as used (default), or none")
     parser.add_argument("--json", action="store_true", help="print only the final JSON line")
+    add_workers_option(parser)
     args = parser.parse_args()
     try:
         import uvloop
