@@ -13,6 +13,7 @@ test: setup
 bench:
 	bash scripts/setup.sh --bench  # everything `setup` does, plus the peers (bubblewrap, podman)
 	.venv/bin/python bench/lifecycle.py --json
+	.venv/bin/python bench/scale.py --json
 	.venv/bin/python bench/api.py --json
 	.venv/bin/python bench/fork.py --json
 	.venv/bin/python bench/burst.py --json

@@ -14,7 +14,7 @@ episodes per second, the ideal busy fraction of an overhead-free fleet, min(1, N
 and the CPU per episode (one create, six execs, one destroy) of the busiest engine process and of
 them all (``busiest_process_cpu_ms_per_cycle``, ``total_cpu_ms_per_cycle``: common.cpu_per_cycle;
 the policy server is not counted). A level runs 512 episodes, or twice N where that is more, so
-every level reaches N in flight (1,024 in flight: 2,048 episodes, about 2-3 minutes on 2 cores);
+every level reaches N in flight (1,024 in flight: 2,048 episodes, 3 minutes or more on 2 cores);
 ``--episodes`` sets one count for every level. N=1 is sequential, so by default it runs fewer
 episodes (``--episodes-at-1``); ``--full`` runs it like the others. The last line is JSON, with
 ``busy_fraction_at_256`` and ``busy_fraction_at_1024`` where those levels ran.
@@ -115,8 +115,10 @@ class WorkEnv(AsyncSandboxEnv):
 async def level(fleet: AsyncFleet, image: Any, url: str, in_flight: int, episodes: int, db: Path,
                 pool: str) -> dict[str, Any]:
     pool_size = in_flight if pool == "in-flight" else 0
+    fill_started = time.perf_counter()
     if pool_size:
-        await fleet.pool(image, size=pool_size, memory_mb=64, pids=32, wait=300)
+        await fleet.pool(image, size=pool_size, memory_mb=64, pids=32, wait=600)
+    fill_s = time.perf_counter() - fill_started
     policy = OpenAIPolicy(url, model="sim", logprobs=False, max_in_flight=in_flight)
     store = TrajectoryStore(db)
     WorkEnv.tool_seconds = []
@@ -140,7 +142,8 @@ async def level(fleet: AsyncFleet, image: Any, url: str, in_flight: int, episode
     busy = (after["seconds"] - before["seconds"]) / wall
     ideal = min(1.0, in_flight * POLICY_MS / (POLICY_MS + 1000 * sum(TOOL_S) / 2))
     return {
-        "in_flight": in_flight, "episodes": episodes, "pool": pool_size, "ok": sum(r.ok and r.value == 1.0 for r in results),
+        "in_flight": in_flight, "episodes": episodes, "pool": pool_size, "pool_fill_s": round(fill_s, 2),
+        "ok": sum(r.ok and r.value == 1.0 for r in results),
         "errors": sum(not r.ok for r in results), "wall_s": round(wall, 2),
         "episodes_per_s": round(episodes / wall, 3), "busy_fraction": round(busy, 3), "ideal": round(ideal, 3),
         "busy_vs_ideal": round(busy / ideal, 3), "policy_requests": after["requests"] - before["requests"],
