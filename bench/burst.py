@@ -9,6 +9,7 @@ JSON object; create times are measured from the call, so they include queueing. 
 without a pool also reports busiest_process_cpu_ms_per_cycle and total_cpu_ms_per_cycle
 (common.cpu_per_cycle): the own CPU of the busiest engine process (this one, or one worker
 process with --workers), and that of every process, crun and the other children included.
+engine_peak_rss_mb is this process's (with --workers, the router's).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ same cycle for plain subprocess `true`, `bwrap --unshare-all true` and `podman r
 (a peer that cannot run here is reported as null). The last line is one JSON object;
 its engine_cpu_ms_per_cycle is the CPU (user + system, from getrusage) of this process,
 which runs the embedded engine, plus its reaped children (crun, CRIU), per concurrent
-cycle. busiest_process_cpu_ms_per_cycle and total_cpu_ms_per_cycle (common.cpu_per_cycle)
-count the engine's worker processes too (--workers): the busiest single process's own CPU,
-and everything's. --profile writes a cProfile of this process in the concurrent phase to FILE.
+cycle; with --workers that is the router's alone. busiest_process_cpu_ms_per_cycle and
+total_cpu_ms_per_cycle (common.cpu_per_cycle) count the engine's worker processes too: the
+busiest single process's own CPU, and everything's. --profile writes a cProfile of this
+process in the concurrent phase to FILE.
 """
 
 from __future__ import annotations
