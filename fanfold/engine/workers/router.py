@@ -115,13 +115,16 @@ class Router:
 
     async def _stop_all(self) -> None:
         self._closing = True
-        for worker in self.workers:
-            if worker.writer is not None:
-                worker.writer.close()
-        await asyncio.gather(*(self._wait_exit(worker) for worker in self.workers))
-        for task in list(self._tasks):
+        for task in list(self._tasks):  # readers and restarts: no worker starts after this
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for worker in self.workers:
+            worker.up.clear()
+            if worker.writer is not None:
+                worker.writer.close()  # the end of its stream: the worker closes its engine and exits
+            for queue in worker.calls.values():
+                queue.put_nowait(("closed",))
+        await asyncio.gather(*(self._wait_exit(worker) for worker in self.workers))
 
     async def _wait_exit(self, worker: _Worker) -> None:
         if worker.process is not None and worker.process.returncode is None:
@@ -239,6 +242,8 @@ class Router:
                 if frame[0] == "lost":
                     raise InfrastructureError(f"engine worker {index} died during {method}; it is being started"
                                               " again: try again")
+                if frame[0] == "closed":
+                    raise InfrastructureError(f"the engine closed during {method}")
                 done = callbacks[frame[2]](*frame[3])
                 if inspect.isawaitable(done):
                     await done
