@@ -51,13 +51,14 @@ RESTART_DELAYS_S = (0.0, 0.5, 2.0, 5.0)
 
 
 class _Worker:
-    """The router's end of one worker: its process, socket and the calls in flight on it."""
+    """The router's end of one worker: its process, channel and the calls in flight on it."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.process: asyncio.subprocess.Process | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.calls: dict[int, asyncio.Queue[tuple[Any, ...]]] = {}
+        self.channel: wire.Channel | None = None
+        self.calls: dict[int, asyncio.Future[tuple[Any, ...]] | asyncio.Queue[tuple[Any, ...]]] = {}
+        """Each call's answer: a future, or a queue where the call relays callbacks too."""
         self.up = asyncio.Event()
         self.failed: FanfoldError | None = None
         """Why the last start failed: calls to this worker fail with it until a start succeeds."""
@@ -67,9 +68,24 @@ class _Worker:
         return self.process.pid if self.process is not None else None
 
     def send(self, message: tuple[Any, ...]) -> None:
-        if self.writer is None or self.writer.is_closing() or not self.up.is_set():
+        if self.channel is None or not self.channel.open or not self.up.is_set():
             raise InfrastructureError(f"engine worker {self.index} is restarting; try again")
-        self.writer.write(wire.encode(message))
+        self.channel.send(wire.encode(message))
+
+    def deliver(self, frame: tuple[Any, ...]) -> None:
+        """A frame from the worker, to the call it answers."""
+        waiting = self.calls.get(frame[1])
+        if isinstance(waiting, asyncio.Queue):
+            waiting.put_nowait(frame)
+        elif waiting is not None and not waiting.done():
+            waiting.set_result(frame)
+
+    def end_calls(self, why: str) -> None:
+        for waiting in list(self.calls.values()):
+            if isinstance(waiting, asyncio.Queue):
+                waiting.put_nowait((why,))
+            elif not waiting.done():
+                waiting.set_result((why,))
 
 
 class Router:
@@ -115,15 +131,14 @@ class Router:
 
     async def _stop_all(self) -> None:
         self._closing = True
-        for task in list(self._tasks):  # readers and restarts: no worker starts after this
+        for task in list(self._tasks):  # watchers and restarts: no worker starts after this
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for worker in self.workers:
             worker.up.clear()
-            if worker.writer is not None:
-                worker.writer.close()  # the end of its stream: the worker closes its engine and exits
-            for queue in worker.calls.values():
-                queue.put_nowait(("closed",))
+            if worker.channel is not None:
+                worker.channel.close()  # the end of its stream: the worker closes its engine and exits
+            worker.end_calls("closed")
         await asyncio.gather(*(self._wait_exit(worker) for worker in self.workers))
 
     async def _wait_exit(self, worker: _Worker) -> None:
@@ -136,8 +151,8 @@ class Router:
         cfg = self.config
         return dataclasses.replace(cfg, workers=0, pools=(), max_creating=math.ceil(cfg.max_creating / cfg.workers))
 
-    async def _spawn_process(self, worker: _Worker) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Start the worker's process; it waits for its first frame."""
+    async def _spawn_process(self, worker: _Worker) -> asyncio.Future[tuple[Any, ...]]:
+        """Start the worker's process, which waits for its first frame; returns the future of its answer to it."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             worker.process = await asyncio.create_subprocess_exec(
@@ -149,52 +164,46 @@ class Router:
             raise
         finally:
             theirs.close()
-        reader, worker.writer = await asyncio.open_unix_connection(sock=ours)  # closing it stops the process
-        return reader, worker.writer
+        first: asyncio.Future[tuple[Any, ...]] = asyncio.get_running_loop().create_future()
+        worker.channel = await wire.open_channel(ours, lambda frame: first.done() or first.set_result(frame))
+        worker.channel.ended.add_done_callback(lambda _: first.done() or first.set_result(("ended",)))
+        return first
 
-    async def _launch(self, worker: _Worker,
-                      spawned: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None) -> None:
-        """Start the worker's engine (and its process, unless ``spawned``) and wait for it to be up;
-        InfrastructureError if it is not."""
-        reader, writer = spawned or await self._spawn_process(worker)
-        assert worker.process is not None
-        writer.write(wire.encode(("start", self.worker_config(), self.owner, (worker.index, len(self.workers)))))
+    async def _launch(self, worker: _Worker, first: asyncio.Future[tuple[Any, ...]] | None = None) -> None:
+        """Start the worker's engine (and its process, unless spawned already: ``first``) and wait for it
+        to be up; InfrastructureError if it is not."""
+        first = first or await self._spawn_process(worker)
+        assert worker.process is not None and worker.channel is not None
+        channel = worker.channel
+        channel.send(wire.encode(("start", self.worker_config(), self.owner, (worker.index, len(self.workers)))))
         try:
-            first = await asyncio.wait_for(wire.read(reader), START_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
-            writer.close()
-            worker.process.kill()
+            answer = await asyncio.wait_for(first, START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            answer = ("ended",)
+        if answer[0] != "ready":
+            channel.close()
+            if answer[0] != "err":
+                worker.process.kill()
             await worker.process.wait()
+            if answer[0] == "err":
+                raise answer[2]
             raise InfrastructureError(f"engine worker {worker.index} died as it started (exit status"
-                                      f" {worker.process.returncode}); its log is on this process's stderr") from None
-        if first[0] == "err":
-            writer.close()
-            await worker.process.wait()
-            raise first[2]
+                                      f" {worker.process.returncode}); its log is on this process's stderr")
+        channel.on_frame = worker.deliver
         worker.failed = None
         worker.up.set()
-        self._spawn(self._read(worker, reader))
+        self._spawn(self._watch(worker, channel))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _read(self, worker: _Worker, reader: asyncio.StreamReader) -> None:
-        """Hand each frame to its call; at the end of the stream, fail the calls left and start the worker again."""
-        try:
-            while True:
-                frame = await wire.read(reader)
-                queue = worker.calls.get(frame[1])
-                if queue is not None:
-                    queue.put_nowait(frame)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+    async def _watch(self, worker: _Worker, channel: wire.Channel) -> None:
+        """At the end of the worker's stream: fail the calls left and start the worker again."""
+        await channel.ended
         worker.up.clear()
-        if worker.writer is not None:
-            worker.writer.close()
-        for queue in worker.calls.values():
-            queue.put_nowait(("lost",))
+        worker.end_calls("lost")
         if self._closing:
             return
         await self._wait_exit(worker)
@@ -229,12 +238,13 @@ class Router:
         callbacks = {name: kwargs[name] for name in wire.CALLBACKS if kwargs.get(name) is not None}
         kwargs.update({name: wire.Callback(name) for name in callbacks})
         call_id = next(self._serial)
-        queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
-        worker.calls[call_id] = queue
+        loop = asyncio.get_running_loop()
+        waiting = asyncio.Queue() if callbacks else loop.create_future()
+        worker.calls[call_id] = waiting
         try:
             worker.send(("call", call_id, method, args, kwargs))
             while True:
-                frame = await queue.get()
+                frame = await (waiting.get() if isinstance(waiting, asyncio.Queue) else waiting)
                 if frame[0] == "ok":
                     return frame[2]
                 if frame[0] == "err":

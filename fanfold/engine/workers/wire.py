@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import socket
 import struct
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import FanfoldError, InfrastructureError
 
@@ -44,7 +45,50 @@ def encode_error(call_id: int, err: BaseException) -> bytes:
         return encode(("err", call_id, InfrastructureError(str(err))))
 
 
-async def read(reader: asyncio.StreamReader) -> tuple[Any, ...]:
-    """The next frame; IncompleteReadError at the end of the stream."""
-    size = HEADER.unpack(await reader.readexactly(HEADER.size))[0]
-    return pickle.loads(await reader.readexactly(size))
+class Channel(asyncio.Protocol):
+    """Frames over one socket, both ways: ``on_frame`` gets each as it arrives (on the loop, in order),
+    ``ended`` resolves at the end of the stream."""
+
+    def __init__(self, on_frame: Callable[[tuple[Any, ...]], None]) -> None:
+        self.on_frame = on_frame
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= HEADER.size:
+            end = HEADER.size + HEADER.unpack_from(buffer)[0]
+            if len(buffer) < end:
+                return
+            frame = pickle.loads(memoryview(buffer)[HEADER.size:end])
+            del buffer[:end]
+            self.on_frame(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    @property
+    def open(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    def send(self, frame: bytes) -> None:
+        """Queue an encoded frame (``encode``); dropped once the stream has ended."""
+        if self.open:
+            assert self._transport is not None
+            self._transport.write(frame)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+async def open_channel(sock: socket.socket, on_frame: Callable[[tuple[Any, ...]], None]) -> Channel:
+    """A Channel over ``sock`` (one end of a socketpair), which it then owns."""
+    _, channel = await asyncio.get_running_loop().create_unix_connection(lambda: Channel(on_frame), sock=sock)
+    return channel

@@ -27,13 +27,15 @@ PR_SET_NAME = 15
 class Worker:
     """Serves one router's calls on one engine."""
 
-    def __init__(self, engine: Engine, writer: asyncio.StreamWriter) -> None:
-        self.engine, self.writer = engine, writer
+    def __init__(self, engine: Engine, channel: wire.Channel) -> None:
+        self.engine, self.channel = engine, channel
         self.tasks: dict[int, asyncio.Task[None]] = {}
 
-    def send(self, frame: bytes) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(frame)
+    def on_frame(self, frame: tuple[Any, ...]) -> None:
+        if frame[0] == "call":
+            self.start_call(*frame[1:])
+        elif frame[0] == "cancel" and (task := self.tasks.get(frame[1])) is not None:
+            task.cancel()
 
     def start_call(self, call_id: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for name, value in kwargs.items():
@@ -44,32 +46,22 @@ class Worker:
         task.add_done_callback(lambda _: self.tasks.pop(call_id, None))
 
     def _callback(self, call_id: int, name: str) -> Any:
-        return lambda *args: self.send(wire.encode(("cb", call_id, name, args)))
+        return lambda *args: self.channel.send(wire.encode(("cb", call_id, name, args)))
 
     async def _run(self, call_id: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
             value = await getattr(self.engine, method)(*args, **kwargs)
         except asyncio.CancelledError:
-            self.send(wire.encode_error(call_id, asyncio.CancelledError("cancelled by its caller")))
+            self.channel.send(wire.encode_error(call_id, asyncio.CancelledError("cancelled by its caller")))
             return
         except BaseException as err:  # noqa: BLE001 - every error goes back to the caller
-            self.send(wire.encode_error(call_id, err))
+            self.channel.send(wire.encode_error(call_id, err))
             return
         try:
-            self.send(wire.encode(("ok", call_id, value)))
+            frame = wire.encode(("ok", call_id, value))
         except Exception as err:  # noqa: BLE001 - a result that does not pickle
-            self.send(wire.encode_error(call_id, err))
-
-    async def serve(self, reader: asyncio.StreamReader) -> None:
-        while True:
-            try:
-                message = await wire.read(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            if message[0] == "call":
-                self.start_call(*message[1:])
-            elif message[0] == "cancel" and (task := self.tasks.get(message[1])) is not None:
-                task.cancel()
+            frame = wire.encode_error(call_id, err)
+        self.channel.send(frame)
 
     async def stop(self) -> None:
         for task in list(self.tasks.values()):
@@ -79,25 +71,27 @@ class Worker:
 
 
 async def main(fd: int) -> None:
-    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=fd))
-    try:
-        _, config, owner, shard = await wire.read(reader)
-    except (asyncio.IncompleteReadError, ConnectionError):
+    first: asyncio.Future[tuple[Any, ...]] = asyncio.get_running_loop().create_future()
+    channel = await wire.open_channel(socket.socket(fileno=fd), lambda frame: first.done() or first.set_result(frame))
+    await asyncio.wait([first, channel.ended], return_when=asyncio.FIRST_COMPLETED)
+    if not first.done():
         return  # the router stopped before this worker was needed
+    _, config, owner, shard = first.result()
     engine = Engine(config, owner=owner, shard=shard)
     try:
         await engine.start()
     except BaseException as err:  # noqa: BLE001 - the router raises it as this engine's start failure
-        writer.write(wire.encode_error(0, err))
-        await writer.drain()
+        channel.send(wire.encode_error(0, err))
+        channel.close()
         return
-    writer.write(wire.encode(("ready",)))
-    worker = Worker(engine, writer)
+    worker = Worker(engine, channel)
+    channel.on_frame = worker.on_frame
+    channel.send(wire.encode(("ready",)))
     try:
-        await worker.serve(reader)
+        await channel.ended
     finally:
         await worker.stop()
-        writer.close()
+        channel.close()
 
 
 def run(argv: list[str]) -> None:
