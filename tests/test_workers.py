@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from fanfold import AsyncFleet, EngineConfig, InfrastructureError, SandboxNotFound, ids
+from fanfold import AsyncFleet, EngineConfig, InfrastructureError, InvalidRequest, SandboxNotFound, ids
 from fanfold.engine.workers import Router
 
 from conftest import leaks
@@ -158,3 +158,32 @@ async def test_the_router_killed_mid_burst_leaves_nothing(config, tmp_path):
     assert leaks(config) == NO_LEAKS
     assert not set(rows(config)) & set(started["sandboxes"])
     assert rows(config) == []
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 16, 64])
+def test_each_worker_mints_ids_of_its_own_share(count):
+    for index in range(count):
+        for _ in range(50):
+            minted = ids.new_id(ids.SANDBOX, None, (index, count))
+            tagged = ids.new_id(ids.SANDBOX, "node7", (index, count))
+            assert ids.shard_of(minted, count) == index == ids.shard_of(tagged, count)
+            assert ids.node_of(tagged) == "node7" and ids.node_of(minted) is None
+    assert ids.shard_of("not-an-id", count) == 0
+
+
+def test_pools_are_shared_out_and_summed():
+    from fanfold.engine.workers import merge
+    from fanfold.models import Limits, PoolInfo
+
+    assert merge.split(10, 4) == [3, 3, 2, 2] and merge.split(1, 3) == [1, 0, 0] and merge.split(None, 2) == [None, None]
+    share = PoolInfo(source="img-1", limits=Limits(), size=3, target=3, ready=2, filling=1, handouts=5, misses=1)
+    [pool] = merge.pools([[share], [dataclasses.replace(share, size=2, target=2, ready=2, filling=0, misses=0)]])
+    assert (pool.size, pool.target, pool.ready, pool.filling, pool.handouts, pool.misses) == (5, 5, 4, 1, 10, 1)
+
+
+async def test_a_worker_that_cannot_start_says_why_and_leaves_no_process(config):
+    bad = dataclasses.replace(config, workers=WORKERS, backend="nosuch")
+    fleet = AsyncFleet(config=bad)
+    with pytest.raises(InvalidRequest, match="unknown backend 'nosuch'"):
+        await fleet.start()
+    assert all(worker.process.returncode is not None for worker in fleet._transport.workers)
