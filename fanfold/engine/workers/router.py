@@ -219,8 +219,9 @@ class Router:
             try:
                 await self._launch(worker)
                 return
-            except FanfoldError as err:
-                worker.failed = err
+            except (FanfoldError, OSError) as err:  # OSError: no process could be started (out of pids, memory)
+                worker.failed = err if isinstance(err, FanfoldError) else InfrastructureError(
+                    f"engine worker {worker.index} could not be started again: {err}")
                 log.error("fanfold: engine worker %d did not start again: %s", worker.index, err)
 
     # -- calls -------------------------------------------------------------------------------------
