@@ -85,6 +85,7 @@ async def test_a_worker_killed_mid_burst_loses_nothing(config, wconfig):
     what it was half-way through is released."""
     async with AsyncFleet(config=wconfig) as fleet:
         router: Router = fleet._transport
+        await fleet.pool("host", 4)  # creates take warm ones as the pool refills: its rows die with a worker too
         held = await asyncio.gather(*(fleet.create("host") for _ in range(4)))
         victim = ids.shard_of(held[0].id, WORKERS)
         old_pid = router.workers[victim].pid

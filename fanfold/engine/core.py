@@ -140,7 +140,7 @@ class Engine:
         for lease_id in list(self.leases.opened):
             await self.leases.reap(lease_id, expired=False)
         for row in self.db.rows():
-            if row["owner"] == self.owner and self.life.ours(row):
+            if row["owner"] in (self.owner, self.claimer) and self.life.ours(row):  # the claimer's: warm pools
                 await self.life.destroy(row["id"])
         await asyncio.gather(*list(self.life.destroying.values()), return_exceptions=True)
         await self.life.calls_done(timeout=10)
