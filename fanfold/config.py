@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from .ids import check_node_tag
@@ -163,17 +164,19 @@ class EngineConfig:
         if self.pull not in PULL_POLICIES:
             raise ValueError(f"FANFOLD_PULL (pull=) must be one of {', '.join(PULL_POLICIES)}, got {self.pull!r}")
 
-    @property
+    # Cached (in the instance's __dict__, beside the frozen fields): every create, exec and release
+    # asks for them, and they follow from state_dir alone, which never changes after __post_init__.
+    @cached_property
     def tag(self) -> str:
         """A short name unique to this state directory, for cgroups and sockets."""
         return hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:8]
 
-    @property
+    @cached_property
     def run_dir(self) -> Path:
         """Short paths for unix sockets (108-byte limit) and the runtime's state."""
         return Path("/run/fanfold") / self.tag
 
-    @property
+    @cached_property
     def cgroup_parent(self) -> str:
         return f"fanfold-{self.tag}"
 

@@ -37,8 +37,15 @@ def v2_roots() -> tuple[Path, ...]:
         return tuple(Path(line.split()[4]) for line in handle if " - cgroup2 " in line)
 
 
+@lru_cache(maxsize=1)
 def is_v2_only() -> bool:
     return not v1_roots() and Path("/sys/fs/cgroup/cgroup.controllers").exists()
+
+
+def forget_roots() -> None:
+    """Read the hierarchies again (after mounting one): what is derived from them is cached."""
+    for cached in (v1_roots, v2_roots, is_v2_only, _counter_templates):
+        cached.cache_clear()
 
 
 def sandbox_dirs(parent: str, sandbox_id: str | None = None) -> list[Path]:
@@ -78,18 +85,26 @@ def _kv(text: str) -> dict[str, int]:
     return out
 
 
-def _counter_paths(parent: str, sandbox_id: str) -> dict[str, Path]:
+def _counter_paths(parent: str, sandbox_id: str) -> dict[str, str]:
     """The file behind each counter: OOM kills, pids-limit hits, peak memory, CPU time."""
-    rel = f"{parent}/{sandbox_id}"
+    return {key: template.format(sandbox_id) for key, template in _counter_templates(parent).items()}
+
+
+@lru_cache(maxsize=8)
+def _counter_templates(parent: str) -> dict[str, str]:
+    """``_counter_paths`` with ``{}`` for the sandbox's id: the hierarchies do not change while an
+    engine runs (``fix_hybrid_cgroups`` runs before its first sandbox), and every exec asks."""
+    rel = f"{parent}/{{}}"
     if is_v2_only():
-        base = Path("/sys/fs/cgroup") / rel
-        return {"oom_kill": base / "memory.events", "pids_max": base / "pids.events",
-                "memory_peak": base / "memory.peak", "cpu_us": base / "cpu.stat"}
+        base = f"/sys/fs/cgroup/{rel}"
+        return {"oom_kill": f"{base}/memory.events", "pids_max": f"{base}/pids.events",
+                "memory_peak": f"{base}/memory.peak", "cpu_us": f"{base}/cpu.stat"}
     roots = v1_roots()
     memory, pids, cpuacct = roots.get("memory"), roots.get("pids"), roots.get("cpuacct")
-    found = {"oom_kill": memory and memory / rel / "memory.oom_control", "pids_max": pids and pids / rel / "pids.events",
-             "memory_peak": memory and memory / rel / "memory.max_usage_in_bytes",
-             "cpu_us": cpuacct and cpuacct / rel / "cpuacct.usage"}
+    found = {"oom_kill": memory and f"{memory}/{rel}/memory.oom_control",
+             "pids_max": pids and f"{pids}/{rel}/pids.events",
+             "memory_peak": memory and f"{memory}/{rel}/memory.max_usage_in_bytes",
+             "cpu_us": cpuacct and f"{cpuacct}/{rel}/cpuacct.usage"}
     return {key: path for key, path in found.items() if path}
 
 

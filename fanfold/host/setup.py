@@ -42,8 +42,7 @@ def fix_hybrid_cgroups() -> list[str]:
         except OSError:
             continue
     if moved:
-        cgroups.v1_roots.cache_clear()
-        cgroups.v2_roots.cache_clear()
+        cgroups.forget_roots()
     return moved
 
 
