@@ -107,10 +107,23 @@ class Database:
         marks = ", ".join("?" * len(columns))
         self.conn.execute(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", tuple(columns.values()))
 
-    def update(self, sandbox_id: str, **fields: object) -> None:
+    def update(self, sandbox_id: str, *, if_state: str | None = None, **fields: object) -> bool:
+        """Set ``fields`` of the row (only while its state is ``if_state``, when given); whether it was there."""
         names = ", ".join(f"{name}=?" for name in fields)
         values = [json.dumps(list(v)) if isinstance(v, tuple) else v for v in fields.values()]
-        self.conn.execute(f"UPDATE sandboxes SET {names} WHERE id=?", (*values, sandbox_id))
+        if if_state is None:
+            cursor = self.conn.execute(f"UPDATE sandboxes SET {names} WHERE id=?", (*values, sandbox_id))
+        else:
+            cursor = self.conn.execute(f"UPDATE sandboxes SET {names} WHERE id=? AND state=?",
+                                       (*values, sandbox_id, if_state))
+        return cursor.rowcount == 1
+
+    def update_returning(self, sandbox_id: str, **fields: object) -> sqlite3.Row | None:
+        """``update`` and ``get`` in one statement: the row as it is after, or None when there is none."""
+        names = ", ".join(f"{name}=?" for name in fields)
+        rows = self.conn.execute(f"UPDATE sandboxes SET {names} WHERE id=? RETURNING *",
+                                 (*fields.values(), sandbox_id)).fetchall()  # all: the statement ends, and commits
+        return rows[0] if rows else None
 
     def claim(self, sandbox_id: str, owner: str) -> bool:
         """Take a sandbox for a policy action (idle suspend) so one engine of several does it."""
@@ -126,6 +139,15 @@ class Database:
         # Written at once, not batched: another engine on this state dir applies the idle
         # policies of detached sandboxes from this column.
         self.conn.execute("UPDATE sandboxes SET active_at=? WHERE id=?", (now(), sandbox_id))
+
+    def touch_running(self, sandbox_id: str, backends: tuple[str, ...]) -> sqlite3.Row | None:
+        """Stamp activity on a running sandbox whose backend column is one of ``backends`` and return
+        its row, in one statement; None, with nothing written, when it is no such sandbox."""
+        marks = ", ".join("?" * len(backends))
+        rows = self.conn.execute(
+            f"UPDATE sandboxes SET active_at=? WHERE id=? AND state='running' AND backend IN ({marks}) RETURNING *",
+            (now(), sandbox_id, *backends)).fetchall()
+        return rows[0] if rows else None
 
     # -- snapshots ----------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from ..runtime import Backend, Handle, SandboxSpec
 from . import db as dbmod
 from .admission import Admission
 from .gate import Gate
-from .network import Network, row_policy
+from .network import Network, NetworkPolicy, row_policy, wire_policy
 from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
 from .sources import Sources, base_env
@@ -79,6 +79,9 @@ class Lifecycle:
         """This process's token in ``claimed_by`` (and on its warm pools' rows): the owner may be a router,
         which outlives a worker that dies mid-create."""
         self.network = Network(config, backend)
+        self.backends = (backend.name,) if backend.name == "runsc" else (backend.name, "")
+        """The values of a row's backend column that make it ours: rows from before backends were
+        recorded have none, and are the oci backend's (or the fake's)."""
         self.trust_env = trust_env() if config.extra_ca_file and backend.capabilities.isolated else {}
         """What points tools at the extra CAs the backend lays over each root (``store.trust``)."""
         self.interrupters: list[Callable[[str], Awaitable[None]]] = []
@@ -123,9 +126,8 @@ class Lifecycle:
     def ours(self, row: Any) -> bool:
         """Whether this engine runs the row's sandbox: engines of several backends (crun and gVisor,
         say) may share a state dir, each minding its own sandboxes, and a router's workers each mind
-        their share (``mine``). Rows from before backends were recorded are the oci backend's (or the fake's)."""
-        ours = row["backend"] == self.backend.name or (not row["backend"] and self.backend.name != "runsc")
-        return ours and self.mine(row["id"])
+        their share (``mine``)."""
+        return row["backend"] in self.backends and self.mine(row["id"])
 
     def mine(self, sandbox_id: str) -> bool:
         """Whether a sandbox id falls in this engine's share: every id, unless it is a router's worker."""
@@ -176,10 +178,13 @@ class Lifecycle:
         try:
             for _ in range(3):
                 async with gate.call():
-                    row = self.known(sandbox_id)
+                    # The common case in one statement: a running sandbox of ours, stamped and read.
+                    row = self.db.touch_running(sandbox_id, self.backends) \
+                        if isinstance(sandbox_id, str) and self.mine(sandbox_id) else None
+                    if row is None:
+                        row = self.known(sandbox_id)  # raises, or finds it paused or suspended
                     if row["state"] == "running":
                         await self._serve_network(row)
-                        self.db.touch(sandbox_id)
                         try:
                             yield row
                         finally:
@@ -251,18 +256,17 @@ class Lifecycle:
                        backend=self.backend.name)
         try:
             with host_errors("creating sandbox failed"):
-                pid, layers = await self.start(sandbox_id, info.source, info.limits, info.seccomp)
+                pid, layers = await self.start(sandbox_id, info.source, info.limits, info.seccomp,
+                                               network=(wire_policy(info.network), tenant))
         except BaseException as err:
             raced = sandbox_id in self.destroying or self.db.get(sandbox_id) is None
             await asyncio.shield(self.destroy(sandbox_id))
             if raced and not isinstance(err, asyncio.CancelledError):  # its deadline passed, or a kill came first
                 raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created") from None
             raise
-        row = self.db.get(sandbox_id)
-        if row is None or row["state"] != "creating":  # killed or reaped while it was starting
-            await asyncio.shield(self.destroy(sandbox_id))
+        if not self.db.update(sandbox_id, if_state="creating", state=state, pid=pid, layers=layers, claimed_by=None):
+            await asyncio.shield(self.destroy(sandbox_id))  # killed or reaped while it was starting
             raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being created")
-        self.db.update(sandbox_id, state=state, pid=pid, layers=layers, claimed_by=None)
         if deadline:
             self.arm_deadline(sandbox_id, deadline)
         return dataclasses.replace(info, state=state)
@@ -308,21 +312,25 @@ class Lifecycle:
 
         self._timers[sandbox_id] = asyncio.get_running_loop().call_later(deadline, expire)
 
-    async def start(self, sandbox_id: str, source: str, limits: Limits,
-                    seccomp: str = "default") -> tuple[int | None, tuple[str, ...]]:
+    async def start(self, sandbox_id: str, source: str, limits: Limits, seccomp: str = "default", *,
+                    network: tuple[NetworkPolicy | None, str] | None = None) -> tuple[int | None, tuple[str, ...]]:
         """Bring up a sandbox's disk and processes from its source; return PID 1 and its layers."""
         img, restore = self.sources.start_point(source)
-        return await self.bring_up_from(sandbox_id, img, limits, restore, seccomp), img.layers
+        return await self.bring_up_from(sandbox_id, img, limits, restore, seccomp, network=network), img.layers
 
     async def bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None,
-                            seccomp: str = "default") -> int | None:
-        """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given)."""
-        row = self.db.get(sandbox_id)
-        policy = None if row is None else row_policy(row)
+                            seccomp: str = "default", *,
+                            network: tuple[NetworkPolicy | None, str] | None = None) -> int | None:
+        """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given).
+        ``network``: its policy and tenant, when the caller has them at hand; else its row says."""
+        if network is None:
+            row = self.db.get(sandbox_id)
+            network = (None, "") if row is None else (row_policy(row), row["tenant"])
+        policy, tenant = network
         spec = SandboxSpec(
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
             env=tuple(base_env(img, sandbox_id, self.network.env(policy), self.trust_env)), services=img.services, restore=restore,
-            seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy, "" if row is None else row["tenant"]),
+            seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy, tenant),
         )
         handle = await self.backend.bring_up(spec)
         if img.services and (restore is None or self.backend.capabilities.memory != "live"):
@@ -386,9 +394,7 @@ class Lifecycle:
         if timer is not None:
             timer.cancel()
         self.forget(sandbox_id)
-        row = self.db.get(sandbox_id)
-        if row is not None:
-            self.db.update(sandbox_id, state="destroying", claimed_by=self.claimer)
+        row = self.db.update_returning(sandbox_id, state="destroying", claimed_by=self.claimer)
         self.network.unexpose(sandbox_id)
         await self.network.detach(sandbox_id)
         await self.backend.release(sandbox_id, dbmod.row_handle(row) if row is not None else None)

@@ -71,6 +71,11 @@ def _parsed(text: str) -> NetworkPolicy | None:
     return NetworkPolicy.from_wire(json.loads(text))
 
 
+def wire_policy(wire: Any) -> NetworkPolicy | None:
+    """The policy a record's ``network`` field holds (``"none"``, or the policy's wire form)."""
+    return None if wire == "none" else _parsed(json.dumps(wire))
+
+
 def to_column(policy: NetworkPolicy | None) -> str:
     return NONE if policy is None else json.dumps(policy.to_wire())
 
