@@ -105,24 +105,25 @@ def become_subreaper() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-async def reap(pid: int | None, timeout: float = 5.0) -> None:
-    """Wait for a dead child and collect its status so it leaves no zombie; not our child is fine."""
+async def reap(pid: int | None, timeout: float = 5.0) -> bool:
+    """Wait for a dead child and collect its status so it leaves no zombie; not our child is fine.
+    True when this collected it: it has exited, and so has every process of a pid namespace it was PID 1 of."""
     if not pid:
-        return
+        return False
     try:
         if os.waitpid(pid, os.WNOHANG)[0]:
-            return
+            return True
         pidfd = os.pidfd_open(pid)
     except (ChildProcessError, ProcessLookupError):
-        return
+        return False
     loop = asyncio.get_running_loop()
     exited = loop.create_future()
     loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
     try:
         await asyncio.wait_for(exited, timeout)
-        os.waitpid(pid, os.WNOHANG)
+        return bool(os.waitpid(pid, os.WNOHANG)[0])
     except (asyncio.TimeoutError, ChildProcessError):
-        pass
+        return False
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)

@@ -89,6 +89,10 @@ class Runtime(Protocol):
         killed and reaped its PID 1 and removes its cgroups, so only the runtime's state is left."""
         ...
 
+    def forget(self, sandbox_id: str) -> None:
+        """``delete(stopped=True)`` as one blocking call, for a thread that releases the rest of the sandbox."""
+        ...
+
     async def list_ids(self) -> set[str]:
         """Ids of every sandbox this backend holds state for."""
         ...

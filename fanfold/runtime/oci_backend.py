@@ -134,14 +134,11 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     async def release(self, sandbox_id: str, handle: Handle | None = None) -> None:
         with host_errors(f"releasing sandbox {sandbox_id} failed (the reaper tries again)"):
-            where = oci_sandbox.paths(self.config, sandbox_id)
             source = self.page_sources.pop(sandbox_id, None)
             if source is not None:
                 await source.stop()
-            else:  # one a crashed engine started
-                lazy.kill_orphan(where.lazy)
+            # one a crashed engine started is killed as the rest is released, and its dir removed
             await oci_sandbox.release(self.config, self.runtime, sandbox_id, handle.pid if handle else None)
-            await asyncio.to_thread(shutil.rmtree, where.lazy, True)
         self.lost.pop(sandbox_id, None)
 
     def page_counts(self, sandbox_id: str) -> dict[str, int | str] | None:

@@ -157,9 +157,7 @@ async def provision(
     owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
     sandbox_id, limits = spec.id, spec.limits
-    base = idmap.claim(sandbox_id) if users is not None else None
-    where = await on_thread(mount_disk, config, store, sandbox_id, spec.layers, spec.host_dirs, limits, quota,
-                            base, users)
+    where, base = await on_thread(_claim_and_mount, config, store, spec, quota, users)
     profile = seccomp.bpf(spec.seccomp) if spec.seccomp in seccomp.PROFILES else await on_thread(seccomp.bpf, spec.seccomp)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in spec.services:
@@ -185,6 +183,14 @@ async def provision(
         if spec.before_run is not None:
             await spec.before_run(Handle(sandbox_id, pid))
     return pid
+
+
+def _claim_and_mount(config: EngineConfig, store: LayerStore, spec: SandboxSpec, quota: bool,
+                     users: idmap.Namespaces | None) -> tuple[Paths, int | None]:
+    """``mount_disk`` after claiming a uid range when ``users`` is given (its symlinks are file
+    system work too): the disk, root and channel, and the range's base."""
+    base = idmap.claim(spec.id) if users is not None else None
+    return mount_disk(config, store, spec.id, spec.layers, spec.host_dirs, spec.limits, quota, base, users), base
 
 
 async def restore(
@@ -386,14 +392,24 @@ async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: 
     # Killing PID 1 ourselves ends the whole pid namespace in well under a millisecond;
     # the runtime's own forced delete polls for the exit and takes ~10 ms longer.
     cgroup = kill_init(config, sandbox_id, pid)
-    await setup.reap(pid)
-    # PID 1 gone means its whole pid namespace is: the runtime has nothing left to kill.
-    await runtime.delete(sandbox_id, stopped=bool(pid) and not in_sandbox_cgroup(pid, cgroup))
-    # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread, the loop serves execs meanwhile.
-    await on_thread(release_host, config, sandbox_id, where)
+    reaped = await setup.reap(pid)
+    # PID 1 gone means its whole pid namespace is: the runtime has nothing left to kill, only its
+    # state to forget, which goes on the thread below.
+    stopped = bool(pid) and (reaped or not in_sandbox_cgroup(pid, cgroup))
+    if not stopped:
+        await runtime.delete(sandbox_id)
+    # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread (one hop for them all),
+    # the loop serves execs meanwhile.
+    await on_thread(release_host, config, sandbox_id, where, runtime.forget if stopped else None)
 
 
-def release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:
+def release_host(config: EngineConfig, sandbox_id: str, where: Paths,
+                 forget: Callable[[str], None] | None = None) -> None:
+    """Release what a sandbox holds on the host (blocking); ``forget`` first drops the runtime's state
+    of a sandbox whose processes are all gone."""
+    if forget is not None:
+        forget(sandbox_id)
+    lazy.kill_orphan(where.lazy)  # the page server a crashed engine left serving it, if any
     # The mounts a sandbox has are the ones mount_disk made, all on its root: a lazy
     # unmount takes the whole tree (the disk of sandboxes made before the disk moved onto
     # the root is a dir of its own). Only when one is still a mount point afterwards is the
@@ -416,4 +432,5 @@ def release_host(config: EngineConfig, sandbox_id: str, where: Paths) -> None:
     shutil.rmtree(where.root, ignore_errors=True)
     mounts.umount(where.subvolume)  # one stacked on it would make deleting it fail (EBUSY)
     disk.remove(config.state_dir, sandbox_id)  # after the overlay on it is gone
+    shutil.rmtree(where.lazy, ignore_errors=True)
     idmap.release(sandbox_id)  # last: no process or file of the sandbox is left to use its range
