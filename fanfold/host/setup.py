@@ -120,9 +120,10 @@ async def reap(pid: int | None, timeout: float = 5.0) -> bool:
     exited = loop.create_future()
     loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
     try:
-        await asyncio.wait_for(exited, timeout)
+        async with asyncio.timeout(timeout):
+            await exited
         return bool(os.waitpid(pid, os.WNOHANG)[0])
-    except (asyncio.TimeoutError, ChildProcessError):
+    except (TimeoutError, ChildProcessError):
         return False
     finally:
         loop.remove_reader(pidfd)

@@ -10,6 +10,10 @@ from pathlib import Path
 
 # Children whose status a caller of run() is waiting for: orphan reaping must leave them alone.
 WAITING: set[int] = set()
+_ENVIRON = getattr(os.environ, "_data", os.environ)
+"""This process's environment as posix_spawn reads it fastest: the dict of bytes under os.environ,
+which every change to os.environ keeps up to date; os.environ itself decodes and encodes each
+variable on every spawn (~0.4 ms of CPU a runtime call)."""
 
 
 @dataclass
@@ -43,19 +47,19 @@ async def run(
     actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
     actions += [(os.POSIX_SPAWN_DUP2, parent, child) for child, parent in (fds or {}).items()]
     try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ if env is None else env, file_actions=actions)
+        pid = os.posix_spawnp(argv[0], argv, _ENVIRON if env is None else env, file_actions=actions)
         WAITING.add(pid)
     finally:
         for fd in (out_w, err_w, devnull):
             os.close(fd)
     loop = asyncio.get_running_loop()
     try:
-        if log is not None:
-            stdout, stderr, status = b"", b"", await asyncio.wait_for(_wait(loop, pid), timeout)
-        else:
-            stdout, stderr, status = await asyncio.wait_for(
-                asyncio.gather(_drain(loop, out_r), _drain(loop, err_r), _wait(loop, pid)), timeout
-            )
+        async with asyncio.timeout(timeout):  # no task of its own, as wait_for would make
+            if log is not None:
+                stdout, stderr, status = b"", b"", await _wait(loop, pid)
+            else:
+                stdout, stderr, status = await asyncio.gather(
+                    _drain(loop, out_r), _drain(loop, err_r), _wait(loop, pid))
     except BaseException:
         _kill_and_reap(pid)
         raise

@@ -177,7 +177,9 @@ async def provision(
     with ours, theirs:
         pid = await runtime.start(container, where.bundle, theirs.fileno())
         theirs.close()
-        if await asyncio.wait_for(read_once(ours.fileno()), 30) != b"r":
+        async with asyncio.timeout(30):
+            said = await read_once(ours.fileno())
+        if said != b"r":
             raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {log_tail(where.bundle / 'runtime.log')}")
         set_immutable(where.channel, True)
         if spec.before_run is not None:
