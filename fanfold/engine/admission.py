@@ -19,6 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ..config import EngineConfig
 from ..errors import CapacityExceeded, InvalidRequest
+from ..host import procs
 from ..models import Limits
 
 HEADROOM_POLL_S = 0.25
@@ -111,10 +112,9 @@ def memory_total_mb() -> int:
 
 
 def _meminfo_mb(field: str) -> int:
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith(field):
-                return int(line.split()[1]) >> 10
+    for line in procs.read_small("/proc/meminfo").decode().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) >> 10
     return 0
 
 
@@ -139,8 +139,7 @@ def check_fits_host(limits: Limits) -> None:
 
 def kernel_tasks() -> tuple[int, int]:
     """Threads alive on the host, and the most the kernel allows (threads-max, pid_max)."""
-    with open("/proc/loadavg") as handle:
-        tasks = int(handle.read().split()[3].split("/")[1])
+    tasks = int(procs.read_small("/proc/loadavg").split()[3].split(b"/")[1])
     return tasks, _task_limit(int(time.monotonic() // TASK_LIMIT_TTL_S))
 
 

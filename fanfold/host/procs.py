@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
+
+def read_small(path: str) -> bytes:
+    """A small file (/proc, /sys, a pid file) whole, in four syscalls: ``open()``'s buffered text
+    file takes nine, and the engine reads several such files for each sandbox."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
 
 def stat_fields(pid: int | str) -> list[str]:
     """The fields of /proc/PID/stat after the command name (state first), or [] when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()
+        return read_small(f"/proc/{pid}/stat").decode(errors="replace").rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return []
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HostNotReady, InfrastructureError
-from ..host import setup
+from ..host import procs, setup
 from ..host.idmap import RANGE as USERNS_RANGE
 from ..host.spawn import Finished, log_tail, run
 from . import seccomp
@@ -131,7 +131,7 @@ class OciRuntime:
         done = await run(argv, fds={3: pass_fd}, log=str(log), timeout=60)
         if done.returncode != 0:
             raise InfrastructureError(f"{self.name} could not start sandbox {spec.id}: {log_tail(log)}")
-        return int(pidfile.read_text().strip())
+        return int(procs.read_small(str(pidfile)))
 
     async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:
         self._write_bundle(spec, bundle)

@@ -370,10 +370,10 @@ def channel_binds(agent: Path, where: Paths) -> list[Bind]:
 def in_sandbox_cgroup(pid: int, cgroup: str) -> bool:
     """True when ``pid`` still is the sandbox's process (not a recycled pid)."""
     try:
-        with open(f"/proc/{pid}/cgroup") as handle:
-            return any(line.rstrip("\n").endswith(cgroup) for line in handle)
+        lines = procs.read_small(f"/proc/{pid}/cgroup").decode(errors="replace").splitlines()
     except OSError:
         return False
+    return any(line.endswith(cgroup) for line in lines)
 
 
 def kill_init(config: EngineConfig, sandbox_id: str, pid: int | None) -> str:
