@@ -55,9 +55,9 @@ def _docs_of_classes(path: str) -> dict[str, dict[str, str]]:
 def check_bounds(obj: Any, prefix: str = "") -> None:
     """InvalidRequest unless each field of dataclass ``obj`` keeps the bounds in its metadata; a
     bounded ``int`` field is made an int and a bounded ``float`` one a float."""
-    for spec in fields(obj):
-        meta, value, name = spec.metadata, getattr(obj, spec.name), prefix + spec.name
-        if not meta or value is None:
+    for field_name, meta, kind in _bounded_fields(type(obj)):
+        value, name = getattr(obj, field_name), prefix + field_name
+        if value is None:
             continue
         if "min_length" in meta or "max_length" in meta:
             low, high = meta.get("min_length", 0), meta.get("max_length")
@@ -72,12 +72,18 @@ def check_bounds(obj: Any, prefix: str = "") -> None:
         if not low_ok or value > meta.get("le", float("inf")):
             low = f"from {meta['ge']} to" if "ge" in meta else f"above {meta.get('gt')} and at most"
             raise InvalidRequest(f"{name}={value} is out of range: use a value {low} {meta.get('le')}")
-        if str(spec.type).split(" |")[0] == "int":
+        if kind == "int":
             if not float(value).is_integer():
                 raise InvalidRequest(f"{name} must be a whole number, got {value!r}")
-            object.__setattr__(obj, spec.name, int(value))
-        elif str(spec.type).split(" |")[0] == "float":
-            object.__setattr__(obj, spec.name, float(value))
+            object.__setattr__(obj, field_name, int(value))
+        elif kind == "float":
+            object.__setattr__(obj, field_name, float(value))
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded_fields(cls: type) -> tuple[tuple[str, Any, str], ...]:
+    """The fields of dataclass ``cls`` with bounds: name, bounds, and the type's first name (``int | None``: int)."""
+    return tuple((spec.name, spec.metadata, str(spec.type).split(" |")[0]) for spec in fields(cls) if spec.metadata)
 
 
 class Outcome(str, enum.Enum):

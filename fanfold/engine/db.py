@@ -269,8 +269,8 @@ def columns_of(record: SandboxInfo | SnapshotInfo) -> dict[str, object]:
     columns: dict[str, object] = {}
     for spec in dataclasses.fields(record):
         value = getattr(record, spec.name)
-        if spec.name == "limits":
-            value = dataclasses.asdict(value or Limits())
+        if spec.name == "limits":  # flat numbers: no deep copy (asdict's) needed
+            value = {field.name: getattr(value or Limits(), field.name) for field in dataclasses.fields(Limits)}
         columns[COLUMN_OF.get(spec.name, spec.name)] = json.dumps(value) if spec.name in AS_JSON else value
     return columns
 

@@ -12,6 +12,7 @@ import signal
 import socket
 import shutil
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -81,7 +82,13 @@ class Paths:
 
 
 def paths(config: EngineConfig, sandbox_id: str) -> Paths:
-    return Paths(config.state_dir / "sandboxes" / sandbox_id, config.run_dir / sandbox_id)
+    return _paths(config.state_dir, config.run_dir, sandbox_id)
+
+
+@lru_cache(maxsize=1024)
+def _paths(state_dir: Path, run_dir: Path, sandbox_id: str) -> Paths:
+    """Kept for the sandboxes in use: each create, exec and release asks, and pathlib is slow to join."""
+    return Paths(state_dir / "sandboxes" / sandbox_id, run_dir / sandbox_id)
 
 
 class OnHost:
@@ -318,6 +325,16 @@ def mount_disk(
     return where
 
 
+def _remove_dir(path: Path) -> None:
+    """Remove a directory and what it holds: one rmdir when it is empty, as it usually is by now."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _idmapper(under: Path, userns: int) -> Callable[[Path], Path]:
     """Gives each directory it is handed an idmapped clone under ``under`` (on the sandbox's root
     tmpfs, so the root's lazy unmount takes them all)."""
@@ -427,11 +444,12 @@ def release_host(config: EngineConfig, sandbox_id: str, where: Paths,
     cgroups.remove(config.cgroup_parent, sandbox_id)
     if where.channel.is_dir():
         set_immutable(where.channel, False)
-        shutil.rmtree(where.channel, ignore_errors=True)
+        where.socket.unlink(missing_ok=True)
+        _remove_dir(where.channel)
     where.channel.with_name(f"{sandbox_id}.sock").unlink(missing_ok=True)  # where older versions put the socket
     if stuck:  # never recurse into a live mount
         raise InfrastructureError(f"sandbox {sandbox_id} still has mounts under {where.root}")
-    shutil.rmtree(where.root, ignore_errors=True)
+    _remove_dir(where.root)  # the mount point of its tmpfs, empty once that is unmounted
     mounts.umount(where.subvolume)  # one stacked on it would make deleting it fail (EBUSY)
     disk.remove(config.state_dir, sandbox_id)  # after the overlay on it is gone
     shutil.rmtree(where.lazy, ignore_errors=True)
