@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import select
 from functools import lru_cache
 from pathlib import Path
 
-from . import cgroups, mounts, spawn
+from . import cgroups, mounts, procs, spawn
 
 
 def unified_controllers() -> list[str]:
@@ -130,6 +131,25 @@ async def reap(pid: int | None, timeout: float = 5.0) -> bool:
         os.close(pidfd)
 
 
+def reap_blocking(pid: int, timeout: float = 5.0) -> bool:
+    """``reap`` for a thread: waits (up to ``timeout`` s) by blocking it, not the loop."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return True
+        pidfd = os.pidfd_open(pid)
+    except (ChildProcessError, ProcessLookupError):
+        return False
+    try:
+        exited = select.poll()
+        exited.register(pidfd, select.POLLIN)
+        exited.poll(timeout * 1000)
+        return bool(os.waitpid(pid, os.WNOHANG)[0])
+    except ChildProcessError:
+        return False
+    finally:
+        os.close(pidfd)
+
+
 RUNTIME_NAMES = {"crun", "runc", "agent", "fanfold-agent"}
 """Process names (comm) of the runtime's processes; a runtime run from a sealed copy adds its own."""
 
@@ -141,17 +161,17 @@ def reap_orphans(names: set[str] | frozenset[str] = RUNTIME_NAMES) -> int:
     waiting on a child of its own never loses that child's status.
     """
     reaped = 0
-    for children in Path("/proc/self/task").glob("*/children"):
+    for task in os.listdir("/proc/self/task"):  # a reaper pass runs this once a second: no pathlib
         try:
-            pids = children.read_text().split()
+            pids = procs.read_small(f"/proc/self/task/{task}/children").split()
         except OSError:
             continue
         for pid in pids:
-            try:
-                head, _, rest = Path(f"/proc/{pid}/stat").read_text().rpartition(")")
-            except OSError:
-                continue
             if int(pid) in spawn.WAITING:
+                continue
+            try:
+                head, _, rest = procs.read_small(f"/proc/{int(pid)}/stat").decode(errors="replace").rpartition(")")
+            except OSError:
                 continue
             if rest.split()[0] == "Z" and head.partition("(")[2] in names:
                 try:

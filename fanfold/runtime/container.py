@@ -76,8 +76,13 @@ class Runtime(Protocol):
 
     name: str
 
-    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
-        """Start ``spec`` detached with ``pass_fd`` as its fd 3; return PID 1's host pid."""
+    def prepare(self, spec: ContainerSpec, bundle: Path) -> None:
+        """Write ``spec``'s bundle (blocking: file system work, for a thread that makes the rest of its root)."""
+        ...
+
+    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int, *, prepared: bool = False) -> int:
+        """Start ``spec`` detached with ``pass_fd`` as its fd 3; return PID 1's host pid. ``prepared``: its
+        bundle is written already."""
         ...
 
     async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:

@@ -120,12 +120,13 @@ class OciRuntime:
     def _argv(self, *args: str) -> list[str]:
         return [sealed_copy(self.binary), "--root", str(self.root), *args]
 
-    def _write_bundle(self, spec: ContainerSpec, bundle: Path) -> None:
+    def prepare(self, spec: ContainerSpec, bundle: Path) -> None:
         bundle.mkdir(parents=True, exist_ok=True)
         (bundle / "config.json").write_text(json.dumps(oci_config(spec)))
 
-    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
-        self._write_bundle(spec, bundle)
+    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int, *, prepared: bool = False) -> int:
+        if not prepared:
+            self.prepare(spec, bundle)
         log, pidfile = bundle / "runtime.log", bundle / "pid"
         argv = self._argv("run", "--detach", "--preserve-fds", "1", "--pid-file", str(pidfile), "--bundle", str(bundle), spec.id)
         done = await run(argv, fds={3: pass_fd}, log=str(log), timeout=60)
@@ -134,7 +135,7 @@ class OciRuntime:
         return int(procs.read_small(str(pidfile)))
 
     async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:
-        self._write_bundle(spec, bundle)
+        self.prepare(spec, bundle)
         try:
             return await run(self._argv("run", "--bundle", str(bundle), spec.id), timeout=timeout)
         finally:

@@ -163,26 +163,14 @@ async def provision(
     else to a tmpfs. With ``users`` it gets a user namespace and a uid range of its own. The caller
     owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
-    sandbox_id, limits = spec.id, spec.limits
-    where, base = await on_thread(_claim_and_mount, config, store, spec, quota, users)
-    profile = seccomp.bpf(spec.seccomp) if spec.seccomp in seccomp.PROFILES else await on_thread(seccomp.bpf, spec.seccomp)
-    args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
-    for name, cmd, mode in spec.services:
-        args += [f"--{mode}", name, cmd]
-    container = ContainerSpec(
-        id=sandbox_id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=sandbox_id,
-        limits=limits, binds=channel_binds(agent, where),
-        cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
-        oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=profile, uid_base=base,
-        # crun joins the range's kept namespace: making one costs it ~6 ms a create
-        userns_path=None if users is None or base is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
-    )
+    sandbox_id = spec.id
+    where, container = await on_thread(_make_root, config, store, runtime, agent, spec, quota, users)
     # The agent binds its own socket (inside the sandbox, so a checkpoint carries it) and says
     # so on this socket; end of file first means it died. It starts services only once we
     # close our end, after the socket's directory is locked.
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
-        pid = await runtime.start(container, where.bundle, theirs.fileno())
+        pid = await runtime.start(container, where.bundle, theirs.fileno(), prepared=True)
         theirs.close()
         async with asyncio.timeout(30):
             said = await read_once(ours.fileno())
@@ -194,12 +182,27 @@ async def provision(
     return pid
 
 
-def _claim_and_mount(config: EngineConfig, store: LayerStore, spec: SandboxSpec, quota: bool,
-                     users: idmap.Namespaces | None) -> tuple[Paths, int | None]:
-    """``mount_disk`` after claiming a uid range when ``users`` is given (its symlinks are file
-    system work too): the disk, root and channel, and the range's base."""
-    base = idmap.claim(spec.id) if users is not None else None
-    return mount_disk(config, store, spec.id, spec.layers, spec.host_dirs, spec.limits, quota, base, users), base
+def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent: Path, spec: SandboxSpec,
+               quota: bool, users: idmap.Namespaces | None) -> tuple[Paths, ContainerSpec]:
+    """The file system work of a create, in one go on a thread: a uid range claimed when ``users`` is
+    given, the disk, root and channel mounted and made, and the runtime's bundle written."""
+    sandbox_id = spec.id
+    base = idmap.claim(sandbox_id) if users is not None else None
+    where = mount_disk(config, store, sandbox_id, spec.layers, spec.host_dirs, spec.limits, quota, base, users)
+    args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
+    for name, cmd, mode in spec.services:
+        args += [f"--{mode}", name, cmd]
+    container = ContainerSpec(
+        id=sandbox_id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=sandbox_id,
+        limits=spec.limits, binds=channel_binds(agent, where),
+        cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
+        oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=seccomp.bpf(spec.seccomp),
+        uid_base=base,
+        # crun joins the range's kept namespace: making one costs it ~6 ms a create
+        userns_path=None if users is None or base is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
+    )
+    runtime.prepare(container, where.bundle)
+    return where, container
 
 
 async def restore(
@@ -408,18 +411,26 @@ def kill_init(config: EngineConfig, sandbox_id: str, pid: int | None) -> str:
 async def release(config: EngineConfig, runtime: Runtime, sandbox_id: str, pid: int | None = None) -> None:
     """Release everything a sandbox may hold, in reverse order; safe on partial state."""
     where = paths(config, sandbox_id)
+    # Ending PID 1, unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread, in one hop
+    # when its processes are gone, while the loop serves execs meanwhile.
+    if await on_thread(_end_and_release, config, runtime.forget, sandbox_id, where, pid):
+        return
+    await runtime.delete(sandbox_id)  # processes of it may be left: the runtime ends them
+    await on_thread(release_host, config, sandbox_id, where)
+
+
+def _end_and_release(config: EngineConfig, forget: Callable[[str], None], sandbox_id: str, where: Paths,
+                     pid: int | None) -> bool:
+    """Kill PID 1 and reap it; once that has ended every process of the sandbox, release the rest too
+    (the runtime's state with ``forget``) and return True; else release nothing and return False."""
     # Killing PID 1 ourselves ends the whole pid namespace in well under a millisecond;
     # the runtime's own forced delete polls for the exit and takes ~10 ms longer.
     cgroup = kill_init(config, sandbox_id, pid)
-    reaped = await setup.reap(pid)
-    # PID 1 gone means its whole pid namespace is: the runtime has nothing left to kill, only its
-    # state to forget, which goes on the thread below.
-    stopped = bool(pid) and (reaped or not in_sandbox_cgroup(pid, cgroup))
-    if not stopped:
-        await runtime.delete(sandbox_id)
-    # Unmounts, cgroup rmdirs and rmtree are slow syscalls: on a thread (one hop for them all),
-    # the loop serves execs meanwhile.
-    await on_thread(release_host, config, sandbox_id, where, runtime.forget if stopped else None)
+    # PID 1 gone means its whole pid namespace is: the runtime has nothing left to kill.
+    if not pid or not (setup.reap_blocking(pid) or not in_sandbox_cgroup(pid, cgroup)):
+        return False
+    release_host(config, sandbox_id, where, forget)
+    return True
 
 
 def release_host(config: EngineConfig, sandbox_id: str, where: Paths,
