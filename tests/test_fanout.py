@@ -175,7 +175,7 @@ with Fleet() as fleet:
 def test_ctrl_c_in_sync_map_raises_keyboard_interrupt_alone_and_cleans_up(config, tmp_path):
     script = tmp_path / "interrupted_map.py"
     script.write_text(SYNC_MAP_INTERRUPTED)
-    env = {**os.environ, "FANFOLD_STATE_DIR": str(config.state_dir)}
+    env = {**os.environ, "FANFOLD_STATE_DIR": str(config.state_dir), "PYTHONFAULTHANDLER": "1"}  # a crash says where
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
