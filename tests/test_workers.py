@@ -176,7 +176,8 @@ def test_pools_are_shared_out_and_summed():
     from fanfold.engine.workers import merge
     from fanfold.models import Limits, PoolInfo
 
-    assert merge.split(10, 4) == [3, 3, 2, 2] and merge.split(1, 3) == [1, 0, 0] and merge.split(None, 2) == [None, None]
+    assert merge.split(10, 4) == [3, 3, 2, 2] and merge.split(1, 3) == [1, 0, 0]
+    assert merge.split(None, 2) == [None, None]
     share = PoolInfo(source="img-1", limits=Limits(), size=3, target=3, ready=2, filling=1, handouts=5, misses=1)
     [pool] = merge.pools([[share], [dataclasses.replace(share, size=2, target=2, ready=2, filling=0, misses=0)]])
     assert (pool.size, pool.target, pool.ready, pool.filling, pool.handouts, pool.misses) == (5, 5, 4, 1, 10, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import ids
-from ...models import PoolInfo
+from ...models import Limits, PoolInfo
 
 RATES = (("infra_error_rate", "infra_errors", "creates"), ("timeout_rate", "timeouts", "execs"))
 
@@ -60,18 +60,9 @@ def stats(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _pool_dicts(shares: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    merged: dict[str, dict[str, Any]] = {}
-    for share in shares:
-        key = repr((share["source"], sorted(share["limits"].items())))
-        seen = merged.get(key)
-        if seen is None:
-            merged[key] = dict(share)
-            continue
-        for field in ("target", "ready", "filling", "handouts", "misses"):
-            seen[field] += share[field]
-        seen["size"] = None if seen["size"] is None else seen["size"] + (share["size"] or 0)
-        seen["last_error"] = seen["last_error"] or share["last_error"]
-    return list(merged.values())
+    """``pools`` over ``stats``' pools, which are dicts."""
+    infos = [PoolInfo(**{**share, "limits": Limits(**share["limits"])}) for share in shares]
+    return [info.to_dict() for info in pools([infos])]
 
 
 def _highest(values: Any) -> float | None:

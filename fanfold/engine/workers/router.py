@@ -278,8 +278,12 @@ class Router:
         """The worker with the fewest calls in flight (in turn among equals)."""
         turn = next(self._turn)
         count = len(self.workers)
-        order = [(turn + step) % count for step in range(count)]
-        return min(order, key=lambda index: len(self.workers[index].calls) if self.workers[index].up.is_set() else 1 << 30)
+
+        def load(index: int) -> int:
+            worker = self.workers[index]
+            return len(worker.calls) if worker.up.is_set() else 1 << 30  # a restarting one last
+
+        return min(((turn + step) % count for step in range(count)), key=load)
 
     def pids(self) -> list[int]:
         """The worker processes' pids (for figures of their CPU)."""
