@@ -2,9 +2,10 @@
 
 Both ends are this host's fanfold processes, joined by a socketpair the router made, so pickle
 is safe here and carries the engine's own results and exceptions as they are. Router to worker:
-``("call", id, method, args, kwargs)`` and ``("cancel", id)``. Worker to router: ``("ready",)``
-or ``("fail", error)`` once, then ``("cb", id, name, args)`` for a callback the call was given
-(a command's output, a build's steps), ``("ok", id, value)`` or ``("err", id, error)``.
+``("start", config, owner, (index, count))`` once, then ``("call", id, method, args, kwargs)`` and
+``("cancel", id)``. Worker to router: ``("ready",)`` or ``("err", 0, error)`` once, then
+``("cb", id, name, args)`` for a callback the call was given (a command's output, a build's steps),
+and ``("ok", id, value)`` or ``("err", id, error)``.
 """
 
 from __future__ import annotations
