@@ -12,7 +12,9 @@ from ..errors import InfrastructureError
 
 T = TypeVar("T")
 # Threads of their own: mounts and releases never queue behind file copies and other thread work.
-_HOST_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fanfold-host")
+# Sixteen, as a release waits on one for its sandbox's PID 1 to end: with 8, a 500-create burst
+# ran 10% slower here (creates queued behind those waits).
+_HOST_THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="fanfold-host")
 
 
 @contextmanager
