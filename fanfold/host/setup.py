@@ -106,17 +106,23 @@ def become_subreaper() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-async def reap(pid: int | None, timeout: float = 5.0) -> bool:
-    """Wait for a dead child and collect its status so it leaves no zombie; not our child is fine.
-    True when this collected it: it has exited, and so has every process of a pid namespace it was PID 1 of."""
-    if not pid:
-        return False
+def _exit_fd(pid: int) -> int | bool:
+    """A pidfd to wait on for ``pid``'s exit; True when it was already collected here, False when
+    it is no child of ours or gone."""
     try:
         if os.waitpid(pid, os.WNOHANG)[0]:
             return True
-        pidfd = os.pidfd_open(pid)
+        return os.pidfd_open(pid)
     except (ChildProcessError, ProcessLookupError):
         return False
+
+
+async def reap(pid: int | None, timeout: float = 5.0) -> bool:
+    """Wait for a dead child and collect its status so it leaves no zombie; not our child is fine.
+    True when this collected it: it has exited, and so has every process of a pid namespace it was PID 1 of."""
+    pidfd = _exit_fd(pid) if pid else False
+    if isinstance(pidfd, bool):
+        return pidfd
     loop = asyncio.get_running_loop()
     exited = loop.create_future()
     loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
@@ -133,12 +139,9 @@ async def reap(pid: int | None, timeout: float = 5.0) -> bool:
 
 def reap_blocking(pid: int, timeout: float = 5.0) -> bool:
     """``reap`` for a thread: waits (up to ``timeout`` s) by blocking it, not the loop."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0]:
-            return True
-        pidfd = os.pidfd_open(pid)
-    except (ChildProcessError, ProcessLookupError):
-        return False
+    pidfd = _exit_fd(pid)
+    if isinstance(pidfd, bool):
+        return pidfd
     try:
         exited = select.poll()
         exited.register(pidfd, select.POLLIN)
