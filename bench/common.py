@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fanfold import EngineConfig
-from fanfold.host import cgroups, mounts
+from fanfold.host import census
 
 
 BWRAP_TRUE = ["--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib",
@@ -25,35 +25,20 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def agent_pids(config: EngineConfig) -> list[int]:
-    """Host pids of this state dir's agents: a binary named ``agent`` started with ``--listen``."""
-    pids = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            ours = config.cgroup_parent in Path(f"/proc/{name}/cgroup").read_text()
-        except OSError:
-            continue
-        if ours and argv[0].endswith(b"agent") and b"--listen" in argv:
-            pids.append(int(name))
-    return pids
+    """Host pids of this state dir's agents (see ``fanfold.host.census``)."""
+    return census.agent_pids(config)
 
 
-def leaked(config: EngineConfig) -> dict[str, int]:
-    """Mounts, cgroups, runtime containers, agent processes and rows of this state dir still there."""
-    runtime_root = config.run_dir / config.runtime
+def leaked(config: EngineConfig, claims_before: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Everything the census counts (mounts, cgroups, containers, agents, network namespaces, nftables
+    tables, orphan uid claims not in ``claims_before``, page servers) and the rows of this state dir
+    still there."""
     db = sqlite3.connect(config.state_dir / "fanfold.db")
     try:
         rows = db.execute("SELECT COUNT(*) FROM sandboxes").fetchone()[0]
     finally:
         db.close()
-    return {
-        "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
-        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent))
-        + sum(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)),
-        "containers": len(list(runtime_root.iterdir())) if runtime_root.is_dir() else 0,
-        "agents": len(agent_pids(config)),
-        "rows": rows,
-    }
+    return {**census.census(config, claims_before=claims_before), "rows": rows}
 
 
 WORKER_COMM = "fanfold-worker"

@@ -26,6 +26,7 @@ import pytest
 
 from fanfold import AsyncFleet, EngineConfig, Fleet
 from fanfold.host import cgroups, disk, mounts, procs
+from fanfold.host.census import KINDS, census, orphan_claims
 
 STATE_DIR = Path(os.environ.get("FANFOLD_TEST_STATE_DIR", "/var/lib/fanfold-test"))
 pytest_plugins = ["outside"]  # the session fixture ``outside``: the "internet" of the network tests
@@ -244,6 +245,7 @@ def settle(config: EngineConfig) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks_at_end(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory):
+    claims_before = frozenset(orphan_claims())  # host-wide: what earlier runs left is not this run's
     yield
     settle(config)
     strays = stray_processes((tmp_path_factory.getbasetemp(),))
@@ -253,6 +255,6 @@ def no_leaks_at_end(config: EngineConfig, tmp_path_factory: pytest.TempPathFacto
         except ProcessLookupError:
             pass
     assert strays == [], "processes this test run started were still running"
-    assert leaks(config) == {"mounts": 0, "cgroups": 0, "containers": 0}
+    assert census(config, claims_before=claims_before) == dict.fromkeys(KINDS, 0)
     assert not any(d.exists() for d in cgroups.sandbox_dirs(config.cgroup_parent)), "parent cgroups left"
     assert not disk.ready(config.state_dir), "the sandboxes' disk is still mounted: an engine or backend was not closed"
