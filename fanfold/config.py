@@ -147,6 +147,9 @@ class EngineConfig:
     node_tag: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_NODE_TAG") or None)
     """In a cluster, this node's name in every sandbox and snapshot id it mints (``sb-<tag>-…``), so
     clients route an id to its node; 1-12 lowercase letters and digits. None (default): ``sb-…``."""
+    net_idle_timeout: float = field(default_factory=lambda: _env_float_or("FANFOLD_NET_IDLE_TIMEOUT", 600.0))
+    """Seconds a tunnel through the egress proxy (a CONNECT, an upgrade, an exposed port, a captured
+    connection) may pass no byte either way before it is closed; 0: never."""
     net_cache_mb: int = field(default_factory=lambda: _env_int("FANFOLD_NET_CACHE_MB", 4096))
     """Most disk the shared download cache (``network={"cache": True}``) takes; the least recently used go first."""
     workers: int = field(default_factory=lambda: _env_workers(os.environ.get("FANFOLD_WORKERS", "0")))

@@ -564,6 +564,21 @@ async def test_raw_tunnel_echoes_half_closes_and_cut_ends_it(servers: Servers) -
         assert (run.stats.connections, run.stats.requests, run.stats.bytes_up, run.stats.bytes_down) == (2, 2, 19, 19)
 
 
+async def test_an_idle_tunnel_is_closed_and_counted_a_busy_one_is_not(servers: Servers) -> None:
+    async with running({"allow": ["allowed.test"]}, idle_timeout=0.5) as run:
+        _, reader, writer = await connect(run, f"allowed.test:{servers.echo}")
+        for i in range(8):  # 1.2 s of traffic, never 0.5 s apart: the tunnel stays
+            writer.write(b"ping")
+            assert await reader.readexactly(4) == b"ping"
+            await asyncio.sleep(0.15)
+        assert run.stats.idle_closed == 0
+        async with asyncio.timeout(10):  # then silence: the proxy ends it
+            assert await read_all(reader) == b""
+        writer.close()
+        await run.settle()
+        assert run.stats.idle_closed == 1 and not run.sandbox.open and run.stats.errors == 0
+
+
 async def test_no_socket_is_left_open(servers: Servers) -> None:
     async with running({"allow": ["allowed.test"]}) as run:
         before = proxy_sockets(run.port, servers)

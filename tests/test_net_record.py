@@ -26,7 +26,7 @@ from fanfold.net.daemon import TOTALS, Daemon
 from fanfold.net.egress import upstream_context
 from fanfold.net.policy import NetworkPolicy, Reachable
 from fanfold.net.proxy import Proxy
-from fanfold.net.record import FORMAT, Recordings, normal_url
+from fanfold.net.record import FORMAT, Recordings, Spool, normal_url
 from fanfold.net.resolve import Resolver
 from fanfold.net.state import SandboxNet
 from test_net_proxy import (
@@ -273,6 +273,47 @@ async def test_replay_miss_is_502_and_live_goes_out_unrecorded(tmp_path: Path, u
         assert len(run.index("r2")) == 1  # live answers are not recorded
         run.policy({"replay": "r2", "live": True, "allow": ["other.test"]})
         assert (await get(run, f"{url}/count/c")).status == 403  # type: ignore[arg-type]  # live obeys the allow list
+
+
+async def test_a_replay_keeps_only_the_bodies_a_live_miss_sends_on_capped_under_its_own_dir(
+        tmp_path: Path, upstream: Upstream) -> None:
+    async with terminating(tmp_path, {"record": "r5", "allow": ["allowed.test"]}, upstream.ca_file) as run:
+        url = f"http://allowed.test:{upstream.http}"
+        assert (await get(run, f"{url}/count/a")).status == 200  # type: ignore[arg-type]
+        run.proxy.spool_dir, run.proxy.spool_limit = tmp_path / "spool", 1 << 20
+        run.proxy.spool_dir.mkdir()
+        run.policy({"replay": "r5", "live": True, "allow": ["allowed.test"]})
+        hits = len(upstream.hits)
+        async with https(run, "allowed.test", upstream.https) as conn:
+            host = ("Host", f"allowed.test:{upstream.https}")
+            over = await conn.request("POST", "/upload", headers=[host], body=[b"x" * (256 << 10)] * 5)
+        assert over.status == 413 and "over 1 MiB" in over.body.decode() and len(upstream.hits) == hits
+        async with https(run, "allowed.test", upstream.https) as conn:
+            within = await conn.request("POST", "/upload", headers=[("Host", f"allowed.test:{upstream.https}")],
+                                        body=[b"y" * (256 << 10)] * 3)
+        assert within.status == 200 and within.body.decode().startswith(f"{768 << 10} ")
+
+        run.policy({"replay": "r5"})  # no live: a body is hashed, never kept, whatever its size
+        async with https(run, "allowed.test", upstream.https) as conn:
+            miss = await conn.request("POST", "/upload", headers=[("Host", f"allowed.test:{upstream.https}")],
+                                      body=[b"z" * (256 << 10)] * 8)
+        assert miss.status == 502 and miss.headers["x-fanfold-replay"] == "miss"
+        await run.settle()
+        assert list(run.proxy.spool_dir.iterdir()) == []
+
+
+def test_a_spool_keeps_bytes_only_when_asked_and_only_under_its_dir(tmp_path: Path) -> None:
+    kept, hashed = Spool(tmp_path, keep=True), Spool(tmp_path, keep=False)
+    for spool in (kept, hashed):
+        spool.write(b"q" * (3 << 20))  # past what stays in memory
+    assert kept.size == hashed.size == 3 << 20 and kept.sha.hexdigest() == hashed.sha.hexdigest()
+    where = os.readlink(f"/proc/self/fd/{kept.handle.fileno()}")
+    assert where.startswith(f"{tmp_path}/") and where.endswith("(deleted)")  # unlinked from the start
+    kept.handle.seek(0)
+    assert kept.handle.read() == b"q" * (3 << 20)
+    assert hashed.handle.getvalue() == b""  # type: ignore[attr-defined]
+    kept.handle.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_a_missing_recording_and_a_denied_url_are_refused(tmp_path: Path, upstream: Upstream) -> None:

@@ -83,6 +83,7 @@ NETWORK_COUNTERS = (
     ("recorded", "fanfold_network_recorded", "Exchanges stored in recordings."),
     ("replayed", "fanfold_network_replayed", "Requests answered from recordings."),
     ("replay_misses", "fanfold_network_replay_misses", "Requests a replay found no recorded answer for."),
+    ("idle_closed", "fanfold_network_idle_closed", "Tunnels the egress proxy closed after its idle timeout."),
 )
 
 

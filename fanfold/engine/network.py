@@ -357,7 +357,7 @@ class Network:
         cfg = self.config
         return {"reachable": list(cfg.net_reachable), "hosts": {k: list(v) for k, v in cfg.net_hosts},
                 "nameservers": list(cfg.net_dns), "net_dir": str(cfg.state_dir / "net"),
-                "upstream_ca": cfg.net_ca_file, "cache_mb": cfg.net_cache_mb}
+                "upstream_ca": cfg.net_ca_file, "cache_mb": cfg.net_cache_mb, "idle_timeout": cfg.net_idle_timeout}
 
     def _net_dir(self) -> None:
         """``<state>/net`` (recordings, the cache): netd's own, and no one else's."""

@@ -25,7 +25,7 @@ class Caching(Forwarding):
         if hit is None:
             self.stats.cache_misses += 1
             return False
-        body = await self._read_body(taps)
+        body = await self._read_body(request, taps)
         body.handle.close()
         self.stats.cache_hits += 1
         self.stats.cache_bytes += hit.size

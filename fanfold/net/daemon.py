@@ -34,12 +34,12 @@ from .policy import NetworkPolicy, Reachable
 from .proxy import Proxy
 from .record import Recordings
 from .resolve import Resolver
-from .state import NetStats, SandboxNet
+from .state import Idle, NetStats, SandboxNet
 from . import transparent
 from .transparent import DnsAnswerer
 
 TOTALS = ("connections", "requests", "bytes_up", "bytes_down", "denied", "errors", "exposed_in", "exposed_out",
-          "cache_hits", "cache_misses", "cache_bytes", "recorded", "replayed", "replay_misses")
+          "cache_hits", "cache_misses", "cache_bytes", "recorded", "replayed", "replay_misses", "idle_closed")
 LEAVES = 1024
 """Hosts whose leaf certificates (and TLS contexts) netd keeps; more are minted again when used."""
 DEFAULT_CACHE_MB = 4096
@@ -105,7 +105,8 @@ class Daemon:
         if op == "splice":
             outside, inside = fds
             net = self.sandboxes.get(message["id"])
-            task = asyncio.ensure_future(_splice(outside, inside, self.retired if net is None else net.stats))
+            task = asyncio.ensure_future(_splice(outside, inside, self.retired if net is None else net.stats,
+                                                 self.proxy.idle_timeout))
             self.splices.add(task)
             task.add_done_callback(self.splices.discard)
             return {"ok": True}
@@ -205,8 +206,9 @@ async def _receive(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tupl
             return b"", []
 
 
-async def _splice(outside: int, inside: int, stats: NetStats) -> None:
-    """Pass bytes both ways between an exposed port's host connection and the sandbox's service."""
+async def _splice(outside: int, inside: int, stats: NetStats, idle_timeout: float | None = None) -> None:
+    """Pass bytes both ways between an exposed port's host connection and the sandbox's service, until
+    both ends are done or neither moved a byte for ``idle_timeout`` seconds."""
     host_side, sandbox_side = socket.socket(fileno=outside), socket.socket(fileno=inside)
     try:
         host_r, host_w = await asyncio.open_connection(sock=host_side)
@@ -216,9 +218,12 @@ async def _splice(outside: int, inside: int, stats: NetStats) -> None:
         sandbox_side.close()
         return
 
+    idle = Idle(idle_timeout)
+
     async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inbound: bool) -> None:
         try:
             while data := await reader.read(65536):
+                idle.touch()
                 writer.write(data)
                 if inbound:
                     stats.exposed_in += len(data)
@@ -231,7 +236,8 @@ async def _splice(outside: int, inside: int, stats: NetStats) -> None:
             writer.close()
 
     try:
-        await asyncio.gather(pump(host_r, box_w, True), pump(box_r, host_w, False))
+        async with idle.watched(stats, lambda: [w.transport.abort() for w in (host_w, box_w)]):
+            await asyncio.gather(pump(host_r, box_w, True), pump(box_r, host_w, False))
     finally:
         host_w.close()
         box_w.close()
@@ -254,13 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fanfold netd", description=__doc__.splitlines()[0])
     parser.add_argument("--control", type=int, required=True, help="the fd of the engine's control socket")
     parser.add_argument("--settings", default="{}", help="JSON: reachable, hosts, nameservers, connect_timeout,"
-                        " net_dir, upstream_ca, cache_mb")
+                        " idle_timeout, net_dir, upstream_ca, cache_mb")
     parser.add_argument("--user", default=None, metavar="UID:GID", help="drop to this user once started")
     args = parser.parse_args(argv)
     settings = json.loads(args.settings)
     resolver = Resolver(hosts=settings.get("hosts") or {}, nameservers=settings.get("nameservers") or ())
     proxy = Proxy(resolver, Reachable(settings.get("reachable") or ()),
                   connect_timeout=float(settings.get("connect_timeout", 10.0)),
+                  idle_timeout=float(settings.get("idle_timeout") or 0) or None,
                   upstream_tls=upstream_context(settings.get("upstream_ca")))  # files root may read, before the drop
     control = socket.socket(fileno=args.control)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # descriptors: a few per sandbox and connection
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     if settings.get("net_dir"):  # netd's own directory: what it makes there is its user's
         net_dir = Path(settings["net_dir"])
         proxy.recordings = Recordings(net_dir / "recordings")
+        proxy.spool_dir = net_dir / "spool"
+        proxy.spool_dir.mkdir(mode=0o700, exist_ok=True)
         proxy.cache = Cache(net_dir / "cache", int(float(settings.get("cache_mb") or DEFAULT_CACHE_MB) * (1 << 20)))
     try:
         asyncio.run(Daemon(proxy).serve(control))

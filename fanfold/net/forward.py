@@ -15,7 +15,7 @@ from .heads import (
     split_absolute, upgrade_of,
 )
 from .record import Spool, Taps
-from .session import ClientGone, Upstream
+from .session import ClientGone, Refused, Upstream
 from .state import CHUNK
 from .tunnel import Tunnel
 
@@ -120,26 +120,42 @@ class Forwarding(Tunnel):
         await upstream.writer.drain()
         return body.size
 
-    async def _read_body(self, taps: Taps | None = None) -> Spool:
-        """The client's whole request body, spooled (to disk when large), with its digest."""
+    async def _read_body(self, request: h11.Request, taps: Taps | None = None, *, keep: bool = False) -> Spool:
+        """The client's whole request body, with its digest; its bytes kept (``keep``: to send on) up to
+        the proxy's ``spool_limit``, past which the request is refused with a 413."""
+        limit = self.proxy.spool_limit
+        declared = next((value for name, value in request.headers if name == b"content-length"), b"0")
+        if keep and int(declared) > limit:
+            await self._too_large(limit)
         if self.http.they_are_waiting_for_100_continue:
             self.writer.write(self.http.send(h11.InformationalResponse(status_code=100, headers=[])))
-        body = Spool(CHUNK)
-        while True:
-            try:
-                event = await self._client_event()
-            except h11.RemoteProtocolError as err:
-                body.handle.close()
-                raise BadRequest(f"malformed request body: {err}") from None
-            if isinstance(event, h11.Data):
-                body.write(event.data)
-                if taps is not None:
-                    taps.request_data(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return body
-            else:
-                body.handle.close()
-                raise ClientGone("the client closed inside its request body")
+        body = Spool(self.proxy.spool_dir, keep=keep, limit=limit)
+        try:
+            while True:
+                try:
+                    event = await self._client_event()
+                except h11.RemoteProtocolError as err:
+                    raise BadRequest(f"malformed request body: {err}") from None
+                if isinstance(event, h11.Data):
+                    body.write(event.data)
+                    if keep and body.size > limit:
+                        await self._too_large(limit)
+                    if taps is not None:
+                        taps.request_data(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    return body
+                else:
+                    raise ClientGone("the client closed inside its request body")
+        except BaseException:
+            body.handle.close()
+            raise
+
+    async def _too_large(self, limit: int) -> None:
+        self.stats.errors += 1
+        await self._respond(413, f"fanfold: a replay that may go out live keeps the request body to send on, and"
+                                 f" this one is over {limit >> 20} MiB: send a smaller body, or record and replay"
+                                 " without \"live\"\n", close=True)
+        raise Refused
 
     async def _response_head(self, upstream: Upstream) -> h11.Response | h11.InformationalResponse:
         """The upstream's response head (or its 101), passing other 1xx responses on to the client."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import h11
@@ -46,7 +47,7 @@ from .cache import Cache, cacheable
 from .cached import Caching
 from .heads import BadRequest, joined, split_authority, upgrade_of
 from .policy import NetworkPolicy, Reachable
-from .record import Recorder, Recordings, Taps
+from .record import MAX_SPOOLED_BODY, Recorder, Recordings, Taps
 from .replay import Replaying
 from .resolve import Resolver
 from .session import ClientGone, Refused
@@ -57,6 +58,8 @@ from .tls import MalformedHello
 log = logging.getLogger(__name__)
 
 HEAD_TIMEOUT = 60.0
+IDLE_TIMEOUT = 600.0
+"""A tunnel (CONNECT, upgrade, exposed port, captured connection) that moves no byte for this long is closed."""
 
 
 class Proxy:
@@ -65,12 +68,19 @@ class Proxy:
     def __init__(self, resolver: Resolver, reachable: Reachable, *, connect_timeout: float = 10.0,
                  head_timeout: float = HEAD_TIMEOUT, leaves: Callable[[str], ssl.SSLContext] | None = None,
                  recordings: Recordings | None = None, cache: Cache | None = None,
-                 upstream_tls: ssl.SSLContext | None = None) -> None:
+                 upstream_tls: ssl.SSLContext | None = None, idle_timeout: float | None = IDLE_TIMEOUT,
+                 spool_dir: Path | None = None, spool_limit: int = MAX_SPOOLED_BODY) -> None:
         self.resolver = resolver
         self.reachable = reachable
         self.connect_timeout = connect_timeout
         self.head_timeout = head_timeout
         """A client that sends no request head for this long is dropped."""
+        self.idle_timeout = idle_timeout
+        """A tunnel that moves no byte either way for this long is closed; None: never."""
+        self.spool_dir = spool_dir
+        """Where a replay keeps request bodies it may send on (netd's own directory); None: in memory."""
+        self.spool_limit = spool_limit
+        """The largest request body a replay keeps to send on."""
         self.leaves = leaves
         """host -> the server context showing the fleet CA's leaf for it; None: no CA, nothing terminated."""
         self.recordings = recordings

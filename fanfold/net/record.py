@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -183,11 +184,28 @@ class Recordings:
         return cached[1]
 
 
-class Spool(HashedFile):
-    """A request body read whole before it is answered (to match it in a recording): memory, then disk."""
+MAX_SPOOLED_BODY = 64 << 20
+"""The largest request body a replay keeps to send on (a live miss); a larger one is refused (413)."""
+SPOOL_IN_MEMORY = 1 << 20
 
-    def __init__(self, in_memory: int = 1 << 20) -> None:
-        super().__init__(handle=tempfile.SpooledTemporaryFile(max_size=in_memory))  # type: ignore[arg-type]
+
+class Spool(HashedFile):
+    """A request body read whole before it is answered (to match it in a recording), hashed and counted.
+    Its bytes are kept only when ``keep`` (a replay's live miss may send it on): in memory, then in a
+    file under ``directory`` (netd's own, never /tmp) that is unlinked from the start, so no way out
+    leaves it behind. Without ``directory`` it stays in memory."""
+
+    def __init__(self, directory: Path | None = None, *, keep: bool = False, limit: int = MAX_SPOOLED_BODY) -> None:
+        self.keep = keep
+        handle = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY if directory else limit + 1,
+                                               dir=directory) if keep else io.BytesIO()
+        super().__init__(handle=handle)  # type: ignore[arg-type]
+
+    def write(self, data: bytes) -> None:
+        if self.keep:
+            self.handle.write(data)
+        self.sha.update(data)
+        self.size += len(data)
 
 
 @dataclass

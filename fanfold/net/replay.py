@@ -19,7 +19,7 @@ class Replaying(Forwarding):
         name = policy.replay
         assert name is not None
         await self._admit(what, target.host, target.port, policy, lookup=False)
-        body = await self._read_body()
+        body = await self._read_body(request, keep=policy.live)  # only a live miss sends it on
         try:
             try:
                 recording = self.proxy.recordings.recording(self.sandbox.scope, name) if self.proxy.recordings else None

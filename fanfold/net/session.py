@@ -8,6 +8,7 @@ import asyncio
 import http
 import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import h11
@@ -30,6 +31,9 @@ class Settings(Protocol):
     reachable: Reachable
     connect_timeout: float
     head_timeout: float
+    idle_timeout: float | None
+    spool_dir: Path | None
+    spool_limit: int
     leaves: Callable[[str], ssl.SSLContext] | None
     recordings: Recordings | None
     cache: Cache | None

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 from .policy import NetworkPolicy
 
@@ -40,6 +42,8 @@ class NetStats:
     """Requests answered from a recording."""
     replay_misses: int = 0
     """Requests a replay found no recorded answer for (502, or out live)."""
+    idle_closed: int = 0
+    """Tunnels (CONNECT, upgrades, exposed ports, captured connections) closed after the idle timeout."""
     recent_denials: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=RECENT_DENIALS))
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,11 +69,45 @@ class SandboxNet:
     replayed: collections.Counter[tuple[str, Any]] = field(default_factory=collections.Counter)
     """How often each (recording, request key) has been answered: the next answer is the next recorded one."""
 
-async def copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stats: NetStats, *, up: bool) -> bool:
-    """Copy until end of file, then half-close, counting bytes (``up``: sandbox to outside); False when
-    either end broke."""
+class Idle:
+    """When a tunnel last moved a byte either way; ``watched`` closes it after ``timeout`` seconds of
+    none, so that a sandbox cannot hold connections (and netd's descriptors) open forever."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout if timeout and timeout > 0 else None
+        self.last = time.monotonic()
+        self.fired = False
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    @contextlib.asynccontextmanager
+    async def watched(self, stats: NetStats, close: Callable[[], None]) -> AsyncIterator[Idle]:
+        """Run the block with a watchdog that calls ``close`` (and counts it) once the tunnel is idle."""
+        watch = None if self.timeout is None else asyncio.ensure_future(self._watch(stats, close))
+        try:
+            yield self
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self, stats: NetStats, close: Callable[[], None]) -> None:
+        assert self.timeout is not None
+        while (left := self.last + self.timeout - time.monotonic()) > 0:
+            await asyncio.sleep(left)  # one timer per idle stretch, not one per chunk
+        self.fired = True
+        stats.idle_closed += 1
+        close()
+
+
+async def copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stats: NetStats, *, up: bool,
+               idle: Idle | None = None) -> bool:
+    """Copy until end of file, then half-close, counting bytes (``up``: sandbox to outside) and marking
+    ``idle``; False when either end broke."""
     try:
         while data := await reader.read(CHUNK):
+            if idle is not None:
+                idle.touch()
             writer.write(data)
             if up:
                 stats.bytes_up += len(data)

@@ -27,7 +27,7 @@ import dns.rrset
 from .policy import Address, as_address
 from .proxy import Proxy
 from .resolve import LookupFailed
-from .state import SandboxNet, copy
+from .state import Idle, SandboxNet, copy
 from .tls import MalformedHello, client_hello_sni, is_tls_handshake, read_client_hello
 
 SO_ORIGINAL_DST = 80
@@ -89,7 +89,9 @@ async def serve(proxy: Proxy, net: SandboxNet, reader: asyncio.StreamReader, wri
         if first:
             upstream.write(first)
             stats.bytes_up += len(first)
-        await asyncio.gather(_pump(reader, upstream, net, up=True), _pump(up_reader, writer, net, up=False))
+        idle, ends = Idle(proxy.idle_timeout), (upstream, writer)
+        async with idle.watched(stats, lambda: [end.transport.abort() for end in ends]):
+            await asyncio.gather(_pump(reader, upstream, net, idle, up=True), _pump(up_reader, writer, net, idle, up=False))
     except (OSError, asyncio.TimeoutError, LookupFailed):
         stats.errors += 1
     finally:
@@ -116,8 +118,9 @@ async def _decide(proxy: Proxy, net: SandboxNet, host: str, port: int, what: str
     return None
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, net: SandboxNet, *, up: bool) -> None:
-    if not await copy(reader, writer, net.stats, up=up):
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, net: SandboxNet, idle: Idle, *,
+                up: bool) -> None:
+    if not await copy(reader, writer, net.stats, up=up, idle=idle):
         writer.close()
 
 

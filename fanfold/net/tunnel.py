@@ -10,7 +10,7 @@ from .egress import Egress
 from .heads import joined
 from .policy import NetworkPolicy, as_address
 from .session import HELLO_TIMEOUT, Upstream
-from .state import CHUNK, copy
+from .state import CHUNK, Idle, copy
 from .tls import MalformedHello, client_hello_sni, is_tls_handshake, read_client_hello
 
 
@@ -35,12 +35,24 @@ class Tunnel(Egress):
 
     async def _splice(self, upstream: Upstream, first_up: bytes, first_down: bytes, check_hello: Any = None) -> None:
         """Pass bytes both ways until both ends are done, starting with the bytes already read from either
-        end; a ClientHello that starts the upstream bytes is checked by ``check_hello`` (a reason refuses it)."""
+        end; a ClientHello that starts the upstream bytes is checked by ``check_hello`` (a reason refuses it).
+        A tunnel that moves no byte either way for the proxy's ``idle_timeout`` is closed."""
+        idle = Idle(self.proxy.idle_timeout)
+        async with idle.watched(self.stats, lambda: self._end_tunnel(upstream)):
+            await self._spliced(upstream, first_up, first_down, check_hello, idle)
+
+    def _end_tunnel(self, upstream: Upstream) -> None:
+        self.writer.transport.abort()
+        upstream.writer.transport.abort()
+
+    async def _spliced(self, upstream: Upstream, first_up: bytes, first_down: bytes, check_hello: Any,
+                       idle: Idle) -> None:
         if first_down:
             self.writer.write(first_down)
             self.stats.bytes_down += len(first_down)
-        self.tunnel.append(asyncio.create_task(self._pump(upstream.reader, self.writer, up=False)))
+        self.tunnel.append(asyncio.create_task(self._pump(upstream.reader, self.writer, up=False, idle=idle)))
         first = first_up or await self.reader.read(CHUNK)
+        idle.touch()
         if check_hello is not None and first and is_tls_handshake(first):
             try:
                 first = await read_client_hello(self.reader, first, HELLO_TIMEOUT)
@@ -56,15 +68,16 @@ class Tunnel(Egress):
         if first:
             upstream.writer.write(first)
             self.stats.bytes_up += len(first)
-            self.tunnel.append(asyncio.create_task(self._pump(self.reader, upstream.writer, up=True)))
+            self.tunnel.append(asyncio.create_task(self._pump(self.reader, upstream.writer, up=True, idle=idle)))
         elif upstream.writer.can_write_eof():
             upstream.writer.write_eof()
-        if not all(await asyncio.gather(*self.tunnel)):
+        if not all(await asyncio.gather(*self.tunnel)) and not idle.fired:
             raise ConnectionResetError("one end of the tunnel broke off")
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool) -> bool:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool,
+                    idle: Idle | None = None) -> bool:
         """Copy until EOF, then half-close; False (and both ends torn down) when either end breaks."""
-        if not await copy(reader, writer, self.stats, up=up):
+        if not await copy(reader, writer, self.stats, up=up, idle=idle):
             self.writer.transport.abort()
             if self.upstream is not None:
                 self.upstream.writer.transport.abort()
