@@ -129,6 +129,11 @@ class EngineConfig:
     net_reachable: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_NET_REACHABLE"))
     """CIDRs of private, loopback, link-local or host addresses the egress proxy may still connect to
     when a sandbox's policy allows them (``FANFOLD_NET_REACHABLE=10.1.0.0/16,...``); by default none."""
+    tenant_registries: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_TENANT_REGISTRIES"))
+    """``HOST[:PORT]`` of the registries a server's tenants may pull from (``fanfold serve --registry``,
+    ``FANFOLD_TENANT_REGISTRIES=ghcr.io,10.1.2.3:5000``), at whatever address each has; by default any
+    registry at a public address. Every other host a tenant's pull is sent to (a redirect) must be at a
+    public address or in ``net_reachable``. The host's own pulls go anywhere."""
     net_dns: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_NET_DNS"))
     """DNS servers (``IP`` or ``IP:PORT``) the egress proxy resolves names with; by default the host's resolver."""
     net_hosts: tuple[tuple[str, tuple[str, ...]], ...] = field(

@@ -103,10 +103,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def run_registry(where: Path, *, tls: bool = False, users: dict[str, str] | None = None) -> Iterator[Registry]:
-    """Start a registry with its storage under ``where``; stop it on the way out, whatever happens."""
+def run_registry(where: Path, *, tls: bool = False, users: dict[str, str] | None = None,
+                 storage: Path | None = None, redirect: str | None = None) -> Iterator[Registry]:
+    """Start a registry with its storage under ``where`` (or the ``storage`` of another, to serve its images);
+    with ``redirect``, a blob is answered with a 307 to ``redirect`` + its path in the storage (the ``redirect``
+    storage middleware, as registries on S3 or a CDN send blob downloads elsewhere). Stopped on the way
+    out, whatever happens."""
     where.mkdir(parents=True, exist_ok=True)
-    storage = where / "storage"
+    storage = storage or where / "storage"
     storage.mkdir(exist_ok=True)
     port = free_port()
     host = f"127.0.0.1:{port}"
@@ -130,6 +134,8 @@ def run_registry(where: Path, *, tls: bool = False, users: dict[str, str] | None
               "http": http}
     if auth:
         config["auth"] = auth
+    if redirect:
+        config["middleware"] = {"storage": [{"name": "redirect", "options": {"baseurl": redirect}}]}
     (where / "config.yml").write_text(json.dumps(config))  # JSON is YAML
     log = open(where / "registry.log", "wb")
     process = subprocess.Popen(["/usr/bin/docker-registry", "serve", str(where / "config.yml")],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import http.server
+import ipaddress
 import os
 import socket
 import ssl
@@ -25,8 +26,10 @@ import dns.rrset
 import h11
 import pytest
 
+from fanfold.errors import InvalidRequest
 from fanfold.net.policy import NetworkPolicy, Reachable
 from fanfold.net.proxy import Proxy
+from fanfold.net.pulls import PullGate, PullPolicy
 from fanfold.net.resolve import LookupFailed, Resolver
 from fanfold.net.state import NetStats, SandboxNet
 from fanfold.net.tls import MalformedHello, client_hello_sni, is_tls_handshake, read_client_hello, sni_of
@@ -577,6 +580,28 @@ async def test_an_idle_tunnel_is_closed_and_counted_a_busy_one_is_not(servers: S
         writer.close()
         await run.settle()
         assert run.stats.idle_closed == 1 and not run.sandbox.open and run.stats.errors == 0
+
+
+def test_a_pull_gate_admits_public_registries_or_only_the_listed_ones_wherever_they_are() -> None:
+    anywhere_public = PullGate()
+    for registry in ("docker.io", "ghcr.io", "203.0.113.9:5000"):
+        anywhere_public.check(registry)
+    for registry, why in (("127.0.0.1:5000", "a loopback address"), ("localhost:5000", "a loopback name"),
+                          ("169.254.169.254", "link-local"), ("10.0.0.5:5000", "a private address"),
+                          ("[::1]:5000", "a loopback address")):
+        with pytest.raises(InvalidRequest, match=why):
+            anywhere_public.check(registry)
+    listed = PullGate(["10.0.0.5:5000", "Registry.Internal"])
+    listed.check("10.0.0.5:5000")
+    listed.check("registry.internal")
+    with pytest.raises(InvalidRequest, match=r"\(10.0.0.5:5000, registry.internal\), and docker.io is not one"):
+        listed.check("docker.io")
+    policy, reachable = PullPolicy(open=True, trusted=listed.registries), Reachable()
+    private = ipaddress.ip_address("10.0.0.5")
+    assert policy.decide("registry.internal", 443, private, reachable) is None  # the operator vouches for it
+    assert policy.decide("10.0.0.5", 5000, private, reachable) is None
+    assert "private" in (policy.decide("cdn.example", 443, private, reachable) or "")  # a redirect there: refused
+    assert "private" in (policy.decide("registry.internal", 8443, private, reachable) or "")  # another port
 
 
 async def test_no_socket_is_left_open(servers: Servers) -> None:

@@ -2,8 +2,9 @@
 shares some), quotas refuse with a 429 that names them and leave nothing behind, and a file written
 through the files API past the sandbox's disk fails cleanly.
 
-The module runs its own server (quotas in its tokens file, pulls from a loopback registry) on the
-session's state directory; alice and bob have no quota, carol has small ones.
+The module runs its own server (quotas in its tokens file, tenants' pulls from two loopback registries
+its operator lists, not from a third) on the session's state directory; alice and bob have no quota,
+carol has small ones.
 """
 
 from __future__ import annotations
@@ -16,22 +17,42 @@ import httpx
 import pytest
 
 from conftest import TOKENS, Server, run_cli, start_server, stop_server
-from fanfold import AsyncFleet, EnvSpec, ImageNotFound, LimitExceeded, QuotaExceeded, SandboxNotFound, Unauthorized
+from fanfold import (
+    AsyncFleet, EnvSpec, ImageNotFound, InvalidRequest, LimitExceeded, QuotaExceeded, SandboxNotFound, Unauthorized,
+)
 from fanfold.errors import FanfoldError
 from fanfold.web.auth import Tenants
-from registry import push_image
+from outside import PRIVATE_ADDRESS
+from registry import push_image, run_registry
 
 CAROL = "carol-token-0123456789abcdef"
 QUOTA = "sandboxes=2 memory_mb=1024 disk_mb=3072 pools=1"
 
 
 @pytest.fixture(scope="module")
-def tserver(config, registry, tmp_path_factory):
+def unlisted(tmp_path_factory):
+    """A registry on loopback that the operator does not let tenants pull from."""
+    with run_registry(tmp_path_factory.mktemp("unlisted")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def redirecting(registry, tmp_path_factory):
+    """A registry tenants may pull from, serving ``registry``'s images, that sends blob downloads to a
+    private address (where the outside answers, when it runs)."""
+    with run_registry(tmp_path_factory.mktemp("redirecting"), storage=registry.storage,
+                      redirect=f"http://{PRIVATE_ADDRESS}/") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tserver(config, registry, redirecting, unlisted, tmp_path_factory):
     where = tmp_path_factory.mktemp("tenants")
     tokens = where / "quota-tokens"
     tokens.write_text(f"alice {TOKENS['alice']}\nbob {TOKENS['bob']}\n# small quotas\ncarol {CAROL} {QUOTA}\n")
-    running = start_server(config.state_dir, where, "--tokens-file", str(tokens),
-                           env={"FANFOLD_INSECURE_REGISTRIES": registry.host})
+    insecure = ",".join(r.host for r in (registry, redirecting, unlisted))
+    running = start_server(config.state_dir, where, "--tokens-file", str(tokens), "--registry", registry.host,
+                           "--registry", redirecting.host, env={"FANFOLD_INSECURE_REGISTRIES": insecure})
     running.tokens["carol"] = CAROL
     yield running
     assert stop_server(running) == 0
@@ -209,6 +230,45 @@ async def test_a_tenants_names_are_its_own(tserver, registry):
         async with await bob.create(ref):  # alice's removal took her name, not bob's
             pass
         await bob.remove_image(ref)
+
+
+async def test_a_tenant_pulls_only_from_the_registries_the_operator_allows(tserver, registry, unlisted):
+    name = f"allowed-{uuid.uuid4().hex[:8]}:v1"
+    push_image(unlisted, name, [{"marker": "unlisted"}])
+    push_image(registry, name, [{"marker": "listed"}])
+    ref = f"{unlisted.host}/{name}"
+    async with fleet(tserver, "alice") as alice, fleet(tserver, None) as host:
+        for attempt in (alice.pull(ref), alice.create(ref), alice.build(EnvSpec(ref).env(A="1"))):
+            with pytest.raises(InvalidRequest) as refused:
+                await attempt
+            assert unlisted.host in str(refused.value) and "fanfold serve --registry" in str(refused.value)
+        assert name.partition(":")[0] not in str(await alice.images())
+        listed = await alice.pull(f"{registry.host}/{name}")  # on loopback, listed: reached
+        async with await alice.create(listed.id) as sandbox:
+            assert await sandbox.files.read("/marker") == b"listed"
+        pulled = await host.pull(ref)  # the operator pulls from anywhere, as before
+        async with await host.create(pulled.id) as sandbox:
+            assert await sandbox.files.read("/marker") == b"unlisted"
+        await alice.remove_image(listed.id)
+        await host.remove_image(pulled.id)
+
+
+async def test_a_tenants_pull_is_not_sent_where_a_registry_redirects_to_a_private_address(
+        tserver, registry, redirecting, outside):
+    name = f"redirected-{uuid.uuid4().hex[:8]}:v1"
+    push_image(registry, name, [{"marker": "redirected"}])
+    ref = f"{redirecting.host}/{name}"
+    seen = len(outside.requests())
+    async with fleet(tserver, "alice") as alice, fleet(tserver, None) as host:
+        with pytest.raises(InvalidRequest) as refused:
+            await alice.pull(ref)
+        said = str(refused.value)
+        assert redirecting.host in said and f"{PRIVATE_ADDRESS}:80" in said and "a private address" in said, said
+        assert "FANFOLD_NET_REACHABLE" in said
+        assert outside.requests()[seen:] == []  # nothing of the pull reached it
+        with pytest.raises(FanfoldError):  # the operator's pull follows the redirect, as before (to a 404 there)
+            await host.pull(ref)
+        assert [r["path"][:24] for r in outside.requests()[seen:]][:1] == ["/docker/registry/v2/blob"]
 
 
 async def test_a_quota_is_a_429_that_names_it_and_leaves_nothing(tserver, config):

@@ -73,8 +73,12 @@ def _sandbox_check(ctx: click.Context) -> Check:
               help="Seconds calls in flight get to finish on shutdown before they are cancelled.")
 @click.option("--pool", "pools", multiple=True, metavar="IMAGE=SIZE",
               help="Keep SIZE sandboxes of IMAGE (default limits) warm from the start (repeatable; FANFOLD_POOLS).")
+@click.option("--registry", "registries", multiple=True, metavar="HOST[:PORT]",
+              help="A registry tenants may pull from, at whatever address it has (repeatable;"
+                   " FANFOLD_TENANT_REGISTRIES). Default: any registry at a public address.")
 @click.pass_context
-def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_token, grace, pools) -> None:  # type: ignore[no-untyped-def]
+def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_token, grace, pools,  # type: ignore[no-untyped-def]
+          registries) -> None:
     """Serve the HTTP API for this host's sandboxes until SIGINT or SIGTERM.
 
     Each token is a tenant that sees only its own sandboxes. On shutdown the server stops
@@ -108,6 +112,13 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_tok
     config = _config(ctx)
     if pools:
         config = dataclasses.replace(config, pools=config.pools + _pool_sizes(pools))
+    if registries:
+        from ..images.registry import is_registry_host
+
+        for item in registries:
+            if not is_registry_host(item):
+                raise click.BadParameter(f"{item!r} is not HOST[:PORT]", param_hint="--registry")
+        config = dataclasses.replace(config, tenant_registries=config.tenant_registries + registries)
     run_server(config, tenants=tenants, socket_path=None if no_socket else socket_path, host=host, port=port,
                grace_s=grace, announce=announce)
 

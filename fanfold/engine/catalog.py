@@ -8,17 +8,20 @@ import dataclasses
 import difflib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from ..errors import ImageInUse, ImageNotFound, InvalidRequest, RegistryDenied, RegistryUnavailable, Unauthorized
+from ..errors import (
+    FanfoldError, ImageInUse, ImageNotFound, InvalidRequest, RegistryDenied, RegistryUnavailable, Unauthorized,
+)
 from ..images import Image, LayerStore
-from ..images.registry import parse_platform
+from ..images.registry import parse_platform, parse_ref
 from ..refs import is_id_shaped
 from ..spec import BASES, EnvSpec, Step, is_image_id, is_image_ref
 from . import db as dbmod
 
 if TYPE_CHECKING:
     from ..images.oci import ImageStore, OnPull
+    from ..net.pulls import PullGate
 
 
 class Catalog:
@@ -30,11 +33,21 @@ class Catalog:
     like one that does not exist. The host's tenant sees every image. Layers stay shared.
     """
 
-    def __init__(self, db: dbmod.Database, store: LayerStore, state_dir: Path, *, pull: str = "missing") -> None:
+    def __init__(self, db: dbmod.Database, store: LayerStore, state_dir: Path, *, pull: str = "missing",
+                 gate: Callable[[], PullGate] | None = None) -> None:
         self.db, self.store, self.state_dir = db, store, state_dir
         self.pull_policy = pull
         """``missing``: a reference never pulled here is pulled when used; ``never``: only by ``pull``."""
         self._oci: ImageStore | None = None
+        self._make_gate = gate
+        self._gate: PullGate | None = None
+
+    @property
+    def gate(self) -> PullGate | None:
+        """Where server tenants' pulls may go (made on first use); None: they go out as the host's do."""
+        if self._gate is None and self._make_gate is not None:
+            self._gate = self._make_gate()
+        return self._gate
 
     @property
     def oci(self) -> ImageStore:
@@ -56,8 +69,17 @@ class Catalog:
                 f"{ref!r} is not an image reference: give one like 'python:3.12-slim',"
                 " 'registry.example.org/team/env:v1' or 'localhost:5000/env@sha256:<64 hex>'"
             )
-        # A tenant pulls as nobody (the host's logins are the host's) and names it for itself alone.
-        img = await self.oci.pull(ref, platform=platform, on_progress=on_progress, host=not tenant)
+        # A tenant pulls as nobody (the host's logins are the host's), only where the operator allows
+        # (``net.pulls``), and names it for itself alone.
+        gate = self.gate if tenant else None
+        if gate is None:
+            img = await self.oci.pull(ref, platform=platform, on_progress=on_progress, host=not tenant)
+        else:
+            async with gate.route(parse_ref(ref).registry) as route:
+                try:
+                    img = await self.oci.pull(ref, platform=platform, on_progress=on_progress, host=False, route=route)
+                except FanfoldError as err:
+                    raise route.explain(err) from None
         if tenant and parse_platform(platform)[:2] == parse_platform(None)[:2]:  # another platform's: by id only
             self.store.tag(ref, img.id, tenant)
         return self.own(img, tenant)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from .figures import Figures
 from .files import Files, FileStream
 from .leases import Leases
 from .lifecycle import Lifecycle, owner_token
-from .network import to_column
+from .network import pull_gate, to_column
 from .policies import Policies
 from .pools import Pools
 from .quotas import Quotas
@@ -94,7 +95,7 @@ class Engine:
         await self.backend.prepare()
         self._db = db = dbmod.Database(cfg.state_dir / "fanfold.db")
         _private_files(cfg.state_dir)  # the disk and the database exist now
-        self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull)
+        self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull, gate=functools.partial(pull_gate, cfg))
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
                           scratch_run=cfg.state_dir / "bundles", tag=cfg.tag,
                           resolve_base=self.catalog.resolve, extra_ca_file=cfg.extra_ca_file)

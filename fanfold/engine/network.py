@@ -20,7 +20,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .._extras import require
 from ..config import EngineConfig
@@ -30,6 +30,9 @@ from ..store.trust import SYSTEM_BUNDLES
 from ..net.netd import Netd, NetdDied
 from ..net.policy import NetworkPolicy
 from ..runtime import Backend, Handle
+
+if TYPE_CHECKING:
+    from ..net.pulls import PullGate
 
 log = logging.getLogger("fanfold.engine")
 NONE = '"none"'
@@ -78,6 +81,16 @@ def wire_policy(wire: Any) -> NetworkPolicy | None:
 
 def to_column(policy: NetworkPolicy | None) -> str:
     return NONE if policy is None else json.dumps(policy.to_wire())
+
+
+def pull_gate(config: EngineConfig) -> PullGate:
+    """Where server tenants' image pulls may go (``net.pulls``), from the operator's settings."""
+    require("net", "server tenants' image pulls")
+    from ..net.pulls import PullGate
+
+    return PullGate(config.tenant_registries, reachable=config.net_reachable,
+                    hosts={name: list(found) for name, found in config.net_hosts}, nameservers=config.net_dns,
+                    idle_timeout=config.net_idle_timeout or None)
 
 
 class Network:

@@ -141,15 +141,25 @@ Binding = tuple[int, int, "tuple[str, int] | None"]
 
 
 def sockets_in(pid: int, wanted: list[Binding], what: str) -> list[socket.socket]:
-    """Non-blocking IPv4 sockets made (and bound, and listening) inside the network namespace of
-    ``pid`` from a thread of their own: a socket keeps the namespace it was made in, whichever thread
-    later uses it. All or none: on a failure those made are closed."""
+    """Non-blocking sockets made (and bound, and listening) inside the network namespace of ``pid``
+    from a thread of their own: a socket keeps the namespace it was made in, whichever thread later
+    uses it. IPv4 unless the address to bind is IPv6. All or none: on a failure those made are closed."""
+    return _sockets(lambda: _enter(pid), wanted, what)
+
+
+def sockets_in_netns(netns_fd: int, wanted: list[Binding], what: str) -> list[socket.socket]:
+    """``sockets_in`` for the network namespace ``netns_fd`` holds (one of ``new_netns``)."""
+    return _sockets(lambda: _check(_libc.setns(netns_fd, CLONE_NEWNET)), wanted, what)
+
+
+def _sockets(enter: Callable[[], None], wanted: list[Binding], what: str) -> list[socket.socket]:
     made: list[socket.socket] = []
 
     def work() -> None:
-        _enter(pid)
+        enter()
         for kind, backlog, address in wanted:
-            sock = socket.socket(socket.AF_INET, kind)
+            family = socket.AF_INET6 if address is not None and ":" in address[0] else socket.AF_INET
+            sock = socket.socket(family, kind)
             made.append(sock)
             if address is not None:
                 sock.bind(address)

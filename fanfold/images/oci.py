@@ -23,7 +23,7 @@ from typing import Awaitable
 from ..errors import ImageCorrupt, ImageNotFound, InvalidRequest
 from .progress import LayerProgress, OnPull, PullEvent
 from .registry import (
-    Options, Storage, chain_ids, choose_platform, decompress, file_transport, is_registry_host,
+    Options, Route, Storage, chain_ids, choose_platform, decompress, file_transport, is_registry_host,
     parse_platform, parse_ref, skopeo, skopeo_copy,
 )
 from ..store import Image, LayerStore
@@ -49,6 +49,8 @@ class _Source:
     repository: str = ""
     """For a registry: the repository, whose ``repository@digest`` names the image too (with ``tag_digest``)."""
     tag_digest: bool = True
+    route: Route | None = None
+    """How skopeo goes out (a server tenant's pull); None: straight from the host."""
 
     @property
     def is_file(self) -> bool:
@@ -72,10 +74,10 @@ class ImageStore:
     # -- pulling and importing ------------------------------------------------------------------
 
     async def pull(self, ref: str, *, platform: str | None = None, tls_verify: bool | None = None,
-                   on_progress: OnPull | None = None, host: bool = True) -> Image:
+                   on_progress: OnPull | None = None, host: bool = True, route: Route | None = None) -> Image:
         """Pull ``ref`` (tag or digest) from its registry; an index resolves to ``platform`` (default: this host's).
         ``host=False`` (a server tenant's pull): without the host's registry logins, and naming nothing in
-        the host's names (the caller names it for the tenant)."""
+        the host's names (the caller names it for the tenant); ``route``: how skopeo goes out."""
         parsed = parse_ref(ref)
         repo = ref.split("@")[0]
         if parsed.tag:
@@ -85,7 +87,7 @@ class ImageStore:
         # Another platform's image is known by its id only: the name keeps meaning what runs here.
         native = parse_platform(platform)[:2] == parse_platform(None)[:2] and host
         source = _Source(f"docker://{name}", parsed.registry, flags, ref, f"registry {ref}",
-                         (ref,) if native else (), repo, tag_digest=native)
+                         (ref,) if native else (), repo, tag_digest=native, route=route)
         return await self._fetch(source, platform, on_progress)
 
     async def import_file(self, path: Path, *, ref: str | None = None, on_progress: OnPull | None = None) -> Image:
@@ -167,7 +169,8 @@ class ImageStore:
             else:
                 blobs = await self._layer_blobs(source, raw, platform)
                 report = LayerProgress(chain, stored, blobs, on_progress)
-                await skopeo_copy(argv, registry=source.registry, file=source.is_file, on_blob=report.blob)
+                await skopeo_copy(argv, registry=source.registry, file=source.is_file, on_blob=report.blob,
+                                  route=source.route)
                 report.finish(self._stored_layers())
         except BaseException:
             # skopeo killed while unpacking leaves a layer flagged incomplete; containers/storage
@@ -196,7 +199,7 @@ class ImageStore:
         return [(str(layer.get("digest") or ""), int(layer.get("size") or 0)) for layer in manifest.get("layers") or []]
 
     async def _skopeo(self, args: list[str], source: _Source) -> bytes:
-        return await skopeo(args, registry=source.registry, file=source.is_file)
+        return await skopeo(args, registry=source.registry, file=source.is_file, route=source.route)
 
     def _stored_layers(self) -> dict[str, dict]:
         """Complete layers in storage by id (read from its layers.json, which it replaces atomically)."""

@@ -24,7 +24,7 @@ import tarfile
 import termios
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..config import env_insecure_registries, env_registry_auth, env_registry_certs
 from ..errors import (
@@ -156,11 +156,28 @@ NO_HOME = "/nonexistent/fanfold"
 """A home with nothing in it, for the tools (it never exists)."""
 
 
+class Route(Protocol):
+    """How skopeo goes out when not straight from the host (a server tenant's pull: ``fanfold.net.pulls``)."""
+
+    fds: dict[int, int]
+    """Descriptors the wrapped command needs (child fd -> ours)."""
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` as run on this route."""
+
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """The tools' environment on this route."""
+
+
 async def skopeo(args: list[str], *, registry: str, file: bool = False, fds: dict[int, int] | None = None,
-                 timeout: float = TIMEOUT_S) -> bytes:
-    """Run skopeo; its stdout, or its failure as a FanfoldError about ``registry`` (a path, with ``file``)."""
+                 timeout: float = TIMEOUT_S, route: Route | None = None) -> bytes:
+    """Run skopeo (on ``route``, when given); its stdout, or its failure as a FanfoldError about
+    ``registry`` (a path, with ``file``)."""
+    argv, env = ["skopeo", *args], tool_env()
+    if route is not None:
+        argv, env, fds = route.command(argv), route.environment(env), {**(fds or {}), **route.fds}
     try:
-        done = await spawn.run(["skopeo", *args], fds=fds, timeout=timeout, env=tool_env())
+        done = await spawn.run(argv, fds=fds, timeout=timeout, env=env)
     except FileNotFoundError:
         raise HostNotReady("skopeo is missing, needed for images from registries and files: apt-get install skopeo") from None
     except asyncio.TimeoutError:
@@ -178,7 +195,7 @@ OnBlob = Callable[[str, int, bool], None]
 """Progress of one blob: (first 12 hex of its digest, bytes so far, finished)."""
 
 
-async def skopeo_copy(args: list[str], *, registry: str, file: bool, on_blob: OnBlob) -> None:
+async def skopeo_copy(args: list[str], *, registry: str, file: bool, on_blob: OnBlob, route: Route | None = None) -> None:
     """``skopeo copy`` with its stdout on a pseudo-terminal, so it draws progress bars; each bar's state goes to ``on_blob``."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # wide enough for whole lines
@@ -201,7 +218,7 @@ async def skopeo_copy(args: list[str], *, registry: str, file: bool, on_blob: On
 
     loop.add_reader(master, readable)
     try:
-        await skopeo(args, registry=registry, file=file, fds={1: slave})
+        await skopeo(args, registry=registry, file=file, fds={1: slave}, route=route)
     finally:
         loop.remove_reader(master)
         os.close(master)
