@@ -30,6 +30,10 @@ class Quota:
     """The sum of its sandboxes' disk limits."""
     pools: int | None = None
     """Warm sandboxes its pools keep (a pool that follows demand counts as ``pool_auto_max``)."""
+    recordings: int | None = None
+    """Network recordings it keeps (None: ``EngineConfig.net_recordings``)."""
+    recordings_mb: int | None = None
+    """MB of bodies its network recordings take (None: ``EngineConfig.net_recordings_mb``)."""
 
     @classmethod
     def parse(cls, items: list[str]) -> Quota:
@@ -43,7 +47,7 @@ class Quota:
         return cls(**values)
 
 
-QUOTAS = ("sandboxes", "memory_mb", "disk_mb", "pools")
+QUOTAS = ("sandboxes", "memory_mb", "disk_mb", "pools", "recordings", "recordings_mb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +160,12 @@ class EngineConfig:
     """Seconds a tunnel through the egress proxy (a CONNECT, an upgrade, an exposed port, a captured
     connection) may pass no byte either way before it is closed; 0: never."""
     net_cache_mb: int = field(default_factory=lambda: _env_int("FANFOLD_NET_CACHE_MB", 4096))
+    net_recordings: int = field(default_factory=lambda: _env_int("FANFOLD_NET_RECORDINGS", 100))
+    """Network recordings each server tenant may keep, unless its quota line says ``recordings=N``; the
+    host's own tenant has no limit."""
+    net_recordings_mb: int = field(default_factory=lambda: _env_int("FANFOLD_NET_RECORDINGS_MB", 4096))
+    """MB of bodies each server tenant's network recordings may take, unless its quota line says
+    ``recordings_mb=N``; the host's own tenant has no limit."""
     """Most disk the shared download cache (``network={"cache": True}``) takes; the least recently used go first."""
     workers: int = field(default_factory=lambda: _env_workers(os.environ.get("FANFOLD_WORKERS", "0")))
     """Engine worker processes (``FANFOLD_WORKERS``): 0 (default) runs the engine in this process; N runs N

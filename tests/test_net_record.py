@@ -26,7 +26,7 @@ from fanfold.net.daemon import TOTALS, Daemon
 from fanfold.net.egress import upstream_context
 from fanfold.net.policy import NetworkPolicy, Reachable
 from fanfold.net.proxy import Proxy
-from fanfold.net.record import FORMAT, Recordings, Spool, normal_url
+from fanfold.net.record import FORMAT, PARTS, Recordings, Spool, normal_url
 from fanfold.net.resolve import Resolver
 from fanfold.net.state import SandboxNet
 from test_net_proxy import (
@@ -316,6 +316,33 @@ def test_a_spool_keeps_bytes_only_when_asked_and_only_under_its_dir(tmp_path: Pa
     assert list(tmp_path.iterdir()) == []
 
 
+async def test_a_tenants_recordings_stop_at_its_quota_and_leave_nothing_half_written(
+        tmp_path: Path, upstream: Upstream) -> None:
+    async with terminating(tmp_path, {"record": "q1", "allow": ["allowed.test"]}, upstream.ca_file) as run:
+        run.proxy.recordings.limit("", 8 << 10, 1)  # 8 KiB of bodies, one recording
+        url = f"http://allowed.test:{upstream.http}"
+        assert (await get(run, f"{url}/big/6000")).status == 200  # recorded: 6000 bytes of 8192
+        past = await get(run, f"{url}/big/4000")  # it would pass 8 KiB: it goes through, unrecorded
+        assert past.status == 200 and len(past.body) == 4000
+        assert len(run.index("q1")) == run.stats.recorded == 1
+        assert "(recordings_mb)" in run.stats.recent_denials[-1] and run.stats.denied == 1
+        tenant = run.net_dir / "recordings" / "_host"
+        assert len(list((tenant / "q1" / "blobs").iterdir())) == 2  # the empty body's and the one recorded
+        hits = len(upstream.hits)
+
+        run.policy({"record": "q2", "allow": ["allowed.test"]})  # a second recording: past the count
+        refused = await get(run, f"{url}/big/10")
+        assert refused.status == 507 and "(recordings)" in refused.body.decode(), refused.body
+        assert "fleet.delete_recording" in refused.body.decode() and not (tenant / "q2").exists()
+        run.proxy.recordings.limit("", 6000, None)  # what q1 holds: full
+        run.policy({"record": "q1", "allow": ["allowed.test"]})
+        full = await get(run, f"{url}/big/10")
+        assert full.status == 507 and "(recordings_mb)" in full.headers["x-fanfold-denied"]
+        assert len(upstream.hits) == hits  # refused before going out
+        await run.settle()
+        assert list((tenant / PARTS).iterdir()) == []
+
+
 async def test_a_missing_recording_and_a_denied_url_are_refused(tmp_path: Path, upstream: Upstream) -> None:
     async with terminating(tmp_path, {"record": "r3", "allow": ["allowed.test"]}, upstream.ca_file) as run:
         url = f"http://allowed.test:{upstream.http}/seen"
@@ -591,4 +618,4 @@ def test_a_body_past_the_cap_is_not_recorded_and_leaves_nothing(tmp_path, monkey
     taps.response_data(b"x" * 6)
     taps.response_data(b"x" * 6)  # past the cap: the exchange goes through, unrecorded
     assert taps.commit() is False
-    assert [p.name for p in recorder.blobs.iterdir()] == [record.EMPTY_SHA256]
+    assert not recorder.directory.exists() and not any((tmp_path / "_host" / record.PARTS).iterdir())

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from conftest import TOKENS, Server, run_cli, start_server, stop_server
-from fanfold import EngineConfig, Fleet, InvalidRequest, Sandbox
+from fanfold import EngineConfig, Fleet, InvalidRequest, QuotaExceeded, Sandbox
 from outside import Outside
 
 WWW = "www.outside.test"
@@ -546,6 +546,27 @@ def test_cli_run_records_and_replays(net_server: Server, host: Fleet) -> None:
         assert (status, missed) == (0, "502"), missed
     finally:
         host.delete_recording(name)
+
+
+def test_a_tenants_recordings_are_held_to_its_quota_at_create(config: EngineConfig, outside: Outside,
+                                                               tmp_path: Path) -> None:
+    tenant, token = f"rec-{uuid.uuid4().hex[:8]}", f"rec-token-{uuid.uuid4().hex}"
+    (tmp_path / "quota-tokens").write_text(f"{tenant} {token} recordings=1\n")
+    running = start_server(config.state_dir, tmp_path, "--tokens-file", str(tmp_path / "quota-tokens"),
+                           env={"FANFOLD_NET_DNS": outside.dns, "FANFOLD_PULL": "never"})
+    try:
+        with Fleet(running.tcp_url, token=token) as fleet:
+            first, second = "first", "second"
+            with fleet.create("host", network={"allow": [WWW], "record": first}) as box:
+                assert box.exec(f"curl -sS http://{WWW}/hello").stdout.decode() == f"hello from {WWW}"
+            with pytest.raises(QuotaExceeded, match=r"keeps 1 of 1 network recordings \(quota recordings\)"):
+                fleet.create("host", network={"allow": [WWW], "record": second})
+            with fleet.create("host", network={"allow": [WWW], "record": first}):  # going on with one is fine
+                pass
+            assert [r["name"] for r in fleet.recordings()] == [first]
+            fleet.delete_recording(first)
+    finally:
+        assert stop_server(running) == 0
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .._extras import require
 from ..config import EngineConfig
-from ..errors import FanfoldError, InfrastructureError, InvalidRequest, RecordingNotFound
+from ..errors import FanfoldError, InfrastructureError, InvalidRequest, QuotaExceeded, RecordingNotFound
 from ..host import safefs
 from ..store.trust import SYSTEM_BUNDLES
 from ..net.netd import Netd, NetdDied
@@ -43,6 +43,8 @@ CA_BUNDLE = "/etc/fanfold/ca-bundle.pem"
 """Where a sandbox whose TLS the proxy terminates finds the CAs it trusts: its own and the fleet's."""
 FLEET_CA = "/etc/fanfold/fleet-ca.pem"
 """A row's network column when the sandbox has no network."""
+RECORDINGS_ADVICE = ("delete recordings (fleet.delete_recording(NAME), `fanfold recordings`) or ask the operator to"
+                     " raise the quota")
 
 
 def proxy_env(port: int, terminates: bool = False) -> dict[str, str]:
@@ -123,6 +125,8 @@ class Network:
         policy = NetworkPolicy.parse(value)
         if policy is None:
             return None
+        if policy.record:
+            self._check_recording_quota(tenant, policy.record)
         if policy.replay and not (self.recording_dir(tenant, policy.replay) / "index.jsonl").is_file():
             raise RecordingNotFound(f"no recording {policy.replay!r}: record one with network={{\"record\":"
                                     f" {policy.replay!r}, \"allow\": [...]}} first (fleet.recordings() lists them)")
@@ -152,6 +156,30 @@ class Network:
         return attach
 
     # -- recordings -----------------------------------------------------------------------------
+
+    def recording_quota(self, tenant: str) -> dict[str, int | None]:
+        """What ``tenant``'s recordings may take: ``bytes`` of bodies and ``count``; no limit for the host's own."""
+        if not tenant:
+            return {"bytes": None, "count": None}
+        quota = dict(self.config.quotas).get(tenant)
+        mb, count = (quota.recordings_mb, quota.recordings) if quota is not None else (None, None)
+        mb = self.config.net_recordings_mb if mb is None else mb
+        return {"bytes": mb << 20, "count": self.config.net_recordings if count is None else count}
+
+    def _check_recording_quota(self, tenant: str, name: str) -> None:
+        """QuotaExceeded when recording ``name`` would take ``tenant`` past its recordings quota (netd
+        checks again as it records)."""
+        quota = self.recording_quota(tenant)
+        if quota["bytes"] is None:
+            return
+        held = self.recordings(tenant)
+        if name not in {r["name"] for r in held} and len(held) >= (quota["count"] or 0):
+            raise QuotaExceeded(f"tenant {tenant} keeps {len(held)} of {quota['count']} network recordings (quota"
+                                f" recordings), and {name!r} would be a new one: {RECORDINGS_ADVICE}")
+        used = sum(r["bytes"] for r in held)
+        if used >= quota["bytes"]:
+            raise QuotaExceeded(f"tenant {tenant}'s network recordings take {used >> 20} of {quota['bytes'] >> 20} MB"
+                                f" (quota recordings_mb): {RECORDINGS_ADVICE}")
 
     def recording_dir(self, tenant: str, name: str) -> Path:
         return self.config.state_dir / "net" / "recordings" / (tenant or "_host") / name
@@ -218,8 +246,8 @@ class Network:
             old.close()
         self.listeners[handle.id], self.policies[handle.id], self.scopes[handle.id] = held, policy, scope
         try:
-            await self._request({"op": "attach", "id": handle.id, "policy": policy.to_wire(), "scope": scope},
-                                [sock.fileno() for sock in held])
+            await self._request({"op": "attach", "id": handle.id, "policy": policy.to_wire(), "scope": scope,
+                                 "quota": self.recording_quota(scope)}, [sock.fileno() for sock in held])
         except BaseException:
             await self.detach(handle.id)
             raise
@@ -331,8 +359,10 @@ class Network:
                 # The CA's key never touches netd's argv or files: it comes over the control socket.
                 await self.netd.request({"op": "ca", "cert": self.ca.cert_pem.decode(), "key": self.ca.key_pem.decode()})
                 for sandbox_id, held in list(self.listeners.items()):  # a replaced netd gets them all again
+                    scope = self.scopes.get(sandbox_id, "")
                     await self.netd.request({"op": "attach", "id": sandbox_id, "policy": self.policies[sandbox_id].to_wire(),
-                                             "scope": self.scopes.get(sandbox_id, "")}, [s.fileno() for s in held])
+                                             "scope": scope, "quota": self.recording_quota(scope)},
+                                            [s.fileno() for s in held])
                 self._watch = asyncio.ensure_future(self._replace_when_dead(self.netd))
             return self.netd
 

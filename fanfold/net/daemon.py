@@ -8,8 +8,9 @@ another. It holds no rights over namespaces, and it ends when the engine's end o
 
 Messages (each answered with ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``):
 ``ca {cert, key}`` (the fleet's CA, for sandboxes whose TLS is terminated);
-``attach {id, policy, scope}`` + the listener (``scope``: the tenant whose recordings it uses,
-``<net_dir>/recordings/<scope or _host>/<name>/``); ``policy {id, policy, cut}``; ``detach {id}``;
+``attach {id, policy, scope, quota}`` + the listener (``scope``: the tenant whose recordings it uses,
+``<net_dir>/recordings/<scope or _host>/<name>/``; ``quota``: ``{bytes, count}`` its recordings may take);
+``policy {id, policy, cut}``; ``detach {id}``;
 ``splice {id}`` + two connected sockets (an exposed port: bytes pass both ways);
 ``stats {}``; ``ping {}``.
 """
@@ -90,6 +91,9 @@ class Daemon:
             return {"ok": True}
         if op == "attach":
             fd, *capture = fds
+            quota = message.get("quota") or {}
+            if self.proxy.recordings is not None:
+                self.proxy.recordings.limit(message.get("scope") or "", quota.get("bytes"), quota.get("count"))
             await self.attach(message["id"], NetworkPolicy.from_wire(message["policy"]), fd, message.get("scope") or "",
                               capture)
             return {"ok": True}

@@ -198,6 +198,8 @@ class Forwarding(Tunnel):
     def _commit(self, taps: Taps) -> None:
         if taps.commit():
             self.stats.recorded += 1
+        elif taps.refused:
+            self.stats.deny(f"{taps.method} {taps.url[:200]}", taps.refused)
 
     async def _serve_stored(self, method: bytes, status: int, headers: list[list[str]], path: Path,
                             taps: Taps) -> None:

@@ -45,9 +45,9 @@ import h11
 
 from .cache import Cache, cacheable
 from .cached import Caching
-from .heads import BadRequest, joined, split_authority, upgrade_of
+from .heads import BadRequest, header_text, joined, split_authority, upgrade_of
 from .policy import NetworkPolicy, Reachable
-from .record import MAX_SPOOLED_BODY, Recorder, Recordings, Taps
+from .record import MAX_SPOOLED_BODY, Recorder, RecordingFull, Recordings, Taps
 from .replay import Replaying
 from .resolve import Resolver
 from .session import ClientGone, Refused
@@ -186,7 +186,7 @@ class _Session(Replaying, Caching, Terminating):
             return
         if policy.record and self.proxy.recordings is None:
             await self._fail(what, "netd has no directory to record into (its settings lack net_dir)")
-        taps = Taps(recorder=self._recorder(policy))
+        taps = Taps(recorder=await self._recorder(what, policy))
         try:
             if policy.cache and self.proxy.cache is not None and cacheable(method, target.path, request.headers):
                 if await self._from_cache(request, target, what, policy, taps):
@@ -196,7 +196,16 @@ class _Session(Replaying, Caching, Terminating):
         finally:
             taps.discard()
 
-    def _recorder(self, policy: NetworkPolicy) -> Recorder | None:
+    async def _recorder(self, what: str, policy: NetworkPolicy) -> Recorder | None:
+        """The recording this request goes into; a 507 when the tenant's recordings are at their quota."""
         if not policy.record or self.proxy.recordings is None:
             return None
-        return self.proxy.recordings.recorder(self.sandbox.scope, policy.record)
+        try:
+            return self.proxy.recordings.recorder(self.sandbox.scope, policy.record)
+        except RecordingFull as err:
+            reason = f"recording {policy.record!r} is full: {err}"
+            self.stats.deny(what, reason)
+            await self._respond(507, f"fanfold: {what} was not sent: {reason}. Delete recordings"
+                                     " (fleet.delete_recording(NAME), `fanfold recordings`) or ask the operator"
+                                     " to raise the quota.\n", (("x-fanfold-denied", header_text(reason)),))
+            raise Refused from None

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -44,12 +45,18 @@ MAX_RECORDED_BODY = 1 << 30
 """The largest request or response body a recording keeps; an exchange with a larger one is not recorded."""
 
 
-class BlobWriter(HashedFile):
-    """A body written to a temporary file while it streams, hashed, and renamed to its digest when whole."""
+class RecordingFull(Exception):
+    """A tenant's recordings hold all its quota allows; the message says which quota and what to do.
+    It never leaves netd (the sandbox gets a 507)."""
 
-    def __init__(self, directory: Path) -> None:
+
+class BlobWriter(HashedFile):
+    """A body written to a temporary file (in ``parts``, outside every recording) while it streams,
+    hashed, and moved into ``directory`` under its digest when whole."""
+
+    def __init__(self, parts: Path, directory: Path) -> None:
         self.directory = directory
-        super().__init__(directory / f".part-{secrets.token_hex(8)}")
+        super().__init__(parts / f"part-{secrets.token_hex(8)}")
 
     def commit(self) -> str:
         """Keep the body under its digest (one copy per content); its sha256."""
@@ -83,21 +90,28 @@ class Exchange:
 class Recorder:
     """Appends exchanges to one recording; every sandbox recording into it shares this one writer, so
     lines never interleave (the event loop is the lock: each line is one write, of O_APPEND). The
-    index is opened per line, so that a netd holds no descriptor of a recording the engine deletes."""
+    index is opened per line, so that a netd holds no descriptor of a recording the engine deletes.
+    Nothing of a new recording is on disk until its first exchange is whole (``started``)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, budget: Budget | None = None) -> None:
         self.directory = directory
         self.blobs = directory / "blobs"
-        self.blobs.mkdir(mode=0o700, parents=True, exist_ok=True)
-        (self.blobs / EMPTY_SHA256).touch(mode=0o600)  # every bodiless message's
+        self.parts = directory.parent / PARTS
+        self.budget = budget or Budget()
         index = directory / "index.jsonl"
         self.ordinals: collections.Counter[Key] = collections.Counter()
         if index.exists():  # recording again under a name continues it
             for exchange in _read_index(index):
                 self.ordinals[exchange.key] += 1
         self.index = index
-        if not index.exists() or index.stat().st_size == 0:
+        self.started = index.exists()
+
+    def _start(self) -> None:
+        self.blobs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.blobs / EMPTY_SHA256).touch(mode=0o600)  # every bodiless message's
+        if not self.index.exists() or self.index.stat().st_size == 0:
             self._write(json.dumps(FORMAT).encode() + b"\n")
+        self.started = True
 
     def _write(self, line: bytes) -> None:
         fd = os.open(self.index, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -107,10 +121,22 @@ class Recorder:
             os.close(fd)
 
     def blob(self) -> BlobWriter:
-        return BlobWriter(self.blobs)
+        self.parts.mkdir(mode=0o700, exist_ok=True)
+        return BlobWriter(self.parts, self.blobs)
+
+    def keep(self, blob: BlobWriter | None) -> str:
+        """Move a whole body into the recording (started now if it was not); its digest."""
+        if not self.started or not self.blobs.is_dir():
+            self._start()
+        if blob is None:
+            return EMPTY_SHA256
+        self.budget.used += blob.size
+        return blob.commit()
 
     def append(self, **fields: Any) -> Exchange:
         """Add one exchange (``ordinal`` is counted here); the line is written whole."""
+        if not self.started:
+            self._start()
         key = (fields["method"], fields["url"], fields["request_body_sha256"])
         exchange = Exchange(**fields, ordinal=self.ordinals[key])
         self.ordinals[key] += 1
@@ -149,25 +175,73 @@ def _read_index(index: Path) -> list[Exchange]:
     return [Exchange(**json.loads(line)) for line in lines[1:] if line.strip()]
 
 
+PARTS = ".parts"
+"""Per tenant, beside its recordings: the bodies being written (no recording name starts with a dot)."""
+RECOUNT_S = 10.0
+
+
+@dataclass
+class Budget:
+    """What one tenant's recordings may take (``None``: no limit) and what they take now."""
+
+    max_bytes: int | None = None
+    max_count: int | None = None
+    used: int = 0
+    """Bytes of bodies: counted from disk every RECOUNT_S (recordings the engine deleted), added to between."""
+    counted: float = -RECOUNT_S
+
+    def room(self) -> int | None:
+        """Bytes of bodies the tenant may still record; None: no limit."""
+        return None if self.max_bytes is None else self.max_bytes - self.used
+
+
 class Recordings:
     """The recordings under ``<net_dir>/recordings``: writers shared by name, indexes read once (again when
-    they change)."""
+    they change), and each tenant's quota (``limit``)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.recorders: dict[Path, Recorder] = {}
+        self.budgets: dict[str, Budget] = {}
         self._read: dict[Path, tuple[tuple[int, int], Recording]] = {}
+        for parts in root.glob(f"*/{PARTS}"):  # bodies a netd that died was writing
+            shutil.rmtree(parts, ignore_errors=True)
 
     def directory(self, scope: str, name: str) -> Path:
         return self.root / (scope or "_host") / name
 
+    def limit(self, scope: str, max_bytes: int | None, max_count: int | None) -> None:
+        """Set the quota of ``scope``'s recordings (bytes of bodies, how many)."""
+        budget = self.budgets.setdefault(scope, Budget())
+        budget.max_bytes, budget.max_count = max_bytes, max_count
+
+    def budget(self, scope: str) -> Budget:
+        """``scope``'s quota, its use counted again from disk when the count is old."""
+        budget = self.budgets.setdefault(scope, Budget())
+        if budget.max_bytes is not None and time.monotonic() - budget.counted > RECOUNT_S:
+            where = self.root / (scope or "_host")
+            budget.used = sum(_size(blob) for blob in where.glob("*/blobs/*"))
+            budget.counted = time.monotonic()
+        return budget
+
     def recorder(self, scope: str, name: str) -> Recorder:
+        """The writer of recording ``name``; RecordingFull when ``scope`` may record no more."""
         where = self.directory(scope, name)
+        budget = self.budget(scope)
+        room = budget.room()
+        if room is not None and room <= 0:
+            raise RecordingFull(f"the tenant's recordings take {budget.used >> 20} MiB of the {budget.max_bytes >> 20}"
+                                " MiB its quota allows (recordings_mb)")
         recorder = self.recorders.get(where)
-        if recorder is None or not recorder.index.exists():  # deleted meanwhile: start it again
+        if recorder is None or (recorder.started and not recorder.index.exists()):  # deleted meanwhile: anew
+            if budget.max_count is not None and not (where / "index.jsonl").exists():
+                held = sum(1 for index in where.parent.glob("*/index.jsonl"))
+                if held >= budget.max_count:
+                    raise RecordingFull(f"the tenant keeps {held} recordings, as many as its quota allows (recordings),"
+                                        f" and {name!r} would be a new one")
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             where.parent.mkdir(mode=0o700, exist_ok=True)
-            recorder = self.recorders[where] = Recorder(where)
+            recorder = self.recorders[where] = Recorder(where, budget)
         return recorder
 
     def recording(self, scope: str, name: str) -> Recording | None:
@@ -230,6 +304,9 @@ class Taps:
         if self.recorder is not None:
             self.request_headers = redacted(text_pairs(headers))
 
+    refused: str | None = None
+    """Why the exchange was not recorded (its tenant's quota), to be reported."""
+
     def request_data(self, data: bytes) -> None:
         if self.recorder is not None:
             if self.request_blob is None:
@@ -253,9 +330,16 @@ class Taps:
             self.cache.write(data)
 
     def _within_cap(self, blob: BlobWriter) -> None:
-        """A body past MAX_RECORDED_BODY is not recorded (the exchange still goes through): a sandbox
-        must not fill the host's disk through its recording."""
-        if blob.size > MAX_RECORDED_BODY:
+        """A body past MAX_RECORDED_BODY, or bodies past the room the tenant's quota leaves, are not
+        recorded (the exchange still goes through): a sandbox must not fill the host's disk through
+        its recording."""
+        assert self.recorder is not None
+        room = self.recorder.budget.room()
+        taken = sum(kept.size for kept in (self.request_blob, self.response_blob) if kept is not None)
+        if room is not None and taken > room:
+            self.refused = (f"not recorded: its bodies would take the tenant's recordings past the"
+                            f" {self.recorder.budget.max_bytes >> 20} MiB its quota allows (recordings_mb)")
+        if blob.size > MAX_RECORDED_BODY or self.refused:
             for kept in (self.request_blob, self.response_blob):
                 if kept is not None:
                     kept.discard()
@@ -272,9 +356,9 @@ class Taps:
         request_blob, self.request_blob = self.request_blob, None
         response_blob, self.response_blob = self.response_blob, None
         self.recorder.append(method=self.method, url=self.url, request_headers=self.request_headers,
-                             request_body_sha256=request_blob.commit() if request_blob else EMPTY_SHA256,
+                             request_body_sha256=self.recorder.keep(request_blob),
                              status=self.status, response_headers=text_pairs(self.response_headers),
-                             response_body_sha256=response_blob.commit() if response_blob else EMPTY_SHA256,
+                             response_body_sha256=self.recorder.keep(response_blob),
                              started=self.started, duration_ms=round((time.monotonic() - self.clock) * 1e3, 3))
         self.recorder = None
         return True
@@ -288,6 +372,13 @@ class Taps:
         if self.cache is not None:
             self.cache.discard()
             self.cache = None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def text_pairs(headers: Any) -> list[list[str]]:

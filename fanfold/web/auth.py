@@ -47,9 +47,9 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:
-        """Lines of ``TENANT TOKEN [QUOTA=N ...]``, quotas being ``sandboxes``, ``memory_mb``, ``disk_mb``
-        and ``pools`` (``alice ff_... sandboxes=8 memory_mb=8192``); blank lines and ``#`` comments are
-        skipped. A tenant with several tokens gives its quotas on one of its lines."""
+        """Lines of ``TENANT TOKEN [QUOTA=N ...]``, quotas being ``sandboxes``, ``memory_mb``, ``disk_mb``,
+        ``pools``, ``recordings`` and ``recordings_mb`` (``alice ff_... sandboxes=8 memory_mb=8192``); blank
+        lines and ``#`` comments are skipped. A tenant with several tokens gives its quotas on one of its lines."""
         tenants = cls()
         try:
             lines = Path(path).read_text().splitlines()
