@@ -10,6 +10,7 @@ carol has small ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import uuid
 
@@ -17,9 +18,9 @@ import httpx
 import pytest
 
 from conftest import TOKENS, Server, run_cli, start_server, stop_server
-from fanfold import (
-    AsyncFleet, EnvSpec, ImageNotFound, InvalidRequest, LimitExceeded, QuotaExceeded, SandboxNotFound, Unauthorized,
-)
+from fanfold import (AsyncFleet, EnvSpec, ImageNotFound, InvalidRequest, LimitExceeded, QuotaExceeded, SandboxNotFound,
+                     SnapshotInfo, SnapshotNotFound, Unauthorized)
+from fanfold.engine import db as dbmod
 from fanfold.errors import FanfoldError
 from fanfold.web.auth import Tenants
 from outside import PRIVATE_ADDRESS
@@ -269,6 +270,84 @@ async def test_a_tenants_pull_is_not_sent_where_a_registry_redirects_to_a_privat
         with pytest.raises(FanfoldError):  # the operator's pull follows the redirect, as before (to a 404 there)
             await host.pull(ref)
         assert [r["path"][:24] for r in outside.requests()[seen:]][:1] == ["/docker/registry/v2/blob"]
+
+
+async def test_snapshot_names_are_each_tenants_own(tserver):
+    """alice, bob and the host each hold a snapshot of one name: each sees, lists, starts from and deletes
+    its own by that name; the host reaches a tenant's by id only, and another tenant's id is a 404."""
+    name = f"Base-{uuid.uuid4().hex[:8]}"  # capitals: no image reference, so never pulled when unknown
+    async with fleet(tserver, None) as host, fleet(tserver, "alice") as alice, fleet(tserver, "bob") as bob:
+        taken = {}
+        for who, label in ((alice, "alice"), (bob, "bob"), (host, "host")):
+            async with await who.create() as sandbox:
+                await sandbox.files.write("/root/who", label)
+                taken[label] = await sandbox.snapshot(name=name)  # not refused: the name is each one's own
+                with pytest.raises(InvalidRequest, match="exists already"):  # but once per tenant
+                    await sandbox.snapshot(name=name)
+        assert len({snap.id for snap in taken.values()}) == 3
+        for who, label in ((alice, "alice"), (bob, "bob"), (host, "host")):
+            assert (await who.get_snapshot(name)).id == taken[label].id
+            async with await who.create(name) as sandbox:
+                assert await sandbox.files.read("/root/who") == label.encode()
+        assert [s.id for s in await bob.snapshots() if s.name == name] == [taken["bob"].id]
+        assert {s.id for s in await host.snapshots() if s.name == name} == {snap.id for snap in taken.values()}
+
+        # Another tenant's snapshot is a 404 by id, for every use, exactly like a missing one.
+        for verb in (bob.get_snapshot, bob.create, bob.delete_snapshot, lambda ref: bob.pool(ref, 1)):
+            with pytest.raises(SnapshotNotFound):
+                await verb(taken["alice"].id)
+        async with http(tserver, "bob") as raw:
+            rollout = await raw.post("/v1/rollouts", json={"snapshot": taken["alice"].id})
+            assert rollout.status_code == 404 and rollout.json()["kind"] == "snapshot_not_found"
+        # The host starts from a tenant's snapshot by its id, never by a tenant's name.
+        async with await host.create(taken["alice"].id) as sandbox:
+            assert await sandbox.files.read("/root/who") == b"alice"
+        await host.delete_snapshot(name)
+        with pytest.raises(SnapshotNotFound):
+            await host.get_snapshot(name)
+        with pytest.raises(ImageNotFound):  # the tenants' names are not the host's
+            await host.create(name)
+
+        await alice.delete_snapshot(name)  # hers alone
+        assert (await bob.get_snapshot(name)).id == taken["bob"].id
+        with pytest.raises(SnapshotNotFound):
+            await alice.get_snapshot(name)
+        await bob.delete_snapshot(name)
+        assert not [s for s in await host.snapshots() if s.name == name]
+
+
+def test_an_older_database_moves_to_snapshot_names_per_tenant(tmp_path):
+    """A database made when snapshot names were one namespace (``name TEXT UNIQUE``) keeps its rows and
+    takes one name per tenant once an engine opens it."""
+    path = tmp_path / "fanfold.db"
+    with sqlite3.connect(path) as old:
+        old.executescript(OLD_SNAPSHOTS)
+        old.execute("INSERT INTO snapshots VALUES ('snap-old', 'host', 'img-1', 'sbx-1', '[]', 0, 'snapshot',"
+                    " 'base', '{}', 7, 1.0, 'alice')")
+    first, second = dbmod.Database(path), dbmod.Database(path)  # the second finds it moved
+    try:
+        made = SnapshotInfo(id="snap-new", parent="host", image_id="img-1", sandbox_id="sbx-2", memory=False,
+                            kind="snapshot", created_at=2.0, name="base")
+        second.insert_snapshot(made, layers=(), tenant="bob")  # refused while names were one namespace
+        row = first.snapshot("base", "alice")
+        assert (row["id"], row["size_bytes"], row["tenant"]) == ("snap-old", 7, "alice")
+        assert first.snapshot("base") is None and first.snapshot("snap-old")["id"] == "snap-old"
+        with pytest.raises(sqlite3.IntegrityError):
+            second.insert_snapshot(dataclasses.replace(made, id="snap-again"), layers=(), tenant="bob")
+        assert second.snapshot("base", "bob")["id"] == "snap-new"
+    finally:
+        first.close()
+        second.close()
+
+
+OLD_SNAPSHOTS = """
+CREATE TABLE snapshots (
+    id TEXT PRIMARY KEY, parent TEXT NOT NULL, image_id TEXT NOT NULL, sandbox_id TEXT NOT NULL,
+    layers TEXT NOT NULL, memory INTEGER NOT NULL, kind TEXT NOT NULL, name TEXT UNIQUE, limits TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, tenant TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX snapshots_sandbox ON snapshots(sandbox_id);
+"""
 
 
 async def test_a_quota_is_a_429_that_names_it_and_leaves_nothing(tserver, config):

@@ -40,7 +40,8 @@ class Checkpoints:
         name = snapmod.check_name(name)
         if memory:
             self._check_memory_checkpoints("a memory snapshot")
-        if name is not None and self.life.db.snapshot(name) is not None:
+        if name is not None and (row := self.life.db.get(sandbox_id)) is not None \
+                and self.life.db.snapshot(name, row["tenant"]) is not None:  # names are each tenant's own
             raise InvalidRequest(f"a snapshot named {name!r} exists already: pick another name")
         async with self.life.changing(sandbox_id, interrupt=True) as row:
             info, _ = await self._take(row, memory=memory, kind="snapshot", name=name, leave_running=True)

@@ -245,7 +245,7 @@ class Engine:
     async def _scoped(self, image: str | Image, tenant: str) -> str | Image:
         """What a server tenant's create or pool names, as an image id when it is an image: its own or a
         shared one (another tenant's is ImageNotFound). Bases and snapshots pass as they are."""
-        if not tenant or not isinstance(image, str) or image in BASES or self.sources.resolve_snapshot(image):
+        if not tenant or not isinstance(image, str) or image in BASES or self.sources.resolve_snapshot(image, tenant):
             return image
         return image if image.startswith(SNAPSHOT_PREFIX) else (await self.catalog.resolve(image, tenant)).id
 
@@ -259,7 +259,7 @@ class Engine:
         env, labels = check_strings(params.env, "env"), check_labels(params.labels)
         wait = self.config.queue_timeout_s if params.queue_timeout is None else params.queue_timeout
         source, img, limits = await self.sources.source_limits(await self._scoped(params.image, tenant),
-                                                               params.limits)
+                                                               params.limits, tenant)
         check_fits_host(limits)
         deadline, persistence = params.deadline, params.persistence
         if deadline is None and persistence != "persistent":
@@ -499,9 +499,10 @@ class Engine:
     async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
         return await self.checkpoints.get_snapshot(snapshot_id)
 
-    def resolve_snapshot(self, ref: str) -> str | None:
-        """The snapshot a create's ``image`` names (its id or name), or None when it names an image."""
-        return self.sources.resolve_snapshot(ref)
+    def resolve_snapshot(self, ref: str, *, tenant: str = "") -> str | None:
+        """The snapshot a create's ``image`` names (its id, or a name ``tenant`` gave one: each tenant
+        names its own, "" the host), or None when it names an image."""
+        return self.sources.resolve_snapshot(ref, tenant)
 
     def snapshot_tenant(self, ref: str) -> str | None:
         return self.checkpoints.snapshot_tenant(ref)
@@ -565,7 +566,7 @@ class Engine:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
         ref = image.id if isinstance(image, SnapshotInfo) else image
-        source, _, limits = await self.sources.source_limits(await self._scoped(ref, tenant), limits)
+        source, _, limits = await self.sources.source_limits(await self._scoped(ref, tenant), limits, tenant)
         check_fits_host(limits)
         need = self.config.pool_auto_max if size is None else size
         self.quotas.check_pools(tenant, self.pools.planned(tenant, but=(source, limits)), need)

@@ -14,7 +14,28 @@ from ..runtime.base import Handle
 
 T = TypeVar("T", SandboxInfo, SnapshotInfo)
 
-SCHEMA = """
+SNAPSHOTS_TABLE = """
+CREATE TABLE IF NOT EXISTS {table} (
+    id TEXT PRIMARY KEY,
+    parent TEXT NOT NULL,
+    image_id TEXT NOT NULL,
+    sandbox_id TEXT NOT NULL,
+    layers TEXT NOT NULL,
+    memory INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT,
+    limits TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    tenant TEXT NOT NULL DEFAULT ''
+);
+"""
+# A snapshot's name is unique within its tenant's names ("" is the host's), as image references are.
+SNAPSHOT_INDEXES = """
+CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
+CREATE UNIQUE INDEX IF NOT EXISTS snapshots_tenant_name ON snapshots(tenant, name);
+"""
+SCHEMA = SNAPSHOTS_TABLE.format(table="snapshots") + SNAPSHOT_INDEXES + """
 CREATE TABLE IF NOT EXISTS sandboxes (
     id TEXT PRIMARY KEY,
     state TEXT NOT NULL,
@@ -30,21 +51,6 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     tenant TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_owner ON sandboxes(owner);
-CREATE TABLE IF NOT EXISTS snapshots (
-    id TEXT PRIMARY KEY,
-    parent TEXT NOT NULL,
-    image_id TEXT NOT NULL,
-    sandbox_id TEXT NOT NULL,
-    layers TEXT NOT NULL,
-    memory INTEGER NOT NULL,
-    kind TEXT NOT NULL,
-    name TEXT UNIQUE,
-    limits TEXT NOT NULL,
-    size_bytes INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    tenant TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS snapshots_sandbox ON snapshots(sandbox_id);
 CREATE TABLE IF NOT EXISTS leases (
     id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
@@ -91,7 +97,40 @@ class Database:
         for name, kind in LATER_COLUMNS:
             if name not in columns:
                 self.conn.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {kind}")
+        self._names_per_tenant()
         self.conn.row_factory = sqlite3.Row
+
+    def _names_per_tenant(self) -> None:
+        """Move a database whose snapshot names were one namespace for every tenant (``name TEXT UNIQUE``)
+        to names per tenant. SQLite drops no constraint in place: the table is copied into a new one,
+        in one write transaction, so another engine opening the database meanwhile sees either."""
+        if not self._names_unique_across_tenants():
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            if self._names_unique_across_tenants():  # another engine may have moved it while we waited
+                old = {row[1] for row in self.conn.execute("PRAGMA table_info(snapshots)")}
+                self.conn.execute("DROP TABLE IF EXISTS snapshots_moving")
+                self.conn.execute(SNAPSHOTS_TABLE.format(table="snapshots_moving"))
+                new = [row[1] for row in self.conn.execute("PRAGMA table_info(snapshots_moving)")]
+                kept = ", ".join(name for name in new if name in old)
+                self.conn.execute(f"INSERT INTO snapshots_moving ({kept}) SELECT {kept} FROM snapshots")
+                self.conn.execute("DROP TABLE snapshots")
+                self.conn.execute("ALTER TABLE snapshots_moving RENAME TO snapshots")
+                for statement in filter(str.strip, SNAPSHOT_INDEXES.split(";")):
+                    self.conn.execute(statement)
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+
+    def _names_unique_across_tenants(self) -> bool:
+        """Whether the snapshots table still has the first release's UNIQUE constraint on its name alone."""
+        for index in self.conn.execute("PRAGMA index_list(snapshots)").fetchall():
+            columns = [row[2] for row in self.conn.execute(f"PRAGMA index_info({index[1]!r})")]
+            if index[2] and columns == ["name"]:
+                return True
+        return False
 
     def close(self) -> None:
         self.conn.close()
@@ -154,9 +193,11 @@ class Database:
     def insert_snapshot(self, info: SnapshotInfo, *, layers: tuple[str, ...], tenant: str) -> None:
         self._insert("snapshots", {**columns_of(info), "layers": json.dumps(list(layers)), "tenant": tenant})
 
-    def snapshot(self, ref: str) -> sqlite3.Row | None:
-        """A snapshot by id or name."""
-        return self.conn.execute("SELECT * FROM snapshots WHERE id=? OR name=?", (ref, ref)).fetchone()
+    def snapshot(self, ref: str, tenant: str = "") -> sqlite3.Row | None:
+        """A snapshot by id (any tenant's: ids are unique on the host), or by the name ``tenant`` gave it
+        (each tenant names its own; "" is the host's)."""
+        return self.conn.execute("SELECT * FROM snapshots WHERE id=? OR (name=? AND tenant=?)",
+                                 (ref, ref, tenant)).fetchone()
 
     def snapshot_rows(self) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM snapshots ORDER BY created_at").fetchall()

@@ -93,8 +93,9 @@ class SnapshotStore:
             raise InvalidRequest(f"a snapshot named {info.name!r} exists already: pick another name") from None
         return info
 
-    def row(self, ref: str) -> sqlite3.Row:
-        row = self.db.snapshot(ref) if isinstance(ref, str) and ref else None
+    def row(self, ref: str, tenant: str = "") -> sqlite3.Row:
+        """A snapshot's row by id, or by the name ``tenant`` gave it ("": the host's names)."""
+        row = self.db.snapshot(ref, tenant) if isinstance(ref, str) and ref else None
         if row is None:
             raise SnapshotNotFound(f"no snapshot {ref!r}: it was never taken, or was deleted or collected")
         return row
@@ -129,7 +130,8 @@ class SnapshotStore:
         return {snapshot_id for snapshot_id in needed if snapshot_id.startswith(PREFIX)}
 
     def delete(self, ref: str) -> None:
-        """Delete one snapshot; refused while a sandbox or a later snapshot stands on it."""
+        """Delete one snapshot (by id, or a name of the host's); refused while a sandbox or a later
+        snapshot stands on it."""
         row = self.row(ref)
         users = [s["id"] for s in self.db.rows() if s["source"] == row["id"] or row["id"] in json.loads(s["layers"])]
         later = [s["id"] for s in self.db.snapshot_rows() if s["id"] != row["id"] and row["id"] in json.loads(s["layers"])]

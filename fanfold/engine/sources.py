@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ..errors import ImageNotFound, InvalidRequest
+from ..errors import ImageNotFound, InvalidRequest, SnapshotNotFound
 from ..images import Image, LayerStore
 from ..images.builder import DEFAULT_PATH, Builder, Network, OnStep
 from ..models import Limits, SnapshotInfo
@@ -45,31 +45,39 @@ class Sources:
             return cached
         return await self.resolve(ref)
 
-    def resolve_snapshot(self, ref: str) -> str | None:
-        """The snapshot a create's ``image`` names (its id or name), or None when it names an image.
+    def resolve_snapshot(self, ref: str, tenant: str = "") -> str | None:
+        """The snapshot a create's ``image`` names (its id, or a name ``tenant`` gave one), or None when it
+        names an image. Each tenant names its own snapshots ("" is the host's): another tenant's name
+        means nothing here, so an image of that name is meant.
 
         Base names and image ids always mean the image, whatever a snapshot is called.
         """
         if not isinstance(ref, str) or not ref or ref in BASES or ref.startswith("img-"):
             return None
-        row = self.db.snapshot(ref)
+        row = self.db.snapshot(ref, tenant)
         return None if row is None else row["id"]
 
-    async def source(self, ref: str | Image | SnapshotInfo) -> tuple[str, Image, SnapshotInfo | None]:
-        """What a sandbox is made from: (source id, root image, snapshot or None)."""
+    async def source(self, ref: str | Image | SnapshotInfo, tenant: str = "") -> tuple[str, Image, SnapshotInfo | None]:
+        """What a sandbox of ``tenant`` is made from: (source id, root image, snapshot or None). A server
+        tenant starts only from its own snapshots (another's id is SnapshotNotFound, as a missing one);
+        the host's own tenant ("") from any, by id."""
         if isinstance(ref, SnapshotInfo):
             ref = ref.id
-        snapshot_id = self.resolve_snapshot(ref)  # type: ignore[arg-type]
+        snapshot_id = self.resolve_snapshot(ref, tenant)  # type: ignore[arg-type]
         if snapshot_id is not None or (isinstance(ref, str) and ref.startswith(SNAPSHOT_PREFIX)):
-            snapshot = dbmod.snapshot_info(self.snaps.row(snapshot_id or ref))  # type: ignore[arg-type]
+            row = self.snaps.row(snapshot_id or ref, tenant)  # type: ignore[arg-type]
+            if tenant and row["tenant"] != tenant:
+                raise SnapshotNotFound(f"no snapshot {ref!r}: it was never taken, or was deleted or collected")
+            snapshot = dbmod.snapshot_info(row)
             return snapshot.id, self.store.load_image(snapshot.image_id), snapshot
         img = await self.image(ref)  # type: ignore[arg-type]
         return img.id, img, None
 
-    async def source_limits(self, ref: str | Image | SnapshotInfo, limits: Limits | None) -> tuple[str, Image, Limits]:
-        """What a sandbox is made from (source id, root image), and the limits it gets:
+    async def source_limits(self, ref: str | Image | SnapshotInfo, limits: Limits | None,
+                            tenant: str = "") -> tuple[str, Image, Limits]:
+        """What a sandbox (of ``tenant``) is made from (source id, root image), and the limits it gets:
         a memory snapshot's processes keep the limits they were dumped with."""
-        source, img, snapshot = await self.source(ref)
+        source, img, snapshot = await self.source(ref, tenant)
         if snapshot is not None and snapshot.memory:
             taken_by = self.snaps.memory_tier(snapshot.id)
             if taken_by != self.tier:

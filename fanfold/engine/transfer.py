@@ -98,7 +98,7 @@ class Transfers:
     async def export(self, ref: str, *, have: set[str], tenant: str | None = None) -> AsyncIterator[bytes]:
         """The tar of snapshot ``ref`` (of ``tenant``, when given) less the layers named in ``have``.
         Unknown snapshots fail here, before any byte is streamed."""
-        row = self.snaps.row(ref)
+        row = self.snaps.row(ref, tenant or "")
         if tenant is not None and row["tenant"] != tenant:
             raise SnapshotNotFound(f"no snapshot {ref!r}")
         plan = await asyncio.to_thread(self._plan, row, frozenset(have))
@@ -168,7 +168,7 @@ class Transfers:
     def _commit(self, staged: Path, manifest: _Manifest, tenant: str) -> SnapshotInfo:
         """Image record, layers, memory, then rows (bottom first): each in place before a row names it."""
         top, stack = manifest.snapshot
-        if top.name is not None and self.db.snapshot(top.name) is not None:
+        if top.name is not None and self.db.snapshot(top.name, tenant) is not None:
             raise InvalidRequest(f"a snapshot named {top.name!r} exists already here: delete or rename it,"
                                  " then import again")
         try:

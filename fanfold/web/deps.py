@@ -64,8 +64,10 @@ def owned_snapshot(
     snapshot_id: str = Path(description="A snapshot id, or the name it was given."),
     caller: str = Depends(tenant),
 ) -> str:
-    """The snapshot's id, when it exists and the caller sees it; another tenant's is a 404 too."""
-    resolved = engine(request).resolve_snapshot(snapshot_id)
+    """The snapshot's id, when it exists and the caller sees it; another tenant's is a 404 too. A name
+    is looked up among the caller's own (each tenant names its own snapshots; the host's own tenant
+    reaches another's by id)."""
+    resolved = engine(request).resolve_snapshot(snapshot_id, tenant=caller)
     if resolved is None or not sees(caller, engine(request).snapshot_tenant(resolved)):
         raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
     return resolved
@@ -78,7 +80,7 @@ def check_source(request: Request, ref: str, caller: str) -> None:
 
 def check_source_of(on: Engine, ref: str, caller: str) -> None:
     """``check_source`` where there is no request (a server's own sessions)."""
-    resolved = on.resolve_snapshot(ref)
+    resolved = on.resolve_snapshot(ref, tenant=caller)
     if resolved is not None and not sees(caller, on.snapshot_tenant(resolved)):
         raise SnapshotNotFound(f"no snapshot {ref!r}")
 

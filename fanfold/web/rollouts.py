@@ -366,9 +366,9 @@ async def check_rollout(request: Request, body: RolloutRequest, caller: str) -> 
     not at the first tool call."""
     check_source(request, body.snapshot or body.image or "host", caller)
     engine = app_rollouts(request).engine
-    if body.snapshot is not None and engine.resolve_snapshot(body.snapshot) is None:
+    if body.snapshot is not None and engine.resolve_snapshot(body.snapshot, tenant=caller) is None:
         raise SnapshotNotFound(f"no snapshot {body.snapshot!r}")
-    if body.image not in (None, *BASES) and engine.resolve_snapshot(body.image) is None:
+    if body.image not in (None, *BASES) and engine.resolve_snapshot(body.image, tenant=caller) is None:
         await engine.image(body.image)  # ImageNotFound
     if body.limits is not None:  # limits the host cannot hold
         check_fits_host(Limits(**body.limits.model_dump()))
