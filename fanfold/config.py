@@ -25,9 +25,9 @@ class Quota:
     sandboxes: int | None = None
     """Its live sandboxes (running, paused or suspended)."""
     memory_mb: int | None = None
-    """The sum of its sandboxes' memory limits."""
+    """The sum of its sandboxes' memory limits, live ones and those its pools keep warm."""
     disk_mb: int | None = None
-    """The sum of its sandboxes' disk limits."""
+    """The sum of its sandboxes' disk limits, live ones and those its pools keep warm."""
     pools: int | None = None
     """Warm sandboxes its pools keep (a pool that follows demand counts as ``pool_auto_max``)."""
     recordings: int | None = None

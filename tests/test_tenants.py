@@ -390,6 +390,38 @@ async def test_a_quota_is_a_429_that_names_it_and_leaves_nothing(tserver, config
     assert rows_of(config, "carol") == 0
 
 
+async def test_warm_sandboxes_count_against_the_memory_and_disk_quotas_once(tserver, config):
+    """carol's pool is capacity held for her: it counts against memory_mb as live sandboxes do, a pool
+    past what her live ones leave is refused, a claim from it counts once, and it refills only into room."""
+    async with fleet(tserver, "carol") as carol:
+        live = await carol.create(memory_mb=512)
+        with pytest.raises(QuotaExceeded, match=r"512 of 1024 MB of memory \(quota memory_mb\); this pool needs 768"):
+            await carol.pool("host", 1, memory_mb=768)
+        assert await carol.pools() == []
+        await live.kill()
+        try:
+            await carol.pool("host", 1, memory_mb=768, wait=120)
+            with pytest.raises(QuotaExceeded, match=r"768 of 1024 MB of memory \(quota memory_mb\), 768 of it in"
+                                                    r" its pools; this create needs 512 more"):
+                await carol.create(memory_mb=512)
+            with pytest.raises(QuotaExceeded, match=r"1024 of 3072 MB of disk \(quota disk_mb\), 1024 of it in"):
+                await carol.create(memory_mb=128, disk_mb=2500)
+            async with await carol.create(memory_mb=768):  # the warm one, counted once
+                [pool] = await carol.pools()
+                assert (pool.handouts, pool.ready, pool.filling) == (1, 0, 0)  # no refill past the quota
+                assert "quota" in pool.last_error
+                with pytest.raises(QuotaExceeded, match="768 of 1024 MB of memory"):
+                    await carol.create(memory_mb=512)
+            async def held():
+                return [(pool.ready, pool.last_error) for pool in await carol.pools()]
+
+            await until(held, [(1, None)], timeout=120)  # room again: it refills
+        finally:
+            await carol.pool("host", 0, memory_mb=768)
+        await until(lambda: carol.pools(), [])
+    assert rows_of(config, "carol") == 0
+
+
 async def test_files_past_the_disk_quota_fail_cleanly_and_the_sandbox_goes_on(tserver, config):
     if config.disk != "btrfs":
         pytest.skip("the disk quota tested here is the btrfs disk's")

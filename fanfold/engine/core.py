@@ -105,7 +105,8 @@ class Engine:
         self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve, tier=self.backend.name)
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
                                      self.owner, self.shard, self.claimer)
-        self.pools = Pools(cfg, self.admission, self.telemetry, life)
+        self.pools = Pools(cfg, self.admission, self.telemetry, life,
+                           fits=lambda tenant, limits: self.quotas.fits_warm(tenant, limits))
         life.forget = self.pools.forget
         self.execs = Execs(life)
         self.files = Files(life)
@@ -114,7 +115,7 @@ class Engine:
         self.policies = Policies(life, self.pools, self.checkpoints.suspend)
         self.reaper = Reaper(life, self.leases, self.policies, self.pools)
         self.figures = Figures(life, self.pools)
-        self.quotas = Quotas(cfg.quotas, lambda: self.db)
+        self.quotas = Quotas(cfg.quotas, lambda: self.db, self.pools.warm)
         self._started = True
         try:
             await self.reaper.reconcile()
@@ -273,12 +274,17 @@ class Engine:
             user=params.user or img.user, seccomp=seccomp, network="none" if net is None else net.to_wire(),
         )
         # Each quota check runs with no await before the row it counts is in: creates never overshoot.
-        self.quotas.check_create(tenant, limits)
-        # A policy's attach comes first, the pool's refill after it: both want the CPU
-        pooled_id = self.pools.take(source, limits, tenant, refill=net is None) if seccomp == "default" else None
+        # A warm sandbox of the tenant's own pool counts already: taking it adds no memory or disk.
+        pooling = seccomp == "default"
+        self.quotas.check_create(tenant, limits, claims_warm=pooling and self.pools.has_ready(source, limits, tenant))
+        # The refill starts once the row handed out counts as the tenant's (its quota leaves room or not),
+        # and after a policy's attach: both want the CPU.
+        pooled_id = self.pools.take(source, limits, tenant, refill=False) if pooling else None
         if pooled_id is not None:
             made, pooled = self.life.hand_out(pooled_id, info, deadline, owner, env, tenant), True
-            if net is not None:  # a warm sandbox gets its listener now: its services run without the proxy's env
+            if net is None:
+                self.pools.maintain()
+            else:  # a warm sandbox gets its listener now: its services run without the proxy's env
                 try:
                     await self.life.network.attach(dbmod.row_handle(self.db.get(made.id)), net, tenant)
                 except BaseException:
@@ -569,7 +575,7 @@ class Engine:
         source, _, limits = await self.sources.source_limits(await self._scoped(ref, tenant), limits, tenant)
         check_fits_host(limits)
         need = self.config.pool_auto_max if size is None else size
-        self.quotas.check_pools(tenant, self.pools.planned(tenant, but=(source, limits)), need)
+        self.quotas.check_pools(tenant, self.pools.planned(tenant, but=(source, limits)), need, limits)
         pool = self.pools.configure(source, limits, size, tenant)
         if wait:
             await self.pools.wait_full(pool, wait)

@@ -6,7 +6,9 @@ pools, and takes from its own first, then from the host's (``fanfold serve --poo
 operator's warm capacity, of bases and shared images the tenant may use anyway). Its sandboxes are rows in state ``pooled``, owned by the engine: no call can
 reach one by id, so a sandbox is handed out exactly as it came up, never used. A
 handed-out sandbox takes the caller's owner, tenant, labels, env and deadline, and the
-pool refills in the background, giving way to creates that wait in the queue.
+pool refills in the background, giving way to creates that wait in the queue. A tenant's
+warm sandboxes count against its memory and disk quotas (``quotas``): its pool fills only
+as far as they leave room.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from ..config import EngineConfig
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError
 from ..models import Limits, PoolInfo
 from .admission import Admission
+from .quotas import Use
 from .telemetry import Telemetry
 
 log = logging.getLogger("fanfold.pools")
@@ -65,8 +68,11 @@ class PoolHooks(Protocol):
 class Pools:
     """Every warm pool of one engine."""
 
-    def __init__(self, config: EngineConfig, admission: Admission, telemetry: Telemetry, hooks: PoolHooks) -> None:
+    def __init__(self, config: EngineConfig, admission: Admission, telemetry: Telemetry, hooks: PoolHooks,
+                 fits: Callable[[str, Limits], bool] = lambda tenant, limits: True) -> None:
         self._config, self._admission, self._telemetry, self._hooks = config, admission, telemetry, hooks
+        self._fits = fits
+        """Whether one more warm sandbox of these limits keeps the tenant within its quotas."""
         self._pools: dict[PoolKey, _Pool] = {}
         self._fills: set[asyncio.Task[None]] = set()
 
@@ -87,6 +93,11 @@ class Pools:
         pool.size = size
         self.maintain()
         return pool
+
+    def has_ready(self, source: str, limits: Limits, tenant: str) -> bool:
+        """Whether ``tenant``'s own pool of ``source`` and ``limits`` holds a warm sandbox, which ``take`` hands out first."""
+        pool = self._pools.get((tenant, source, limits))
+        return pool is not None and bool(pool.ready)
 
     def take(self, source: str, limits: Limits, tenant: str = "", *, refill: bool = True) -> str | None:
         """A warm sandbox's id, removed from the tenant's pool (else the host's), or None when both are
@@ -139,6 +150,11 @@ class Pools:
                 continue
             room = max(1, self._config.max_creating // 2) - pool.filling
             for _ in range(min(room, target - len(pool.ready) - pool.filling)):
+                if not self._fits(pool.tenant, pool.limits):  # the next pass fills it once there is room
+                    if not pool.filling:
+                        pool.last_error = (f"holds {len(pool.ready)} of {target}: more would take tenant"
+                                           f" {pool.tenant} over its memory_mb or disk_mb quota")
+                    break
                 pool.filling += 1
                 task = asyncio.ensure_future(self._fill(pool))
                 self._fills.add(task)
@@ -190,12 +206,21 @@ class Pools:
         """Every pool (only ``tenant``'s, when given)."""
         return [self.info(pool) for pool in self._pools.values() if tenant is None or pool.tenant == tenant]
 
-    def planned(self, tenant: str, *, but: tuple[str, Limits] | None = None) -> int:
+    def planned(self, tenant: str, *, but: tuple[str, Limits] | None = None) -> Use:
         """Warm sandboxes ``tenant``'s pools may hold (a demand-sized one: its most), ``but`` one of them."""
-        return sum(
-            self._config.pool_auto_max if pool.size is None else pool.size
-            for (owner, source, limits), pool in self._pools.items() if owner == tenant and (source, limits) != but
-        )
+        total = Use()
+        for (owner, source, limits), pool in self._pools.items():
+            if owner == tenant and (source, limits) != but:
+                total += Use.of(self._config.pool_auto_max if pool.size is None else pool.size, limits)
+        return total
+
+    def warm(self, tenant: str) -> Use:
+        """The sandboxes ``tenant``'s pools hold warm or are filling now."""
+        total = Use()
+        for pool in self._pools.values():
+            if pool.tenant == tenant:
+                total += Use.of(len(pool.ready) + pool.filling, pool.limits)
+        return total
 
     async def close(self) -> None:
         for task in list(self._fills):
