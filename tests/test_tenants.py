@@ -159,6 +159,19 @@ async def test_pools_are_the_tenants_own(tserver):
                 with pytest.raises(SandboxNotFound):  # a sandbox from alice's pool is alice's
                     await bob.get(sandbox.id)
                 assert sandbox.id not in {info.id for info in await bob.list()}
+                # Prometheus: bob's token sees the host's figures, none of them naming alice's image (her
+                # pool, her creates' provisioning times); alice sees her pool; the host's own tenant, all.
+                async with http(tserver, "bob") as raw:
+                    for path in ("/metrics", "/v1/metrics", "/v1/stats"):
+                        seen = await raw.get(path)
+                        assert seen.status_code == 200 and image.id not in seen.text, path
+                    assert "fanfold_provision_seconds_count " in (await raw.get("/metrics")).text  # summed
+                async with http(tserver, "alice") as raw:
+                    assert f'fanfold_pool_ready{{source="{image.id}"}}' in (await raw.get("/metrics")).text
+                async with fleet(tserver, None) as host:
+                    text = await host._transport.metrics_text()
+                assert f'fanfold_pool_ready{{source="{image.id}"}}' in text
+                assert f'fanfold_provision_seconds_count{{source="{image.id}"}} 1.0' in text
         finally:
             await alice.pool(image.id, 0, memory_mb=160)
         await until(lambda: alice.pools(), [])

@@ -101,7 +101,7 @@ class Engine:
                           resolve_base=self.catalog.resolve, extra_ca_file=cfg.extra_ca_file)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count)
-        self.telemetry = Telemetry(lambda: self.figures.gauges())
+        self.telemetry = Telemetry(lambda tenant: self.figures.gauges(tenant))
         self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve, tier=self.backend.name)
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
                                      self.owner, self.shard, self.claimer)
@@ -590,9 +590,9 @@ class Engine:
         create and exec latency percentiles, error and timeout rates, and alerts."""
         return await self.figures.stats(tenant=tenant, sandboxes=sandboxes)
 
-    def metrics_text(self) -> bytes:
-        """Every metric in Prometheus' text format."""
-        return self.telemetry.exposition()
+    def metrics_text(self, *, tenant: str | None = None) -> bytes:
+        """Every metric in Prometheus' text format (for a server ``tenant``: none that names another's things)."""
+        return self.telemetry.exposition(tenant)
 
 
 def _private_state(state_dir: Path) -> None:

@@ -44,7 +44,7 @@ class Figures:
             "sandboxes_by_state": by_state,
             "queue": {"waiting": self.life.admission.waiting, "creating": self.life.admission.creating,
                       "max_creating": self.life.config.max_creating},
-            "pools": [pool.to_dict() for pool in self.pools.infos()],
+            "pools": [pool.to_dict() for pool in self.pools.infos(tenant)],
             "host": {"memory_available_mb": admission.memory_available_mb(), "kernel_tasks": tasks,
                      "kernel_tasks_max": most_tasks, "shortage": self.life.admission.shortage(),
                      "leases": self.life.db.count_leases(),
@@ -56,7 +56,8 @@ class Figures:
             "sandboxes": listed,
         }
 
-    def gauges(self) -> Iterable[GaugeMetricFamily]:
+    def gauges(self, tenant: str | None = None) -> Iterable[GaugeMetricFamily]:
+        """The gauges read at scrape time; a server ``tenant``'s pools only, for its token."""
         states = GaugeMetricFamily("fanfold_sandboxes", "Sandboxes on this host by state.", labels=["state"])
         counts = self.life.db.count_by_state()
         for state in ("creating", "running", "paused", "suspended", "destroying", "pooled"):
@@ -64,9 +65,12 @@ class Figures:
         yield states
         yield GaugeMetricFamily("fanfold_queue_depth", "Creates waiting for a slot.", value=self.life.admission.waiting)
         yield GaugeMetricFamily("fanfold_creating", "Creates holding a slot.", value=self.life.admission.creating)
-        ready = GaugeMetricFamily("fanfold_pool_ready", "Warm sandboxes ready per pool.", labels=["source"])
-        for pool in self.pools.infos():
-            ready.add_metric([pool.source], pool.ready)
+        ready = GaugeMetricFamily("fanfold_pool_ready", "Warm sandboxes ready per pool source.", labels=["source"])
+        by_source: dict[str, int] = {}
+        for pool in self.pools.infos(tenant):  # one series per source: pools of other limits add up
+            by_source[pool.source] = by_source.get(pool.source, 0) + pool.ready
+        for source, count in by_source.items():
+            ready.add_metric([source], count)
         yield ready
         yield GaugeMetricFamily("fanfold_memory_available_bytes", "Host memory available (MemAvailable).",
                                 value=admission.memory_available_mb() << 20)

@@ -3,6 +3,10 @@
 Each engine has its own registry (tests run several engines in one process). Latency
 percentiles and error rates for the live view come from a window of recent events,
 not from histogram buckets, so they are exact for what the window holds.
+
+A server's tenant sees the host's figures with nothing that names another tenant's things:
+provisioning times summed over every source (the operator's are by source), and its own
+pools alone.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections import deque
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import Metric
 
 WINDOW_S = 300.0
 """How far back ``fanfold top``'s percentiles and rates look."""
@@ -39,8 +43,10 @@ class _Window:
 
 
 class Telemetry:
-    def __init__(self, gauges: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+    def __init__(self, gauges: Callable[[str | None], Iterable[Metric]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        """The counters and histograms; the gauges are read at scrape time, for whoever scrapes."""
+        self._gauges = gauges
         self.provision = Histogram(
             "fanfold_provision_seconds", "Time from a create call to a running sandbox, queueing included.",
             ["source"], buckets=LATENCY_BUCKETS, registry=self.registry,
@@ -63,7 +69,6 @@ class Telemetry:
         self.pool_handouts = Counter(
             "fanfold_pool_handouts", "Creates served from a warm pool.", registry=self.registry,
         )
-        self.registry.register(_Gauges(gauges))
         self.create_ms = _Window()
         self.exec_ms = _Window()
         self.create_failed = _Window()  # 1.0 per infrastructure failure, 0.0 per success
@@ -93,9 +98,13 @@ class Telemetry:
         self.infra_errors.labels(op="exec").inc()
         self.exec_timeouts.add(0.0)
 
-    def exposition(self) -> bytes:
-        """The registry in Prometheus' text format."""
-        return generate_latest(self.registry)
+    def exposition(self, tenant: str | None = None) -> bytes:
+        """Every metric in Prometheus' text format: the operator's (``tenant`` None), or what a server
+        ``tenant`` may see (no label naming another tenant's image, snapshot or pool)."""
+        families = list(self.registry.collect())
+        if tenant is not None:
+            families = [_without_label(family, "source") for family in families]
+        return generate_latest(_Families([*families, *self._gauges(tenant)]))
 
     def summary(self) -> dict[str, object]:
         """Percentiles and rates over the recent window, with the alerts they raise."""
@@ -127,14 +136,28 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": round(ordered[-1], 3)}
 
 
-class _Gauges:
-    """Figures read at scrape time (sandboxes by state, queue depth, pools)."""
+class _Families:
+    """Metric families, shaped as the registry ``generate_latest`` reads."""
 
-    def __init__(self, collect: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
-        self._collect = collect
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        return self._collect()
+    def collect(self) -> Iterable[Metric]:
+        return self._families
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        return []
+
+def _without_label(family: Metric, label: str) -> Metric:
+    """``family`` with ``label`` dropped and the samples it told apart added up (``_created``: the earliest)."""
+    if not any(label in sample.labels for sample in family.samples):
+        return family
+    merged: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for sample in family.samples:
+        key = (sample.name, tuple((k, v) for k, v in sample.labels.items() if k != label))
+        if sample.name.endswith("_created"):
+            merged[key] = min(merged.get(key, sample.value), sample.value)
+        else:
+            merged[key] = merged.get(key, 0.0) + sample.value
+    out = Metric(family.name, family.documentation, family.type, family.unit)
+    for (name, labels), value in merged.items():
+        out.add_sample(name, dict(labels), value)
+    return out

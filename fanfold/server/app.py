@@ -22,7 +22,7 @@ from ..errors import FanfoldError, InvalidRequest, NotFound
 from ..integrations import e2b, openenv, rft
 from ..web import rollouts
 from ..web.auth import Tenants
-from ..web.deps import ClientGone, tenant
+from ..web.deps import ClientGone, seen_by, tenant
 from ..web.schemas import WhoAmI
 from ..web.status import bug_body, error_response
 from . import files, host, images, network, sandboxes, snapshots
@@ -85,8 +85,8 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     @app.get("/metrics", tags=["host"], response_class=Response, responses=sandboxes.ERRORS)
     async def metrics(request: Request) -> Response:
         """Prometheus metrics, where scrapers look by default (the bearer token is checked here too)."""
-        app.state.tenants.tenant_for(request)
-        return Response(engine.metrics_text(), media_type=host.PROMETHEUS)
+        caller = app.state.tenants.tenant_for(request)
+        return Response(engine.metrics_text(tenant=seen_by(caller)), media_type=host.PROMETHEUS)
 
     @app.get("/v1/health", tags=["server"])
     async def health() -> dict[str, bool]:

@@ -9,7 +9,6 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
-from ..web.auth import LOCAL_TENANT
 from ..web.deps import check_source, engine, seen_by, tenant
 from ..web.schemas import ErrorBody, LeaseBody, LeaseRequest, PoolBody, PoolRequest, limits_of
 
@@ -59,13 +58,11 @@ async def stats(request: Request, caller: str = Depends(tenant),
                                                           "only, cheap to poll).")) -> dict[str, Any]:
     """The host at a glance (``fanfold top``): counts, queue, pools, latency percentiles, error
     rates and alerts; the sandbox and pool lists hold the caller's only, but for the host's tenant (all)."""
-    figures = await engine(request).stats(tenant=seen_by(caller), sandboxes=sandboxes)
-    if caller != LOCAL_TENANT:  # the host's tenant sees every pool, as `fanfold top` on the host
-        figures["pools"] = [pool.to_dict() for pool in await engine(request).pools_info(tenant=caller)]
-    return figures
+    return await engine(request).stats(tenant=seen_by(caller), sandboxes=sandboxes)
 
 
 @router.get("/metrics", responses=ERRORS, response_class=Response)
-async def metrics(request: Request, _: str = Depends(tenant)) -> Response:
-    """Prometheus metrics (text format 0.0.4); also served at ``/metrics``."""
-    return Response(engine(request).metrics_text(), media_type=PROMETHEUS)
+async def metrics(request: Request, caller: str = Depends(tenant)) -> Response:
+    """Prometheus metrics (text format 0.0.4); also served at ``/metrics``. A tenant's token sees the host's
+    figures with its own pools only and provisioning times summed over sources; the host's own tenant, all."""
+    return Response(engine(request).metrics_text(tenant=seen_by(caller)), media_type=PROMETHEUS)
