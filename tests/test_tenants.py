@@ -363,6 +363,46 @@ CREATE INDEX snapshots_sandbox ON snapshots(sandbox_id);
 """
 
 
+async def test_a_tenants_pull_or_build_never_moves_the_hosts_names(tserver, registry):
+    """The host pulled a tag and named a build; a tenant's later pull of that tag (moved meanwhile) and its
+    build of that name set the tenant's own names, and the host's still name what they named."""
+    ref = f"{registry.host}/hostnames-{uuid.uuid4().hex[:8]}:v1"
+    tag = f"team/env-{uuid.uuid4().hex[:8]}:v1"
+    async with fleet(tserver, None) as host, fleet(tserver, "alice") as alice:
+        push_image(registry, ref.partition("/")[2], [{"marker": "host"}])
+        pulled = await host.pull(ref)
+        built = await host.build(EnvSpec("host").env(WHO="host"), tag=tag)
+        push_image(registry, ref.partition("/")[2], [{"marker": "alice"}])
+        theirs = await alice.pull(ref)
+        her_build = await alice.build(EnvSpec("host").env(WHO="alice"), tag=tag)
+        assert theirs.id != pulled.id and her_build.id != built.id
+        named = {image.id: image.names for image in await host.images()}
+        assert ref in named[pulled.id] and ref not in named[theirs.id]
+        assert tag in named[built.id] and tag not in named[her_build.id]
+        async with await host.create(ref) as sandbox:
+            assert await sandbox.files.read("/marker") == b"host"
+        async with await host.create(tag) as sandbox:
+            assert (await sandbox.exec("echo $WHO")).stdout == b"host\n"
+        async with await alice.create(ref) as sandbox:
+            assert await sandbox.files.read("/marker") == b"alice"
+        async with await alice.create(tag) as sandbox:
+            assert (await sandbox.exec("echo $WHO")).stdout == b"alice\n"
+        for name in (ref, tag):
+            await alice.remove_image(name)
+            await host.remove_image(name)
+
+        # A rollout's image is resolved for its tenant when the rollout is made: pulled as hers, named hers.
+        fresh = f"{registry.host}/rollout-{uuid.uuid4().hex[:8]}:v1"
+        push_image(registry, fresh.partition("/")[2], [{"marker": "rollout"}])
+        async with http(tserver, "alice") as raw:
+            rollout = await raw.post("/v1/rollouts", json={"image": fresh})
+            assert rollout.status_code == 201, rollout.text
+            assert (await raw.delete(f"/v1/rollouts/{rollout.json()['rollout_id']}")).status_code == 204
+        assert fresh not in {name for image in await host.images() for name in image.names}
+        [hers] = [image for image in await alice.images() if fresh in image.names]
+        await alice.remove_image(hers.id)
+
+
 async def test_a_quota_is_a_429_that_names_it_and_leaves_nothing(tserver, config):
     async with fleet(tserver, "carol") as carol:
         made = [await carol.create(memory_mb=256, disk_mb=256) for _ in range(2)]

@@ -175,9 +175,12 @@ class Engine:
         built = self.catalog.own(await self.sources.build(spec, on_step, network=network), tenant)
         return built if tag is None else self.catalog.name(tag, built, tenant)
 
-    async def image(self, ref: str | Image) -> Image:
+    async def image(self, ref: str | Image, *, tenant: str = "") -> Image:
         """An image from an Image, an image id, a base name (``host``, ``debian:bookworm``) or a
-        reference (pulled from its registry the first time)."""
+        reference (pulled from its registry the first time); for a server ``tenant``, only among the
+        images it may see, and a reference it pulls is pulled as it and named for it alone."""
+        if tenant and isinstance(ref, str) and ref not in BASES:
+            return await self.catalog.resolve(ref, tenant)
         return await self.sources.image(ref)
 
     async def images(self, *, tenant: str = "") -> list[Image]:

@@ -203,7 +203,7 @@ async def _source(request: Request, caller: str, item: dict[str, Any], image: st
     except InvalidRequest as err:  # swefix: a task image of the user's, which the item names
         raise InvalidRequest(f"env {env} has no image of its own: give the item an image field ({err})") from None
     engine = app_rollouts(request).engine
-    return (await engine.build(spec, tenant=caller)).id
+    return (await engine.build(await engine.catalog.scoped(spec, caller), tenant=caller)).id  # its base: the caller's
 
 
 # -- the grader -------------------------------------------------------------------------------------

@@ -369,7 +369,7 @@ async def check_rollout(request: Request, body: RolloutRequest, caller: str) -> 
     if body.snapshot is not None and engine.resolve_snapshot(body.snapshot, tenant=caller) is None:
         raise SnapshotNotFound(f"no snapshot {body.snapshot!r}")
     if body.image not in (None, *BASES) and engine.resolve_snapshot(body.image, tenant=caller) is None:
-        await engine.image(body.image)  # ImageNotFound
+        await engine.image(body.image, tenant=caller)  # ImageNotFound; a pull is the caller's, as its create's
     if body.limits is not None:  # limits the host cannot hold
         check_fits_host(Limits(**body.limits.model_dump()))
 
