@@ -99,9 +99,16 @@ async def test_a_tenant_sees_and_touches_only_its_own_snapshots(server):
         assert taken.id not in {s.id for s in await bob.snapshots()}
         assert (await alice.get_snapshot(taken.name)).id == taken.id  # a name works where an id does
         for attempt in (bob.get_snapshot(taken.id), bob.get_snapshot(taken.name), bob.delete_snapshot(taken.id),
-                        bob.create(taken.id), bob.create(taken.name)):
+                        bob.create(taken.id)):
             with pytest.raises(fe.SnapshotNotFound):
                 await attempt
+        # alice's name is no name of bob's: his create of it is answered as one of a name nobody holds.
+        unheld = f"nobodys-{sandbox.id}"
+        with pytest.raises(fe.ImageNotFound) as theirs:
+            await bob.create(taken.name)
+        with pytest.raises(fe.ImageNotFound) as nobodys:
+            await bob.create(unheld)
+        assert str(theirs.value).replace(taken.name, unheld) == str(nobodys.value)
         for verb in ("pause", "unpause", "suspend", "resume", "reset"):
             with pytest.raises(SandboxNotFound):
                 await getattr(bob._transport, verb)(sandbox.id)
