@@ -2,10 +2,11 @@
 
     python bench/density.py [--count 1000] [--concurrency 16] [--json]
 
-Creates ``--count`` idle sandboxes (64 MB limit each) at bounded concurrency on a private
-state dir, measures host memory (MemTotal - MemAvailable, caches left alone) before and
-after, the summed RSS of the in-sandbox agents and the mounts, checks a sample is alive
-(``exec true`` in every 50th), destroys them all and counts what leaked. The last line is
+Creates ``--count`` idle sandboxes (64 MB of memory and a 16 MB disk each: admission adds the
+disks up against the real free space) at bounded concurrency on a private state dir, measures
+host memory (MemTotal - MemAvailable, caches left alone) before and after, the summed RSS of
+the in-sandbox agents and the mounts, checks a sample is alive (``exec true`` in every 50th),
+destroys them all and counts what leaked. The last line is
 one JSON object.
 """
 
@@ -54,7 +55,7 @@ async def fill(fleet: AsyncFleet, count: int, concurrency: int, quiet: bool) -> 
         async with gate:
             start = time.perf_counter()
             try:
-                sandboxes.append(await fleet.create("host", memory_mb=64, deadline=3600))
+                sandboxes.append(await fleet.create("host", memory_mb=64, disk_mb=16, deadline=3600))
             except Exception as exc:  # noqa: BLE001 - counted and reported, not fatal
                 errors.append(f"{type(exc).__name__}: {exc}")
                 return

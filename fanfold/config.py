@@ -88,7 +88,13 @@ class EngineConfig:
     reserve_memory_mb: int = 256
     """Host memory (MemAvailable) a create leaves free; below it creates wait for headroom."""
     reserve_disk_mb: int = 512
-    """Free space in the state dir a create leaves free."""
+    """Free space in the state dir a create leaves free, and that sandboxes' disks never take: the engine's
+    own state (its database, runtime state, snapshots' files) keeps it when the disks fill."""
+    disk_overcommit: float = field(default_factory=lambda: _env_float_or("FANFOLD_DISK_OVERCOMMIT", 1.0))
+    """How many times the disks' real free space the ``disk_mb`` that live sandboxes may still write may add up
+    to (``FANFOLD_DISK_OVERCOMMIT``). 1 (default): every sandbox can write its whole ``disk_mb``. More packs in
+    sandboxes that write little; when the space runs short anyway, each sandbox's cap shrinks to what it holds
+    plus its share of what is left, so the one that writes on gets its quota error and the others keep working."""
     reserve_pids: int = 2048
     """Kernel tasks (of ``threads-max`` and ``pid_max``) a create leaves free."""
     default_deadline_s: float = field(default_factory=lambda: float(_env_int("FANFOLD_DEFAULT_DEADLINE", 3600)))
@@ -179,6 +185,8 @@ class EngineConfig:
             raise ValueError(f"FANFOLD_WORKERS (workers=) must be 0 to {MAX_WORKERS} or auto, got {self.workers!r}")
         if self.disk not in DISKS:
             raise ValueError(f"FANFOLD_DISK (disk=) must be one of {', '.join(DISKS)}, got {self.disk!r}")
+        if not self.disk_overcommit > 0:
+            raise ValueError(f"FANFOLD_DISK_OVERCOMMIT (disk_overcommit=) must be > 0, got {self.disk_overcommit!r}")
         if self.pull not in PULL_POLICIES:
             raise ValueError(f"FANFOLD_PULL (pull=) must be one of {', '.join(PULL_POLICIES)}, got {self.pull!r}")
 

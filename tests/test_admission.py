@@ -10,6 +10,7 @@ import pytest
 
 from fanfold import AsyncFleet, CapacityExceeded, CreateParams, LeaseNotFound, SandboxNotFound
 from fanfold.engine import Engine
+from fanfold.host import diskspace
 
 from conftest import fleet_args, leaks
 
@@ -50,6 +51,29 @@ async def test_a_full_host_queues_then_fails_with_a_retryable_reason(config):
         await first.kill()  # room frees: the waiting create goes through
         third = await asyncio.wait_for(waiting, 60)
         assert (await third.exec("true")).ok
+
+
+async def test_creates_add_their_disk_mb_up_against_the_disks_real_free_space(config):
+    """A create whose disk could not be written in full, with what the live and the warm sandboxes may
+    still write, waits for room and fails with a retryable reason naming the disk space."""
+    async with AsyncFleet(config=dataclasses.replace(config, disk="btrfs")) as fleet:
+        room_mb = diskspace.room(config.state_dir, config.reserve_disk_mb << 20).free >> 20
+        with pytest.raises(CapacityExceeded, match=rf"asks for disk_mb={room_mb + 4096}, but .* MB free .*"
+                                                   r"ask for less disk_mb"):
+            await fleet.create(disk_mb=room_mb + 4096, queue_timeout=0.3)
+        most = room_mb * 6 // 10  # two of these never fit together, one always does
+        first = await fleet.create(disk_mb=most)
+        with pytest.raises(CapacityExceeded, match="the sandboxes' disks may still write"):
+            await fleet.create(disk_mb=most, queue_timeout=0.3)
+        await first.kill()
+        await fleet.pool("host", 1, disk_mb=most, wait=60)  # a warm sandbox's disk counts as much:
+        engine: Engine = fleet._transport  # type: ignore[assignment]
+        warm = {r["id"] for r in engine.db.rows() if r["state"] == "pooled"}
+        second = await fleet.create(disk_mb=most + 1, queue_timeout=60)  # other limits: not from the pool
+        assert warm and not warm & {r["id"] for r in engine.db.rows()}, "the warm sandbox was not evicted for room"
+        assert (await second.exec("true")).ok
+        await fleet.pool("host", 0, disk_mb=most)
+        await second.kill()
 
 
 async def test_a_warm_pool_hands_out_fresh_sandboxes_and_refills(config):

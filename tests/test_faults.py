@@ -41,7 +41,7 @@ async def test_engine_killed_mid_burst_loses_nothing_reported_and_leaks_nothing(
 
             async def one(i: int) -> None:
                 try:
-                    made.append(await fleet.create(labels={"burst": str(i)}))
+                    made.append(await fleet.create(labels={"burst": str(i)}, disk_mb=64))  # 200 disks fit any host
                 except FanfoldError as err:
                     failed.append(err)
                 if len(made) >= 40:
@@ -61,7 +61,7 @@ async def test_engine_killed_mid_burst_loses_nothing_reported_and_leaks_nothing(
             results = await asyncio.gather(*(sandbox.exec("echo $HOSTNAME") for sandbox in made))
             assert [r.text.strip() for r in results] == [s.id for s in made]
             # The failed ones succeed when retried: the burst completes.
-            retried = await asyncio.gather(*(fleet.create() for _ in failed))
+            retried = await asyncio.gather(*(fleet.create(disk_mb=64) for _ in failed))
             assert len(made) + len(retried) == 200 and len({s.id for s in made + retried}) == 200
             listed = {info.id for info in await fleet.list()}
             assert {s.id for s in made + retried} <= listed

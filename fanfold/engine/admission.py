@@ -3,7 +3,8 @@
 A burst of creates never fails because it is a burst. At most ``max_creating`` sandboxes
 come up at once (more only thrash two cores); the rest wait in arrival order. A create
 that holds a slot also waits, if it must, for memory, disk, kernel tasks and the
-sandbox count to allow one more; only when its ``queue_timeout`` runs out does it fail,
+sandbox count to allow one more, and for the sandboxes' disks to have room for its
+``disk_mb`` (``diskroom``); only when its ``queue_timeout`` runs out does it fail,
 with a retryable CapacityExceeded that says what ran short.
 """
 
@@ -21,15 +22,17 @@ from ..config import EngineConfig
 from ..errors import CapacityExceeded, InvalidRequest
 from ..host import procs
 from ..models import Limits
+from .diskroom import DiskRoom
 
 HEADROOM_POLL_S = 0.25
 """How often a create short of headroom looks again when no sandbox is released meanwhile."""
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, count_sandboxes: Callable[[], int]) -> None:
+    def __init__(self, config: EngineConfig, count_sandboxes: Callable[[], int], disks: DiskRoom | None = None) -> None:
         self.config = config
         self._count = count_sandboxes
+        self.disks = disks
         self._slots = asyncio.Semaphore(config.max_creating)
         self._freed = asyncio.Event()
         self.waiting = 0
@@ -42,8 +45,11 @@ class Admission:
         self._freed.set()
 
     @asynccontextmanager
-    async def slot(self, wait: float, evict: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[None]:
-        """Hold one create slot with headroom for one more sandbox, waiting up to ``wait`` seconds.
+    async def slot(self, wait: float, evict: Callable[[], Awaitable[bool]] | None = None,
+                   disk_mb: int = 0) -> AsyncIterator[None]:
+        """Hold one create slot with headroom for one more sandbox whose disk may take ``disk_mb``,
+        waiting up to ``wait`` seconds. The caller inserts the sandbox's row before it next awaits,
+        so the next create counts its disk.
 
         ``evict`` frees room (a pooled or sticky sandbox) and says whether it did.
         """
@@ -66,7 +72,7 @@ class Admission:
             self.waiting -= 1
         self.creating += 1
         try:
-            while (short := self.shortage()) is not None:
+            while (short := self.shortage(disk_mb)) is not None:
                 if evict is not None and await evict():
                     continue
                 left = give_up - loop.time()
@@ -83,8 +89,8 @@ class Admission:
             self.creating -= 1
             self._slots.release()
 
-    def shortage(self) -> str | None:
-        """What the host lacks for one more sandbox, or None when it has room."""
+    def shortage(self, disk_mb: int = 0) -> str | None:
+        """What the host lacks for one more sandbox whose disk may take ``disk_mb``, or None when it has room."""
         cfg = self.config
         count = self._count()
         if count >= cfg.max_sandboxes:
@@ -98,7 +104,7 @@ class Admission:
         tasks, most = kernel_tasks()
         if tasks + cfg.reserve_pids > most:
             return f"{tasks} kernel tasks of at most {most}, {cfg.reserve_pids} kept in reserve"
-        return None
+        return self.disks.shortage(disk_mb) if self.disks is not None else None
 
 
 def memory_available_mb() -> int:

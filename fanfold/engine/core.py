@@ -34,6 +34,7 @@ from ..runtime import SECCOMP_PROFILES as PROFILES, check_seccomp, get_backend
 from ..spec import BASES, EnvSpec, check_user
 from . import db as dbmod
 from .admission import Admission, check_fits_host
+from .diskroom import DiskRoom
 from .catalog import Catalog, check_tag
 from .api import MAX_POOL, OnOutput
 from .checkpoints import Checkpoints
@@ -100,7 +101,7 @@ class Engine:
                           scratch_run=cfg.state_dir / "bundles", tag=cfg.tag,
                           resolve_base=self.catalog.resolve, extra_ca_file=cfg.extra_ca_file)
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
-        self.admission = Admission(cfg, db.count)
+        self.admission = Admission(cfg, db.count, DiskRoom(cfg, lambda: self.db, lambda: self.backend.quota))
         self.telemetry = Telemetry(lambda tenant: self.figures.gauges(tenant))
         self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve, tier=self.backend.name)
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
@@ -296,7 +297,7 @@ class Engine:
                 finally:
                     self.pools.maintain()
         else:
-            async with self.admission.slot(wait, self.policies.evict_for_room):
+            async with self.admission.slot(wait, self.policies.evict_for_room, limits.disk_mb):
                 self.quotas.check_create(tenant, limits)
                 made, pooled = await self.life.bring_up(info, deadline, owner, env, tenant), False
         if made.user:  # a user the sandbox does not know fails its create, not its first exec

@@ -278,6 +278,14 @@ class Database:
     def count(self) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM sandboxes").fetchone()[0]
 
+    def disk_mb(self) -> dict[str, int]:
+        """Each sandbox's ``disk_mb`` (pooled, suspended and destroying ones too: their disks are there)."""
+        return dict(self.conn.execute("SELECT id, json_extract(limits, '$.disk_mb') FROM sandboxes").fetchall())
+
+    def disk_mb_total(self) -> int:
+        """The ``disk_mb`` of every sandbox added up."""
+        return self.conn.execute("SELECT COALESCE(SUM(json_extract(limits, '$.disk_mb')), 0) FROM sandboxes").fetchone()[0]
+
     def count_by_state(self) -> dict[str, int]:
         return dict(self.conn.execute("SELECT state, COUNT(*) FROM sandboxes GROUP BY state").fetchall())
 

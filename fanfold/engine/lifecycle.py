@@ -290,7 +290,7 @@ class Lifecycle:
         """A sandbox for a warm pool: up, owned by this engine, unreachable until handed out."""
         img_id = self.snaps.row(source)["image_id"] if source.startswith(SNAPSHOT_PREFIX) else source
         info = SandboxInfo(id="", state="pooled", image_id=img_id, limits=limits, source=source)
-        async with self.admission.slot(self.config.queue_timeout_s, None):
+        async with self.admission.slot(self.config.queue_timeout_s, None, limits.disk_mb):
             made = await self.bring_up(info, None, self.claimer, {}, "", state="pooled")
         return made.id
 

@@ -92,6 +92,8 @@ class Reaper:
             await self.sweep_leftovers()
         else:
             await life.backend.sweep()
+        if life.admission.disks is not None:
+            await life.admission.disks.rebalance()  # first: a disk filling up waits for nothing else
         for lease_id in life.db.expired_leases():
             await self.leases.reap(lease_id)
         rows = life.db.rows()

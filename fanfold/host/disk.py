@@ -122,7 +122,7 @@ def make(state_dir: Path, sandbox_id: str, disk_mb: int) -> Path:
     finally:
         os.close(parent)
     path = sandbox_disk(state_dir, sandbox_id)
-    _limit(path, _LIMIT_MAX_RFER, disk_mb << 20, 0)
+    set_limit(path, _LIMIT_MAX_RFER, disk_mb << 20, 0)
     return path
 
 
@@ -132,7 +132,7 @@ def make_from(state_dir: Path, sandbox_id: str, layer: Path, disk_mb: int) -> Pa
     costs it nothing until it rewrites it. The snapshot carries its source's limit, which goes."""
     path = sandbox_disk(state_dir, sandbox_id)
     snapshot(layer, path)
-    _limit(path, _LIMIT_MAX_RFER | _LIMIT_MAX_EXCL, _LIMIT_CLEAR, disk_mb << 20)
+    set_limit(path, _LIMIT_MAX_RFER | _LIMIT_MAX_EXCL, _LIMIT_CLEAR, disk_mb << 20)
     return path
 
 
@@ -147,7 +147,8 @@ def sync(path: Path) -> None:
         os.close(fd)
 
 
-def _limit(path: Path, flags: int, max_rfer: int, max_excl: int) -> None:
+def set_limit(path: Path, flags: int, max_rfer: int, max_excl: int) -> None:
+    """Set the quota group limits of the subvolume at ``path`` (``flags``: which of the two apply)."""
     subvol = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         # struct btrfs_qgroup_limit_args: qgroupid (0: the fd's subvolume), then btrfs_qgroup_limit

@@ -109,6 +109,13 @@ class Backend(ABC):
         self.config = config
         self.store = store
 
+    @property
+    def quota(self) -> bool:
+        """Whether sandboxes' disks are subvolumes of the btrfs at ``<state>/disk``, each capped by a quota
+        group at its ``disk_mb`` (``host.diskspace`` reads and sets them); False: their disks take nothing
+        from a filesystem they share (a tmpfs each, charged to memory)."""
+        return False
+
     # -- the host -------------------------------------------------------------------------------
 
     @abstractmethod

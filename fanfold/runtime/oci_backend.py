@@ -50,11 +50,6 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     """When a restore last read each memory snapshot's images (``lazy.cool_images``)."""
     images_cooled: set[str]
 
-    @property
-    def quota(self) -> bool:
-        """Whether new sandboxes get a subvolume with a quota as their disk (else a tmpfs)."""
-        return self.disk_hold is not None
-
     async def prepare(self) -> None:
         if not setup.is_root():
             raise HostNotReady("the oci backend needs root (mounts, cgroups): run fanfold as root,"

@@ -101,6 +101,11 @@ class OnHost:
     disk_hold: disk.Hold | None = None
     """The btrfs holding sandboxes' disks (``prepare`` made sure of it), else each has a tmpfs."""
 
+    @property
+    def quota(self) -> bool:
+        """Whether new sandboxes get a subvolume with a quota as their disk (else a tmpfs)."""
+        return self.disk_hold is not None
+
     def prepare_host(self) -> None:
         """Ready the host once per engine start (the caller checked it runs as root)."""
         setup.fix_hybrid_cgroups()
