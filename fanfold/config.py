@@ -124,6 +124,12 @@ class EngineConfig:
     images_cold_s: float = field(default_factory=lambda: _env_float_or("FANFOLD_IMAGES_COLD_S", 300.0))
     """Memory snapshots' images no restore used for this long are dropped from the page cache (they stay
     on disk); hot ones are read from it."""
+    page_servers_max: int = field(default_factory=lambda: _env_int("FANFOLD_PAGE_SERVERS_MAX", 128))
+    """Page servers (one process and about 1 MB for each lazily restored sandbox whose memory is not all in)
+    running at once (``FANFOLD_PAGE_SERVERS_MAX``); a restore past it copies every page before it returns."""
+    page_server_idle_s: float = field(default_factory=lambda: _env_float_or("FANFOLD_PAGE_SERVER_IDLE_S", 60.0))
+    """A page server that copied no page for this long copies the rest in and exits
+    (``FANFOLD_PAGE_SERVER_IDLE_S``): an idle sandbox stops holding a process for pages it may never touch."""
     pool_auto_max: int = 64
     """The most sandboxes a demand-sized pool (``size=None``) keeps warm."""
     pool_window_s: float = 60.0

@@ -9,6 +9,7 @@ page and writes how many were wrong, so every touch also checks the memory came 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import stat
@@ -184,6 +185,36 @@ async def test_eager_restore_is_a_switch(config, holder_snapshot):
             assert await pages(fleet, child.id) is None
             assert not (lazy_dir(config, child.id) / lazy.PID_FILE).exists()
             assert await touch(child, 1, 1) == 0
+
+
+async def test_an_idle_page_server_copies_the_rest_in_and_ends(config, holder_snapshot):
+    """A sandbox that stops touching new pages does not keep a page server for the rest."""
+    _, snapshot = holder_snapshot
+    idle = EngineConfig(state_dir=config.state_dir, page_server_idle_s=0.5)
+    async with AsyncFleet(config=idle) as fleet:
+        async with await fleet.create(snapshot.id, memory_mb=MB + 192) as child:
+            try:
+                pid = int((lazy_dir(config, child.id) / lazy.PID_FILE).read_text().split()[0])
+            except FileNotFoundError:
+                pid = None  # drained already
+            assert pid is None or await asyncio.to_thread(wait_gone, pid, 30), "the idle page server still runs"
+            counts = await pages(fleet, child.id)
+            assert counts["state"] == "done" and counts["copied"] >= PAGES
+            assert await touch(child, 1, 1) == 0
+
+
+async def test_restores_past_the_page_server_cap_copy_every_page_at_once(config, holder_snapshot):
+    _, snapshot = holder_snapshot
+    capped = EngineConfig(state_dir=config.state_dir, page_servers_max=1)
+    async with AsyncFleet(config=capped) as fleet:
+        async with await fleet.create(snapshot.id, memory_mb=MB + 192) as first, \
+                await fleet.create(snapshot.id, memory_mb=MB + 192) as second:
+            assert (await pages(fleet, first.id))["state"] == "serving"
+            assert await pages(fleet, second.id) is None  # restored eagerly: no page server of its own
+            assert list(fleet._transport.backend.page_sources) == [first.id]  # type: ignore[attr-defined]
+            assert await touch(first, 1, 1) == 0 and await touch(second, 1, 1) == 0
+        async with await fleet.create(snapshot.id, memory_mb=MB + 192) as third:  # room again: lazy
+            assert (await pages(fleet, third.id))["state"] == "serving"
 
 
 def resident(files) -> int:

@@ -16,6 +16,10 @@ lazy-pages-on-demand.patch``) so that the daemon
 
 A daemon that dies before its drain is done takes the missing pages with it (the kernel fills
 them with zeros): ``PageSource.watch`` tells the owner, who ends the sandbox and says why.
+
+Each daemon is a process and about 1 MB. Its owner drains one that copied nothing for a while
+(``PageSource.idle_for``: a sandbox that stopped touching new pages may never touch the rest), and
+restores eagerly past a cap on how many run (``EngineConfig.page_servers_max``).
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ class PageSource:
         self._status: int | None = None
         self._exited = asyncio.get_running_loop().create_future()
         self._stopping = False
+        self.draining = False
+        """Whether ``drain`` was called: the daemon copies the rest in and exits."""
+        self._seen: tuple[int, int] | None = None
+        self._active_at = time.monotonic()
         asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
 
     @classmethod
@@ -140,6 +148,19 @@ class PageSource:
     def running(self) -> bool:
         return self._status is None
 
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop`` or ``let_go`` ended or released it."""
+        return self._stopping
+
+    def idle_for(self) -> float:
+        """Seconds since the daemon was last seen to copy a page (each call looks at its counters)."""
+        counts = self.counts()
+        seen = (counts.copied, counts.faults) if counts else None
+        if seen != self._seen:
+            self._seen, self._active_at = seen, time.monotonic()
+        return time.monotonic() - self._active_at
+
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Call ``on_lost(why)`` if the daemon ends before its drain is done, not when ``stop()`` ends it."""
         def exited(_: asyncio.Future[None]) -> None:
@@ -150,6 +171,7 @@ class PageSource:
     async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         """Have every page not yet faulted in copied, and wait for the daemon to exit: after it,
         the sandbox's memory no longer depends on it. CheckpointFailed when it fails."""
+        self.draining = True
         if self.running:
             try:
                 os.write(self._control, b"d")

@@ -29,6 +29,8 @@ from .base import Backend, Capabilities, Handle, SandboxSpec
 from .criu import Criu
 
 FREEZE_TIMEOUT_S = 10.0
+IDLE_DRAINS_AT_ONCE = 2
+"""Idle page servers copying their rest in at once: a fork's children, idle together, take turns."""
 CONNECT_TIMEOUT_S = 5.0
 log = logging.getLogger("fanfold.engine")
 
@@ -44,6 +46,10 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     """Whether new sandboxes get a user namespace (``config.userns``, where the host allows)."""
     page_sources: dict[str, lazy.PageSource]
     """The page server of each sandbox restored lazily whose memory is not all in yet."""
+    lazy_starting: int
+    """Lazy restores under way (their page servers count against ``page_servers_max`` already)."""
+    draining: set[asyncio.Task[None]]
+    """Drains of idle page servers under way."""
     lost: dict[str, str]
     """Sandboxes this backend killed because their page server died, and why."""
     images_used: dict[str, float]
@@ -62,6 +68,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu, lo_up=self.agent_path)
         self.page_sources, self.lost, self.images_used, self.images_cooled = {}, {}, {}, set()
+        self.lazy_starting, self.draining = 0, set()
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
@@ -70,6 +77,8 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             self.userns = await asyncio.to_thread(_idmaps_work, cfg, self.users, self.disk_hold is not None)
 
     async def close(self, *, idle: bool = True) -> None:
+        for task in self.draining:  # let_go below has each daemon finish its drain on its own
+            task.cancel()
         for source in self.page_sources.values():  # sandboxes that outlive this engine: their memory all in
             source.let_go()
         self.page_sources.clear()
@@ -78,6 +87,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
 
     async def sweep(self, *, thorough: bool = False) -> None:
         await super().sweep(thorough=thorough)
+        self._drain_idle()
         if thorough:
             self.images_cooled |= await asyncio.to_thread(
                 lazy.cool_images, self.config.state_dir / "snapshots", dict(self.images_used), set(self.images_cooled),
@@ -95,9 +105,16 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         if spec.restore is not None:
             self.images_used[str(spec.restore)] = time.time()
             self.images_cooled.discard(str(spec.restore))
-            sources = self.page_sources if self.config.lazy_restore else None
-            pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec, quota=self.quota,
-                                            users=self.users, page_sources=sources)
+            # Past the cap this restore copies every page now, and keeps no page server.
+            serving = len(self.page_sources) + self.lazy_starting
+            lazy_ = self.config.lazy_restore and serving < self.config.page_servers_max
+            self.lazy_starting += lazy_
+            try:
+                pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec,
+                                                quota=self.quota, users=self.users,
+                                                page_sources=self.page_sources if lazy_ else None)
+            finally:
+                self.lazy_starting -= lazy_
             if spec.id in self.page_sources:
                 self.page_sources[spec.id].watch(lambda why: self._lose(spec.id, pid, why))
         else:
@@ -150,6 +167,26 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         self.lost[sandbox_id] = f"sandbox {sandbox_id} was ended: {why}"
         log.error("%s", self.lost[sandbox_id])
         oci_sandbox.kill_init(self.config, sandbox_id, pid)
+
+    def _drain_idle(self) -> None:
+        """Have each page server that copied nothing for ``page_server_idle_s`` copy the rest in and exit."""
+        for sandbox_id, source in list(self.page_sources.items()):
+            if len(self.draining) >= IDLE_DRAINS_AT_ONCE:
+                return
+            if not source.draining and source.idle_for() >= self.config.page_server_idle_s:
+                task = asyncio.ensure_future(self._drain(sandbox_id, source))
+                self.draining.add(task)
+                task.add_done_callback(self.draining.discard)
+
+    async def _drain(self, sandbox_id: str, source: lazy.PageSource) -> None:
+        try:
+            await source.drain()
+        except CheckpointFailed as err:  # its watch ends the sandbox, unless it was stopped meanwhile
+            if not source.stopping:
+                log.warning("fanfold: sandbox %s's idle page server did not finish: %s", sandbox_id, err)
+            return
+        if self.page_sources.get(sandbox_id) is source:
+            del self.page_sources[sandbox_id]
 
     async def _memory_all_in(self, sandbox_id: str) -> None:
         """Before a checkpoint: CRIU dumps only the pages a process has, so a lazily restored sandbox's
