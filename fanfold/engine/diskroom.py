@@ -71,8 +71,9 @@ class DiskRoom:
     async def _rebalance(self) -> None:
         cfg, db = self.config, self._db()
         room = diskspace.room(cfg.state_dir, cfg.reserve_disk_mb << 20)
-        if db.disk_mb_total() << 20 <= room.free and not self.capped:
-            return
+        if not self.capped and (db.disk_mb_total() << 20 <= room.free
+                                or self._owed_mb(db.disk_mb(), self._cached_uses()) << 20 <= room.free):
+            return  # counters as of the last commit count less written, so more owed: room either way
         uses = await asyncio.to_thread(diskspace.usage, cfg.state_dir)  # commits first: counters as of now
         self._uses = (time.monotonic(), uses)
         room = diskspace.room(cfg.state_dir, cfg.reserve_disk_mb << 20)
@@ -84,11 +85,13 @@ class DiskRoom:
         changed = {i: cap for i, cap in caps.items() if abs(cap - uses[i].limit) >= 1 << 20}
         if changed:
             await asyncio.to_thread(self._set_caps, changed, uses)
-        self.capped = {i for i, cap in caps.items() if cap < promised[i]}
-        if changed and share < 1.0:
+        was, self.capped = self.capped, {i for i, cap in caps.items() if cap < promised[i]}
+        if self.capped and not was:
             log.warning("fanfold: %s has %d MB left for sandboxes' disks that may still write %d MB: their caps"
-                        " shrink to what they hold plus %.0f%% of what they may still write",
-                        room.bound, room.free >> 20, owed >> 20, share * 100)
+                        " shrink to what they hold plus their share of what is left", room.bound, room.free >> 20,
+                        owed >> 20)
+        elif was and not self.capped:
+            log.warning("fanfold: %s has room again: the sandboxes' disks are capped at their disk_mb", room.bound)
 
     def _set_caps(self, caps: dict[str, int], uses: dict[str, diskspace.Use]) -> None:
         for sandbox_id, cap in caps.items():
