@@ -294,6 +294,17 @@ def env_insecure_registries() -> frozenset[str]:
     return frozenset(h.strip() for h in os.environ.get("FANFOLD_INSECURE_REGISTRIES", "").split(",") if h.strip())
 
 
+def env_pull_stall_s() -> float:
+    """Seconds a registry may send nothing mid-pull before the pull fails, from ``FANFOLD_PULL_STALL_S`` (default 120)."""
+    value = _env_float("FANFOLD_PULL_STALL_S")
+    if value is not None and value <= 0:
+        raise ValueError(f"FANFOLD_PULL_STALL_S must be a positive number of seconds, got {value}")
+    return PULL_STALL_S if value is None else value
+
+
+PULL_STALL_S = 120.0
+
+
 def env_registry_certs() -> Path | None:
     """A dir like ``/etc/containers/certs.d`` (``<host:port>/ca.crt``) from ``FANFOLD_REGISTRY_CERTS``, if set."""
     text = os.environ.get("FANFOLD_REGISTRY_CERTS", "")

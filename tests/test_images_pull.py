@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import gzip
 import json
 import os
@@ -306,6 +307,36 @@ async def test_a_pull_cancelled_mid_transfer_kills_skopeo_and_keeps_nothing(
     assert_nothing_half_stored(images)
     image = await images.pull(ref, tls_verify=False)
     assert images.store.has_layer(image.layers[0])
+
+
+@pytest.mark.parametrize("progress", [True, False], ids=["followed", "unfollowed"])
+async def test_a_registry_that_stalls_mid_blob_fails_the_pull_in_its_stall_time(
+        images: ImageStore, registry: Registry, progress: bool) -> None:
+    """A registry that stops sending (the connection open, silent) fails the pull with
+    RegistryUnavailable once ``stall_s`` passes without a byte, and skopeo is gone with it."""
+    ref = push_image(registry, f"stall-{str(progress).lower()}:v1", [{"data.bin": os.urandom(2 << 20)}])
+    images.options = dataclasses.replace(images.options, stall_s=3.0)
+    with Relay(registry.host, cut_after=256 << 10, stall=True) as relay:
+        began = time.monotonic()
+        with pytest.raises(RegistryUnavailable, match=r"sent nothing for 3s in the middle of a pull"):
+            await asyncio.wait_for(images.pull(ref.replace(registry.host, relay.host), tls_verify=False,
+                                               on_progress=[].append if progress else None), 60)
+        assert relay.cuts == 1 and time.monotonic() - began < 30
+        assert not skopeo_running(images), "the stalled skopeo was left running"
+    assert_nothing_half_stored(images)
+
+
+def skopeo_running(images: ImageStore) -> bool:
+    """Whether a skopeo process works on this store's storage."""
+    root = str(images.storage.graphroot).encode()
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if argv.split(b"\0")[0].endswith(b"skopeo") and root in argv:
+            return True
+    return False
 
 
 async def test_an_image_pushed_from_trees_on_disk(images: ImageStore, registry: Registry, tmp_path: Path) -> None:

@@ -164,13 +164,12 @@ class ImageStore:
         dest = self.storage.transport(f"localhost/fanfold/sha256-{config_digest}:latest")
         argv = ["--insecure-policy", "--tmpdir", str(work), *overrides, "copy", *src_flags, source.transport, dest]
         try:
-            if on_progress is None:
-                await self._skopeo(argv, source)
-            else:
-                blobs = await self._layer_blobs(source, raw, platform)
-                report = LayerProgress(chain, stored, blobs, on_progress)
-                await skopeo_copy(argv, registry=source.registry, file=source.is_file, on_blob=report.blob,
-                                  route=source.route)
+            report = None if on_progress is None else \
+                LayerProgress(chain, stored, await self._layer_blobs(source, raw, platform), on_progress)
+            await skopeo_copy(argv, registry=source.registry, file=source.is_file,
+                              on_blob=report.blob if report else _ignore, route=source.route,
+                              stall_s=self.options.stall_s)
+            if report is not None:
                 report.finish(self._stored_layers())
         except BaseException:
             # skopeo killed while unpacking leaves a layer flagged incomplete; containers/storage
@@ -199,7 +198,9 @@ class ImageStore:
         return [(str(layer.get("digest") or ""), int(layer.get("size") or 0)) for layer in manifest.get("layers") or []]
 
     async def _skopeo(self, args: list[str], source: _Source) -> bytes:
-        return await skopeo(args, registry=source.registry, file=source.is_file, route=source.route)
+        """One short skopeo call (an inspect): a registry that has not answered in ``stall_s`` is stalled."""
+        return await skopeo(args, registry=source.registry, file=source.is_file, route=source.route,
+                            timeout=self.options.stall_s)
 
     def _stored_layers(self) -> dict[str, dict]:
         """Complete layers in storage by id (read from its layers.json, which it replaces atomically)."""
@@ -379,3 +380,7 @@ def _json(data: bytes, source: _Source) -> dict:
     if not isinstance(value, dict):
         raise ImageCorrupt(f"{source.base} gave a manifest or config that is not a JSON object")
     return value
+
+
+def _ignore(short: str, size: int, done: bool) -> None:
+    """No one follows this copy's progress (its stall watch still does)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from ..config import env_insecure_registries, env_registry_auth, env_registry_certs
+from ..config import PULL_STALL_S, env_insecure_registries, env_pull_stall_s, env_registry_auth, env_registry_certs
 from ..errors import (
     HostNotReady, ImageCorrupt, ImageNotFound, InfrastructureError, InvalidRequest, RegistryDenied, RegistryUnavailable,
 )
@@ -88,11 +88,14 @@ class Options:
     """``host:port`` of registries reached without TLS verification (``FANFOLD_INSECURE_REGISTRIES``)."""
     certs_dir: Path | None = None
     """A dir laid out like ``/etc/containers/certs.d``: ``<host:port>/ca.crt`` (``FANFOLD_REGISTRY_CERTS``)."""
+    stall_s: float = PULL_STALL_S
+    """How long a registry may send nothing (a request unanswered, a blob stopped mid-way) before the
+    pull fails with RegistryUnavailable (``FANFOLD_PULL_STALL_S``)."""
 
     @classmethod
     def from_env(cls, state_dir: Path) -> Options:
-        return cls(auth_file=env_registry_auth() or state_dir / "auth.json",
-                   insecure=env_insecure_registries(), certs_dir=env_registry_certs())
+        return cls(auth_file=env_registry_auth() or state_dir / "auth.json", insecure=env_insecure_registries(),
+                   certs_dir=env_registry_certs(), stall_s=env_pull_stall_s())
 
     def flags(self, registry: str, tls_verify: bool | None, *, anonymous: bool = False) -> list[str]:
         """``--tls-verify``, ``--authfile`` and ``--cert-dir`` for one registry (``copy`` takes them as ``--src-...``)."""
@@ -195,16 +198,23 @@ OnBlob = Callable[[str, int, bool], None]
 """Progress of one blob: (first 12 hex of its digest, bytes so far, finished)."""
 
 
-async def skopeo_copy(args: list[str], *, registry: str, file: bool, on_blob: OnBlob, route: Route | None = None) -> None:
-    """``skopeo copy`` with its stdout on a pseudo-terminal, so it draws progress bars; each bar's state goes to ``on_blob``."""
+async def skopeo_copy(args: list[str], *, registry: str, file: bool, on_blob: OnBlob, route: Route | None = None,
+                      stall_s: float = PULL_STALL_S) -> None:
+    """``skopeo copy`` with its stdout on a pseudo-terminal, so it draws progress bars; each bar's state goes to ``on_blob``.
+
+    While no blob has begun or one is still coming, a registry that sends no byte for ``stall_s``
+    fails the copy with RegistryUnavailable (skopeo would wait on a silent connection for ever);
+    once every blob is in, skopeo's own work (unpacking) may take as long as it takes."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # wide enough for whole lines
     os.set_blocking(master, False)
     loop = asyncio.get_running_loop()
     pending = b""
+    blobs: dict[bytes, tuple[int, bool]] = {}
+    moved = loop.time()
 
     def readable() -> None:
-        nonlocal pending
+        nonlocal pending, moved
         try:
             data = os.read(master, 65536)
         except (BlockingIOError, OSError):  # EIO once skopeo has exited
@@ -214,12 +224,27 @@ async def skopeo_copy(args: list[str], *, registry: str, file: bool, on_blob: On
             for match in _BAR.finditer(line):
                 short, amount, unit, end = match.groups()
                 size = int(float(amount) * _UNITS.get(unit, 1)) if amount else 0
+                if blobs.get(short) != (size, end is not None):  # a redraw with the same count is no progress
+                    blobs[short] = (size, end is not None)
+                    moved = loop.time()
                 on_blob(short.decode(), size, end is not None)
 
+    def stalled() -> bool:
+        waiting = not blobs or not all(done for _, done in blobs.values())
+        return waiting and loop.time() - moved > stall_s
+
     loop.add_reader(master, readable)
+    copying = asyncio.ensure_future(skopeo(args, registry=registry, file=file, fds={1: slave}, route=route))
     try:
-        await skopeo(args, registry=registry, file=file, fds={1: slave}, route=route)
+        while not (await asyncio.wait({copying}, timeout=min(1.0, stall_s)))[0]:
+            if stalled():
+                raise RegistryUnavailable(f"{registry} sent nothing for {stall_s:.0f}s in the middle of a pull;"
+                                          " nothing was kept, try again")
+        await copying
     finally:
+        if not copying.done():  # a stall, or the pull was cancelled: skopeo is killed before we go on
+            copying.cancel()
+            await asyncio.gather(copying, return_exceptions=True)
         loop.remove_reader(master)
         os.close(master)
         os.close(slave)
