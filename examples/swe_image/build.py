@@ -4,8 +4,9 @@ The image is a real root filesystem in two layers: a runtime (this host's Python
 its standard library, ``/bin/sh``, coreutils, grep, sed, find, diff and the libraries they
 load; nothing else of the host) and the task (the project's sdist from PyPI, pinned by
 sha256, at ``/env`` with one bug put in, a pristine copy of its tests for the grader at
-``/opt/grader``, and ``/opt/swefix/task.json``). It runs as the user ``agent``, who owns
-``/env`` and cannot write the grader's files.
+``/opt/grader`` with the oracle checks beside them (root's alone: the agent cannot read the
+expected values), and ``/opt/swefix/task.json``). It runs as the user ``agent``, who owns
+``/env`` and cannot write the grader's files. The grader itself ships with fanfold.
 
     python examples/swe_image/build.py --push localhost:5000/swe/more-itertools:padded
     python examples/swe_image/build.py --oci-layout ./swe-layout      # then: fanfold import ./swe-layout
@@ -42,6 +43,17 @@ FAILING_TEST = "tests.test_more.PaddedTest.test_next_multiple"
 ISSUE = ("padded(iterable, fillvalue, n, next_multiple=True) should pad only up to the next multiple of n, "
          "but when the input's length is already a multiple of n it appends n fill values: "
          "list(padded([1, 2, 3], '?', 3, next_multiple=True)) gives [1, 2, 3, '?', '?', '?'] instead of [1, 2, 3].")
+# Calls whose results the grader compares out of the library's process (fanfold.rl.graders.swefix):
+# other inputs than the issue's, so only a fix passes them, and behaviour the fix must keep.
+ORACLE = {"imports": ["more_itertools"], "checks": [
+    {"expr": "list(more_itertools.padded([1, 2, 3, 4], None, 2, next_multiple=True))", "expected": [1, 2, 3, 4]},
+    {"expr": "''.join(more_itertools.padded('abcdef', 'x', 3, next_multiple=True))", "expected": "abcdef"},
+    {"expr": "list(more_itertools.padded([], 0, 3, next_multiple=True))", "expected": []},
+    {"expr": "list(more_itertools.padded([1, 2, 3, 4, 5], 0, 4, next_multiple=True))", "expected": [1, 2, 3, 4, 5, 0, 0, 0]},
+    {"expr": "list(more_itertools.padded([1, 2], 0, 5))", "expected": [1, 2, 0, 0, 0]},
+]}
+SUBMISSION = ["more_itertools/*.py"]
+"""What grading copies from an episode's /env: the library's sources."""
 WORKDIR, GRADER, TASK_FILE = "/env", "/opt/grader", "/opt/swefix/task.json"
 AGENT_UID = 1000
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fanfold/swe_image"
@@ -96,10 +108,12 @@ def task_tree(root: Path, sdist: Path) -> Path:
     os.utime(source, (stat.st_atime, stat.st_mtime))  # the same bytes out on every build
     grader = root / GRADER.lstrip("/")
     shutil.copytree(project / "tests", grader / "tests")
-    shutil.copy2(HERE / "grade.py", grader / "grade.py")
+    oracle = grader / "oracle.json"
+    oracle.write_text(json.dumps(ORACLE, indent=2) + "\n")
+    oracle.chmod(0o600)  # root's: the agent sees the checks' results, never what they expect
     task = {"id": f"{PROJECT}-{VERSION}-padded", "project": PROJECT, "version": VERSION, "workdir": WORKDIR,
             "failing_test": FAILING_TEST, "issue": ISSUE, "test_command": "python3 -m unittest -q",
-            "grade_command": ["python3", f"{GRADER}/grade.py"]}
+            "user": "agent", "submission": SUBMISSION, "tests": f"{GRADER}/tests", "oracle": f"{GRADER}/oracle.json"}
     (root / TASK_FILE.lstrip("/")).parent.mkdir(parents=True)
     (root / TASK_FILE.lstrip("/")).write_text(json.dumps(task, indent=2) + "\n")
     return root

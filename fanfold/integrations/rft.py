@@ -9,8 +9,11 @@ Agent RFT POSTs each tool call to the tool's ``server_url`` with the headers the
   runs one of fanfold's tools (shell, read_file, write_file, search) and answers
   ``{"type": "function_call_output", "call_id", "id", "output"}``.
 - ``POST /v1/rft/grade/{env}``: ``{"sample", "item", "trace_id"}`` answers ``{"score"}``, the env's
-  reward over the trace's sandbox (``codefix``: the share of its pristine tests that pass), and
-  then ends the rollout, destroying its sandbox.
+  reward over the trace's sandbox (``codefix``: the share of its pristine tests that pass;
+  ``swefix``: 1 or 0), and then ends the rollout, destroying its sandbox. The env grades in a
+  fresh sandbox of the rollout's image with only the submitted files copied in
+  (``fanfold.rl.grading``): a submission its grader cannot score (a crash, a timeout, output that
+  is not its verdict) scores 0, not an error Agent RFT would retry.
 
 ``trace_id`` is the rollout id (same for every call of a rollout). The rollout is made on its
 first call, its sandbox from, in this order: the item's ``image`` field, the URL's ``?image=``,
@@ -56,7 +59,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from .._extras import MissingExtra
-from ..client import AsyncSandbox
+from ..client import AsyncFleet, AsyncSandbox
 from ..engine import Engine
 from ..errors import InvalidRequest, NotFound, QuotaExceeded, Retryable, SandboxGone, SandboxNotFound, ToolError
 from ..web.deps import RequestID, tenant
@@ -238,7 +241,7 @@ async def _grade(request: Request, caller: str, env: str, body: GradeRequest, im
             f" (a rollout made with POST /v1/rollouts carries the label {ENV_LABEL}={env})")
     sandbox_id = await rollouts.sandbox(caller, body.trace_id)
     try:
-        score = await _score(_graded_env(env), rollouts.engine, sandbox_id)
+        score = await _score(_graded_env(env), rollouts.engine, caller, sandbox_id)
     except SandboxNotFound:
         raise SandboxGone(f"rollout {body.trace_id}'s sandbox was destroyed: there is nothing to grade") from None
     await rollouts.delete(caller, body.trace_id)
@@ -249,19 +252,34 @@ def _labels(row: Any) -> dict[str, str]:
     return json.loads(row["params"])["labels"]
 
 
-class _EngineFleet:
-    """All ``AsyncSandbox`` and an env's grader take from a fleet: its transport, the server's own engine."""
+class _TenantEngine:
+    """The server's engine as one tenant's fleet transport: its sandboxes are made for that tenant."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._transport = engine
+    def __init__(self, engine: Engine, tenant: str) -> None:
+        self._engine, self._tenant = engine, tenant
+
+    async def create(self, params: Any) -> Any:
+        return await self._engine.create(params, tenant=self._tenant)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
-async def _score(cls: type, engine: Engine, sandbox_id: str) -> float:
-    """The env's reward over the sandbox as it stands: passing share of its tests (``grade()``)."""
-    fleet = _EngineFleet(engine)
-    env = cls(fleet)  # type: ignore[arg-type]
-    env.sandbox = AsyncSandbox(fleet, await engine.get(sandbox_id))  # type: ignore[arg-type]
-    await env.begin({})  # the task as the env reads it (swefix: from its image)
+class _EngineFleet(AsyncFleet):
+    """The fleet an env's grader uses on the server: the engine itself, creating for the caller's tenant."""
+
+    def __init__(self, engine: Engine, tenant: str) -> None:  # noqa: super().__init__ would make an engine
+        self._transport = _TenantEngine(engine, tenant)  # type: ignore[assignment]
+        self._started, self.url, self.config = True, None, None
+
+
+async def _score(cls: type, engine: Engine, tenant: str, sandbox_id: str) -> float:
+    """The env's reward over the sandbox as it stands (``grade()``: the passing share of its pristine
+    tests, graded in a fresh sandbox of the golden image with only the submission copied in). A
+    submission the grader cannot score is 0, never an error Agent RFT would retry."""
+    fleet = _EngineFleet(engine, tenant)
+    env = cls(fleet)
+    env.sandbox = AsyncSandbox(fleet, await engine.get(sandbox_id))
     passed, total = await env.grade()
     return passed / total if total else 0.0
 

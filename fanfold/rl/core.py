@@ -233,6 +233,15 @@ class AsyncSandboxEnv:
         """Whether an episode that ended with ``total_reward`` solved its task."""
         return total_reward > 0
 
+    def grading_image(self) -> Image | SnapshotInfo | str:
+        """What a grader's pristine sandbox is made from (``fanfold.rl.grading``): the env's golden
+        image as given, else the image at the root of the episode's sandbox; never the sandbox itself."""
+        if self.image is not None:
+            return self.image
+        if self.sandbox is None:
+            raise RuntimeError("call reset() before grading")
+        return self.sandbox.info.image_id
+
     def task_name(self) -> str:
         return f"{self.name}/{self.task.get('id', 'default')}"
 

@@ -1,13 +1,17 @@
 """The code-fix env: a small Python project whose tests fail; read, edit, run the tests, submit.
 
-The reward comes at ``submit``: the share of the project's tests that pass, run from a
-pristine copy the agent cannot reach (``/opt/grader``), so deleting or editing the tests
-earns nothing. The golden image holds the project at ``/env``; every episode starts from it.
+The golden image holds the project at ``/env``; every episode starts from it. The reward comes
+at ``submit``: the share of the pristine tests that pass, graded in a fresh sandbox of the golden
+image into which only ``stats.py`` is copied (``fanfold.rl.grading``), so nothing else the agent
+did there counts (edited tests, planted files, processes left running). There a root grader
+(``fanfold.rl.graders.codefix``) holds the tests as data, runs the calls in a child as ``nobody``
+and compares the plain values it gets back itself: a patched test framework, an object that
+equals anything or a line printed on exit earn nothing. ``test_stats.py`` (the same tests) is
+what ``run_tests`` runs.
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
 from pathlib import Path
 from typing import Any
@@ -15,12 +19,16 @@ from typing import Any
 from ...errors import FileNotFoundInSandbox, InvalidPath, ToolError
 from ...spec import EnvSpec
 from ..core import AsyncSandboxEnv, Tool, ToolCall, ToolOutcome
+from ..grading import grade_submission
+from ..graders import SANDBOX_DIR, programs
+from ..graders import codefix as grader
 
 PROJECT = Path(__file__).parent / "codefix_project"
 WORKDIR = "/env"
 FILES = ("stats.py", "test_stats.py")
 TEST_CMD = ["/bin/sh", "-c", "python3 -B -m unittest -q test_stats 2>&1 | tail -n 60"]
-GRADE_CMD = ["python3", "-B", "/opt/grader/grade.py"]
+GRADE_CMD = ["python3", "-I", "-B", f"{SANDBOX_DIR}/codefix.py"]
+SUBMISSION = (f"{WORKDIR}/stats.py",)
 
 _PATH = {"type": "string", "description": "a file in the project, e.g. stats.py"}
 TOOLS = (
@@ -50,9 +58,6 @@ class CodeFixEnv(AsyncSandboxEnv):
         return (EnvSpec("host").workdir(WORKDIR)
                 .copy(PROJECT / "stats.py", f"{WORKDIR}/stats.py")
                 .copy(PROJECT / "test_stats.py", f"{WORKDIR}/test_stats.py")
-                # The grader's copy of the tests, out of the tools' reach: editing /env's changes nothing.
-                .copy(PROJECT / "test_stats.py", "/opt/grader/test_stats.py")
-                .copy(PROJECT / "grader" / "grade.py", "/opt/grader/grade.py")
                 .env(PYTHONDONTWRITEBYTECODE="1"))
 
     async def begin(self, options: dict[str, Any]) -> str:
@@ -76,13 +81,17 @@ class CodeFixEnv(AsyncSandboxEnv):
         return total_reward >= 0.999  # every test passes
 
     async def grade(self) -> tuple[int, int]:
-        """Passing and total tests of the pristine suite against the project as it stands."""
-        result = await self.sandbox.exec(GRADE_CMD, timeout=60)
-        try:
-            counts = json.loads(result.stdout.decode().strip().splitlines()[-1])
-            return int(counts["passed"]), int(counts["total"])
-        except (ValueError, IndexError, KeyError):
-            return 0, 1  # the project no longer imports or the grader was broken: nothing passes
+        """Passing and total pristine tests against the submitted stats.py, graded in a fresh sandbox
+        of the golden image; a refused submission or a grader without a verdict passes none."""
+        total = len(grader.CHECKS)
+        graded = await grade_submission(
+            self.fleet, self.grading_image(), self.sandbox, SUBMISSION, GRADE_CMD,
+            trusted_files=programs("kit", "calls", "codefix"), timeout=60, limits=self.limits)
+        verdict = graded.verdict or {}
+        passed = verdict.get("passed")
+        if type(passed) is not int or verdict.get("total") != total or not 0 <= passed <= total:
+            return 0, total
+        return passed, total
 
     async def _read(self, path: str) -> str:
         try:
