@@ -7,7 +7,8 @@
         env = make_async("codefix", fleet)
         episodes = await run_episode(env, scripted("codefix"), seed=7, store=TrajectoryStore())
 
-Fan-out is ``fleet.map(rollout_fn, items)``; tools over HTTP live under ``/v1/rollouts``.
+Fan-out is ``fleet.map(rollout_fn, items)``; tools over HTTP live under ``/v1/rollouts``. A custom
+env grades with ``grade_submission``: only the submission, in a pristine sandbox of its image.
 Names load on first use: the trajectory store needs only the core install, the envs and
 policies the ``[rl]`` extra (gymnasium, numpy).
 """
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .core import AsyncSandboxEnv, Tool, ToolCall, ToolOutcome, parse_action, text_space
     from .env import ENVS, SandboxEnv, env_class, make_async
     from .envs import default_policy, scripted
+    from .grading import Graded, grade_submission
     from .policy import OpenAIPolicy, Policy, PolicyReply, ScriptedPolicy
     from .store import TrajectoryStore
     from .trajectory import Episode, Step
@@ -33,6 +35,7 @@ _HOMES = {
     "core": ("AsyncSandboxEnv", "Tool", "ToolCall", "ToolOutcome", "parse_action", "text_space"),
     "env": ("ENVS", "SandboxEnv", "env_class", "make_async"),
     "envs": ("default_policy", "scripted"),
+    "grading": ("Graded", "grade_submission"),
     "policy": ("OpenAIPolicy", "Policy", "PolicyReply", "ScriptedPolicy"),
     "store": ("TrajectoryStore",),
     "trajectory": ("Episode", "Step"),
