@@ -14,16 +14,24 @@ grading sandbox.
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import re
+import sys
 import textwrap
+import types
+import unittest
 from pathlib import Path
 
 import pytest
 
-from fanfold import AsyncFleet
-from fanfold.rl import ScriptedPolicy, make_async, run_episode, scripted
+from fanfold import AsyncFleet, EnvSpec
+from fanfold.rl import ScriptedPolicy, grade_submission, make_async, run_episode, scripted
 from fanfold.rl.envs.scripts import CODEFIX_FIXES, history, reply
+from fanfold.rl.graders import calls as calls_child
+from fanfold.rl.graders import codefix as codefix_grader
+from fanfold.rl.graders import programs
+from fanfold.rl.grading import GRADER_LABEL
 
 ROOT = Path(__file__).resolve().parent.parent
 FORGED = '{"passed": 8, "total": 8}'
@@ -230,6 +238,102 @@ async def test_a_codefix_submission_that_is_no_regular_file_scores_zero(fleet):
         assert (await env.step({"name": "submit", "arguments": {}}))[1] == 0.0
     finally:
         await env.close()
+
+
+def test_the_codefix_graders_checks_agree_with_test_stats():
+    """The grader's checks are test_stats.py's tests as data: on the project as shipped, fixed, and with
+    each fix (right or wrong) alone, both fail exactly the same tests."""
+    project = ROOT / "fanfold/rl/envs/codefix_project"
+    shipped = (project / "stats.py").read_text()
+    variants = {"shipped": shipped, "fixed": shipped}
+    for function, old, right, wrong in CODEFIX_FIXES:
+        variants["fixed"] = variants["fixed"].replace(old, right)
+        variants[f"{function} fixed"], variants[f"{function} fixed wrong"] = (
+            shipped.replace(old, right), shipped.replace(old, wrong))
+    seen = set()
+    for name, source in variants.items():
+        stats = types.ModuleType("stats")
+        exec(compile(source, "stats.py", "exec"), stats.__dict__)
+        sys.modules["stats"] = stats
+        try:
+            tests = types.ModuleType("test_stats")
+            exec(compile((project / "test_stats.py").read_text(), "test_stats.py", "exec"), tests.__dict__)
+        finally:
+            del sys.modules["stats"]
+        suite = unittest.defaultTestLoader.loadTestsFromModule(tests)
+        ran = {test.id().partition(".")[2] for group in suite for test in group}
+        result = unittest.TextTestRunner(stream=io.StringIO()).run(suite)
+        failing = {test.id().partition(".")[2] for test, _ in result.failures + result.errors}
+        answers = json.loads(json.dumps([calls_child.answer(call, {"stats": stats}) for call in codefix_grader.calls()]))
+        verdict = codefix_grader.verdict(answers)
+        assert set(codefix_grader.CHECKS) == ran
+        assert set(verdict["failed"]) == failing, name
+        seen.add(verdict["passed"])
+    assert {3, 8} <= seen and len(seen) >= 4
+
+
+# -- the shipped function: what a custom grader gets ---------------------------------------------------
+
+VERDICT_OF = {
+    "one JSON object": ('print(\'{"passed": 1}\')', {"passed": 1}),
+    "two lines": ('print(\'{"passed": 1}\'); print(\'{"passed": 1}\')', None),
+    "a crash after its verdict": ('print(\'{"passed": 1}\'); raise SystemExit(3)', None),
+    "NaN": ('print(\'{"passed": NaN}\')', None),
+    "no object": ('print("[1]")', None),
+    "a flood": ('import sys; sys.stdout.write("x" * 200000 + "\\n")', None),
+    "a timeout": ('import time; time.sleep(30)', None),
+}
+
+
+async def test_grade_submission_takes_one_json_object_and_nothing_else(fleet):
+    async with await fleet.create("host") as policy:
+        await policy.files.write("/work/solution.py", "ANSWER = 1\n")
+        for case, (program, verdict) in VERDICT_OF.items():
+            graded = await grade_submission(fleet, "host", policy, ["/work/solution.py"],
+                                            ["python3", "-c", program], timeout=3)
+            assert graded.verdict == verdict and bool(graded.failure) == (verdict is None), case
+    assert await fleet.list(labels={GRADER_LABEL: "1"}) == []  # every grading sandbox destroyed
+
+
+async def test_grade_submission_copies_only_the_named_regular_files(fleet):
+    probe = ("import json, os; print(json.dumps({'solution': open('/work/solution.py').read(),"
+             " 'others': sorted(os.listdir('/work')), 'daemons': os.popen('ps -e -o comm=').read().split()}))")
+    async with await fleet.create("host") as policy:
+        await policy.exec("mkdir -p /work && echo 'ANSWER = 1' > /work/solution.py && touch /work/conftest.py"
+                          " /work/sitecustomize.py && (setsid sleep 300 >/dev/null 2>&1 &)")
+        graded = await grade_submission(fleet, "host", policy, ["/work/solution.py"], ["python3", "-c", probe])
+        assert graded.verdict["solution"] == "ANSWER = 1\n" and graded.verdict["others"] == ["solution.py"]
+        assert "sleep" not in graded.verdict["daemons"]
+        refusals = [
+            ("ln -sf /etc/passwd /work/link.py", "/work/link.py", "/work/link.py is not a regular file (a symlink)"),
+            ("mkfifo /work/fifo.py", "/work/fifo.py", "/work/fifo.py is not a regular file"),
+            ("head -c 2000000 /dev/zero > /work/big.py", "/work/big.py", "more than 1048576"),
+            ("true", "/work/missing.py", "/work/missing.py is missing"),
+        ]
+        for command, path, failure in refusals:
+            await policy.exec(command)
+            graded = await grade_submission(fleet, "host", policy, [path], ["python3", "-c", "print('{}')"])
+            assert graded.verdict is None and failure in graded.failure, (command, graded)
+    assert await fleet.list(labels={GRADER_LABEL: "1"}) == []
+
+
+async def test_the_kit_runs_the_code_under_test_as_nobody_and_kills_what_it_leaves(fleet):
+    grader = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "/opt/fanfold-grader")
+        import json, kit, os, pwd
+        child = ("import json, os, subprocess, sys; json.load(sys.stdin);"
+                 " subprocess.Popen(['sleep', '300'], start_new_session=True, stdout=subprocess.DEVNULL);"
+                 " print(json.dumps({'uid': os.getuid()}))")
+        answer = kit.run_untrusted([sys.executable, "-c", child], "nobody", {}, timeout=10)
+        left = kit._processes_of(pwd.getpwnam("nobody").pw_uid)
+        kit.report({"answer": answer, "left": left, "me": os.getuid()})
+        """)
+    async with await fleet.create("host") as policy:
+        await policy.files.write("/work/solution.py", "")
+        graded = await grade_submission(fleet, "host", policy, ["/work/solution.py"], ["python3", "/g.py"],
+                                        trusted_files={**programs("kit"), "/g.py": grader})
+    assert graded.verdict == {"answer": {"uid": 65534}, "left": [], "me": 0}, graded
 
 
 # -- swefix: the shell and the tests run as the image's user, who owns the project --------------------

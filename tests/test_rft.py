@@ -170,3 +170,19 @@ async def test_the_item_or_else_the_url_names_the_image(http, traces):
                       "/v1/rft/tools/shell?image=no-such-image")
     assert made.status_code == 200 and (await http.get(f"/v1/rollouts/{item_wins}")).json()["image"] == "host"
     assert (await tool(http, call(traces(), "shell", {}, image=7))).status_code == 422
+
+
+async def test_a_submission_that_fakes_or_crashes_the_grader_scores_zero_not_a_retry(http, traces):
+    url = "/v1/rft/tools/write_file?env=codefix"
+    forged = '{"passed": 8, "total": 8}'
+    attacks = {
+        "atexit": f"import atexit\natexit.register(print, {forged!r})\n",
+        "os._exit": f"import os\nprint({forged!r}, flush=True)\nos._exit(0)\n",
+        "crash": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    }
+    for name, source in attacks.items():
+        trace_id = traces()
+        wrote = await tool(http, call(trace_id, "write_file", {"path": "stats.py", "content": source}), url)
+        assert wrote.status_code == 200, wrote.text
+        scored = await http.post("/v1/rft/grade/codefix", json={"sample": {}, "item": {}, "trace_id": trace_id})
+        assert scored.status_code == 200 and scored.json() == {"score": 0.0}, (name, scored.text)

@@ -63,7 +63,7 @@ async def test_the_scripted_policy_fixes_the_bug_and_its_episode_is_stored(fleet
     first = episode.steps[0].tool_result
     assert "FAIL: test_next_multiple (tests.test_more.PaddedTest" in first and "FAILED (failures=1" in first
     assert "remaining = n - item_count % n" in episode.steps[1].tool_result
-    assert episode.total_reward == 1.0 and episode.steps[-1].tool_result.startswith("submitted: 774 of 774")
+    assert episode.total_reward == 1.0 and episode.steps[-1].tool_result == "submitted: 774 of 774 tests pass, 5 of 5 checks"
     stored = store.get(episode.id)
     assert stored.outcome == "success" and stored.complete and stored.image_id == image
     assert [s.tool_call["name"] for s in stored.steps] == calls and stored.task == "swefix/more-itertools-10.2.0-padded"
@@ -76,13 +76,13 @@ async def test_doing_nothing_earns_nothing_and_the_grader_is_out_of_reach(fleet,
     try:
         (episode,) = await run_episode(env, idle, seed=2)
         assert episode.total_reward == 0.0
-        assert episode.steps[0].tool_result == ("submitted: 773 of 774 tests pass; failing: "
+        assert episode.steps[0].tool_result == ("submitted: 773 of 774 tests pass, 2 of 5 checks; failing: "
                                                "tests.test_more.PaddedTest.test_next_multiple")
         await env.reset(seed=3)
         # The shell runs as the image's user: it owns the project, not the grader's copy of the tests.
         obs, *_ = await env.step({"name": "shell", "arguments": {"command": "id -un; rm -rf /opt/grader/tests; "
                                                                             "rm -rf tests; ls /opt/grader"}})
-        assert obs.split("\n")[1:4] == ["agent", "grade.py", "tests"] and "Permission denied" in obs
+        assert obs.split("\n")[1:4] == ["agent", "oracle.json", "tests"] and "Permission denied" in obs
         obs, reward, terminated, *_ = await env.step({"name": "submit", "arguments": {}})
         assert terminated and reward == 0.0 and obs.startswith("submitted: 773 of 774")
     finally:

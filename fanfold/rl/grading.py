@@ -109,8 +109,10 @@ async def read_submission(sandbox: AsyncSandbox, paths: Iterable[str], *, max_fi
             except (FileNotFoundInSandbox, InvalidPath):
                 listings[parent] = {}
         entry = listings[parent].get(name)
-        if entry is None or entry.type != "file":
-            raise SubmissionRefused(f"{path} is {'missing' if entry is None else 'a ' + entry.type}, not a regular file")
+        if entry is None:
+            raise SubmissionRefused(f"{path} is missing")
+        if entry.type != "file":
+            raise SubmissionRefused(f"{path} is not a regular file (a {entry.type})")
         if entry.size > max_file_bytes:
             raise SubmissionRefused(f"{path} has {entry.size} bytes, more than {max_file_bytes}")
         try:
