@@ -264,7 +264,8 @@ def test_the_codefix_graders_checks_agree_with_test_stats():
         ran = {test.id().partition(".")[2] for group in suite for test in group}
         result = unittest.TextTestRunner(stream=io.StringIO()).run(suite)
         failing = {test.id().partition(".")[2] for test, _ in result.failures + result.errors}
-        answers = json.loads(json.dumps([calls_child.answer(call, {"stats": stats}) for call in codefix_grader.calls()]))
+        answers = [calls_child.answer(call, {"stats": stats}) for call in codefix_grader.calls()]
+        answers = json.loads(json.dumps(answers))  # as the grader receives them
         verdict = codefix_grader.verdict(answers)
         assert set(codefix_grader.CHECKS) == ran
         assert set(verdict["failed"]) == failing, name

@@ -49,7 +49,8 @@ ORACLE = {"imports": ["more_itertools"], "checks": [
     {"expr": "list(more_itertools.padded([1, 2, 3, 4], None, 2, next_multiple=True))", "expected": [1, 2, 3, 4]},
     {"expr": "''.join(more_itertools.padded('abcdef', 'x', 3, next_multiple=True))", "expected": "abcdef"},
     {"expr": "list(more_itertools.padded([], 0, 3, next_multiple=True))", "expected": []},
-    {"expr": "list(more_itertools.padded([1, 2, 3, 4, 5], 0, 4, next_multiple=True))", "expected": [1, 2, 3, 4, 5, 0, 0, 0]},
+    {"expr": "list(more_itertools.padded([1, 2, 3, 4, 5], 0, 4, next_multiple=True))",
+     "expected": [1, 2, 3, 4, 5, 0, 0, 0]},
     {"expr": "list(more_itertools.padded([1, 2], 0, 5))", "expected": [1, 2, 0, 0, 0]},
 ]}
 SUBMISSION = ["more_itertools/*.py"]

@@ -3,7 +3,9 @@
 The golden image holds a generated corpus of runbooks, design notes, FAQs, changelogs and
 postmortems at ``/corpus`` (files mode 0444). The seed picks the question; the agent
 searches (``search``, ``find``, ``read_file``, ``shell``) and ``submit``s paths. The reward is
-the F1 score of the submitted files against the right ones.
+the F1 score of the submitted files against the right ones, computed on the host from the paths
+alone (normalised under ``/corpus``, never resolved in the sandbox): whatever the agent does to the
+sandbox's corpus (writing, deleting, symlinking, replacing ``find``) changes no reward.
 """
 
 from __future__ import annotations
