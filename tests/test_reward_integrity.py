@@ -325,7 +325,8 @@ async def test_the_kit_runs_the_code_under_test_as_nobody_and_kills_what_it_leav
         import json, kit, os, pwd
         child = ("import json, os, subprocess, sys; json.load(sys.stdin);"
                  " subprocess.Popen(['sleep', '300'], start_new_session=True, stdout=subprocess.DEVNULL);"
-                 " print(json.dumps({'uid': os.getuid()}))")
+                 " print(json.dumps({'uid': os.getuid(), 'writes_grader': os.access('/opt/fanfold-grader', os.W_OK),"
+                 " 'reads_parent': os.access('/proc/%d/fd/1' % os.getppid(), os.R_OK)}))")
         answer = kit.run_untrusted([sys.executable, "-c", child], "nobody", {}, timeout=10)
         left = kit._processes_of(pwd.getpwnam("nobody").pw_uid)
         kit.report({"answer": answer, "left": left, "me": os.getuid()})
@@ -334,7 +335,8 @@ async def test_the_kit_runs_the_code_under_test_as_nobody_and_kills_what_it_leav
         await policy.files.write("/work/solution.py", "")
         graded = await grade_submission(fleet, "host", policy, ["/work/solution.py"], ["python3", "/g.py"],
                                         trusted_files={**programs("kit"), "/g.py": grader})
-    assert graded.verdict == {"answer": {"uid": 65534}, "left": [], "me": 0}, graded
+    answer = {"uid": 65534, "writes_grader": False, "reads_parent": False}
+    assert graded.verdict == {"answer": answer, "left": [], "me": 0}, graded
 
 
 # -- swefix: the shell and the tests run as the image's user, who owns the project --------------------
