@@ -2,7 +2,8 @@
 
 Root in a sandbox is host uid ``base`` (its whole range is ``base .. base+65535``), a range no
 other live sandbox on this host has: ``claim`` takes the lowest free slot, host-wide (engines
-of every state dir share ``CLAIMS``), as two symlinks made atomically. The layers stay as they
+of every state dir share ``CLAIMS``), as two symlinks (``sweep`` removes what a crash between
+them leaves), within the slots fanfold's entry in /etc/subuid and /etc/subgid allows (``subids``). The layers stay as they
 are on disk (owned by uid 0, shared by every sandbox): each gets an idmapped clone
 (``open_tree`` + ``mount_setattr(MOUNT_ATTR_IDMAP)``) through a user namespace with the
 sandbox's mapping, and the overlay is mounted over the clones by a thread whose fsuid is the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import platform
 import signal
@@ -31,7 +33,10 @@ RANGE = 65536
 FIRST_SLOT = 16
 """Slot s maps to host uids (s) * RANGE ..: the first 16 ranges (uids below 1048576) stay the host's."""
 SLOTS = (1 << 32) // RANGE - FIRST_SLOT - 1
+ALL_SLOTS = range(SLOTS)
 CLAIMS = Path("/run/fanfold/uids")
+HALF_CLAIM_AGE_S = 60.0
+"""A half claim (a crash's) this old is swept: younger ones may be an older engine's claim in flight."""
 NAMESPACES_KEPT = 256
 """User namespaces kept open (one fd each) for the idmaps of the slots used last."""
 
@@ -73,25 +78,32 @@ def base_of_slot(slot: int) -> int:
     return (slot + FIRST_SLOT) * RANGE
 
 
-def claim(sandbox_id: str, claims: Path = CLAIMS) -> int:
-    """Take the lowest free range for ``sandbox_id``; its base (host uid of the sandbox's root)."""
+def claim(sandbox_id: str, slots: range = ALL_SLOTS, claims: Path = CLAIMS) -> int:
+    """Take the lowest free range of ``slots`` for ``sandbox_id``; its base (host uid of the sandbox's root).
+
+    Its ``by-id`` link goes first, then the slot's, under the claims' lock: a crash between leaves
+    a ``by-id`` link that the sandbox's own ``release`` removes, and ``sweep`` too; no sweep sees
+    a claim half made by a live engine."""
     by_id = claims / "by-id"
     by_id.mkdir(parents=True, exist_ok=True)
-    taken = {int(n) for n in os.listdir(claims) if n.isdigit()}
-    for slot in range(SLOTS):
-        if slot in taken:
-            continue
-        try:
-            os.symlink(sandbox_id, claims / str(slot))  # atomic: the host-wide claim
-        except FileExistsError:
-            continue  # another engine took it meanwhile
-        try:
-            os.symlink(str(slot), by_id / sandbox_id)
-        except FileExistsError:
-            os.unlink(claims / str(slot))
-            raise InfrastructureError(f"sandbox {sandbox_id} already holds a uid range") from None
-        return base_of_slot(slot)
-    raise InfrastructureError(f"every one of {SLOTS} uid ranges is taken by a live sandbox")
+    mine = by_id / sandbox_id
+    with _locked(claims):
+        taken = {int(n) for n in os.listdir(claims) if n.isdigit()}
+        for slot in slots:
+            if slot in taken:
+                continue
+            try:
+                os.symlink(str(slot), mine)
+            except FileExistsError:
+                raise InfrastructureError(f"sandbox {sandbox_id} already holds a uid range") from None
+            try:
+                os.symlink(sandbox_id, claims / str(slot))  # atomic: the host-wide claim
+            except FileExistsError:
+                os.unlink(mine)
+                continue  # an engine of an older version, which takes no lock, took it meanwhile
+            return base_of_slot(slot)
+    raise InfrastructureError(f"every one of the {len(slots)} uid ranges fanfold may use is taken by a live sandbox:"
+                              " kill some, or give fanfold's entry in /etc/subuid and /etc/subgid more")
 
 
 def base_of(sandbox_id: str, claims: Path = CLAIMS) -> int | None:
@@ -103,7 +115,7 @@ def base_of(sandbox_id: str, claims: Path = CLAIMS) -> int | None:
 
 
 def release(sandbox_id: str, claims: Path = CLAIMS) -> None:
-    """Give back the range of ``sandbox_id``; idempotent."""
+    """Give back the range of ``sandbox_id``, or what a crash left of its claim; idempotent."""
     link = claims / "by-id" / sandbox_id
     try:
         slot = os.readlink(link)
@@ -114,6 +126,48 @@ def release(sandbox_id: str, claims: Path = CLAIMS) -> None:
             os.unlink(claims / slot)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(link)
+
+
+def sweep(claims: Path = CLAIMS, min_age: float = HALF_CLAIM_AGE_S) -> int:
+    """Remove half claims older than ``min_age`` seconds, host-wide: a slot's link whose sandbox's
+    ``by-id`` link does not name it back, and a ``by-id`` link whose slot is not its sandbox's (what
+    a crash between a claim's two links leaves). The age spares engines of older versions, which
+    claim without the lock, slot first. Returns how many links went."""
+    if not claims.is_dir():
+        return 0
+    with _locked(claims):
+        slots, owners = _links(claims), _links(claims / "by-id")
+        old = time.time() - min_age
+        stale = [claims / slot for slot, owner in slots.items() if slot.isdigit() and owners.get(owner) != slot]
+        stale += [claims / "by-id" / owner for owner, slot in owners.items() if slots.get(slot) != owner]
+        removed = 0
+        for link in stale:
+            with contextlib.suppress(FileNotFoundError):  # a release took it meanwhile
+                if os.lstat(link).st_mtime < old:
+                    os.unlink(link)
+                    removed += 1
+        return removed
+
+
+def _links(folder: Path) -> dict[str, str]:
+    """Each symlink in ``folder`` and what it points to."""
+    found = {}
+    for name in os.listdir(folder) if folder.is_dir() else ():
+        with contextlib.suppress(OSError):  # not a link, or gone meanwhile
+            found[name] = os.readlink(folder / name)
+    return found
+
+
+@contextlib.contextmanager
+def _locked(claims: Path) -> Iterator[None]:
+    """Claims and sweeps one at a time, host-wide (a release needs no lock: it removes only its own)."""
+    claims.mkdir(parents=True, exist_ok=True)
+    fd = os.open(claims / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def claimed() -> set[str]:

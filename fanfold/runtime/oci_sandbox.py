@@ -135,7 +135,11 @@ class OnHost:
 
     async def sweep(self, *, thorough: bool = False) -> None:
         setup.reap_orphans()
-        if not thorough or self.step_runtime is None:
+        if not thorough:
+            return
+        await on_thread(idmap.sweep)  # what a crash left of a uid range's claim, host-wide
+        await on_thread(discard_restore_copies, self.config.state_dir)
+        if self.step_runtime is None:
             return
         for container in await self.step_runtime.list_ids():
             if container.startswith("build-") and not procs.running(container.split("-")[1]):
@@ -244,7 +248,7 @@ async def restore(
     cgroup = f"/{config.cgroup_parent}/{sandbox_id}"
     await on_thread(cgroups.ensure_parent, config.cgroup_parent)  # a host's first sandbox may be a restore
     if base is not None:
-        own = images.with_name(f"{images.name}.{sandbox_id}")
+        own = restore_copy(images, sandbox_id)
         # CRIU binds the root into the restored mount namespace without its submounts, which a
         # namespace of a user namespace holds locked (the host dirs' overlays): a bind of the root
         # alone, which has none, is what it may take.
@@ -278,6 +282,24 @@ async def restore(
     cgroups.thaw(config.cgroup_parent, sandbox_id)
     await on_thread(set_hostname, pid, sandbox_id)
     return pid
+
+
+def restore_copy(images: Path, sandbox_id: str) -> Path:
+    """Where a restore into a uid range of its own rewrites ``images`` for ``sandbox_id`` (beside them:
+    ``snapshots/<id>/memory.<sandbox>``), removed as the restore ends."""
+    return images.with_name(f"{images.name}.{sandbox_id}")
+
+
+def discard_restore_copies(state_dir: Path) -> int:
+    """Remove the rewritten images a crash mid-restore left: those of a sandbox whose root is gone (a
+    restore makes the root before the copy, and the sandbox's release removes it). Returns how many."""
+    removed = 0
+    for copy in (state_dir / "snapshots").glob("*/memory.*"):
+        sandbox_id = copy.name.partition(".")[2]
+        if sandbox_id.startswith("sb-") and not (state_dir / "sandboxes" / sandbox_id).exists():
+            shutil.rmtree(copy, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 async def _serve_pages(
