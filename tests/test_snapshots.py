@@ -7,12 +7,19 @@ the CRIU failure test swaps in a CRIU told to fail mid-dump, so it runs embedded
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
+import sqlite3
 import stat
+import threading
 import time
 
 import pytest
 
-from fanfold import AsyncFleet, CheckpointFailed, EngineConfig, InvalidRequest, SnapshotInUse, SnapshotNotFound
+from fanfold import (AsyncFleet, CheckpointFailed, EngineConfig, FanfoldError, Fleet, InvalidRequest, SnapshotInUse,
+                     SnapshotNotFound)
+from fanfold.engine.lifecycle import Lifecycle
+from fanfold.engine.snapshots import SnapshotStore
 from fanfold.host import cgroups
 
 from conftest import fleet_args
@@ -165,6 +172,64 @@ async def test_resume_frees_the_suspend_images_without_waiting_on_their_removal(
             while list(memory.parent.glob(".drop-*")) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # its own thread removes it
             assert not list(memory.parent.glob(".drop-*"))
+
+
+def _suspend_committed_after_its_sandbox_went(monkeypatch) -> tuple[threading.Event, list[str]]:
+    """Hold each suspend's snapshot commit until a destroy of its sandbox is done: the moment a script
+    failing with a suspend in flight gives, as its fleet's close destroys the sandbox mid-suspend.
+    Returns (set once a commit waits, the ids of the suspend snapshots committed)."""
+    waiting, destroyed, taken = threading.Event(), threading.Event(), []
+    commit, release = SnapshotStore.commit, Lifecycle._release
+
+    def held_commit(self, staged, info, layers, tenant):  # type: ignore[no-untyped-def]
+        if info.kind == "suspend":
+            waiting.set()
+            destroyed.wait(60)
+            taken.append(info.id)
+        return commit(self, staged, info, layers, tenant)
+
+    async def marked_release(self, sandbox_id: str) -> None:
+        try:
+            await release(self, sandbox_id)
+        finally:
+            destroyed.set()
+
+    monkeypatch.setattr(SnapshotStore, "commit", held_commit)
+    monkeypatch.setattr(Lifecycle, "_release", marked_release)
+    return waiting, taken
+
+
+def _left_of(config: EngineConfig, sandbox_id: str, snapshot_ids: list[str]) -> list[str]:
+    """Rows of snapshots taken of ``sandbox_id`` and files of ``snapshot_ids`` the state dir still holds."""
+    with sqlite3.connect(config.state_dir / "fanfold.db") as db:
+        rows = [r[0] for r in db.execute("SELECT id FROM snapshots WHERE sandbox_id=?", (sandbox_id,))]
+    files = [config.state_dir / where / i for i in snapshot_ids for where in ("snapshots", "layers")]
+    return rows + [str(path) for path in files if os.path.lexists(path)]
+
+
+async def test_a_suspend_snapshot_goes_with_its_sandbox_when_the_async_script_fails(config, monkeypatch):
+    waiting, taken = _suspend_committed_after_its_sandbox_went(monkeypatch)
+    with pytest.raises(RuntimeError, match="the script failed"):
+        async with AsyncFleet(config=config) as fleet:
+            sandbox = await fleet.create()
+            suspending = asyncio.ensure_future(sandbox.suspend())
+            await asyncio.to_thread(waiting.wait, 60)
+            raise RuntimeError("the script failed")
+    assert suspending.done() and isinstance(suspending.exception(), FanfoldError)
+    assert len(taken) == 1 and _left_of(config, sandbox.id, taken) == []
+
+
+def test_a_suspend_snapshot_goes_with_its_sandbox_when_the_sync_script_fails(config, monkeypatch):
+    waiting, taken = _suspend_committed_after_its_sandbox_went(monkeypatch)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with pytest.raises(RuntimeError, match="the script failed"):
+            with Fleet(config=config) as fleet:
+                sandbox = fleet.create()
+                suspending = pool.submit(sandbox.suspend)
+                waiting.wait(60)
+                raise RuntimeError("the script failed")
+        assert isinstance(suspending.exception(60), FanfoldError)
+    assert len(taken) == 1 and _left_of(config, sandbox.id, taken) == []
 
 
 async def test_a_listening_server_answers_after_resume_and_in_a_restored_copy(sfleet):

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any, Awaitable, Callable
 
-from ..errors import CheckpointFailed, InfrastructureError, InvalidRequest
+from ..errors import CheckpointFailed, InfrastructureError, InvalidRequest, SandboxGone
 from ..host.offload import host_errors, on_thread
 from ..models import CreateParams, ExecResult, ForkResult, SandboxInfo, SnapshotInfo
 from . import db as dbmod
@@ -194,11 +194,15 @@ class Checkpoints:
         self.life.db.update(sandbox_id, claimed_by=self.life.claimer)
         try:
             snap, _ = await self._take(row, memory=True, kind="suspend", leave_running=False)
-            self.life.db.update(sandbox_id, suspended_to=snap.id, layers=dbmod.row_layers(row) + (snap.id,))
+            if not self.life.db.update(sandbox_id, suspended_to=snap.id, layers=dbmod.row_layers(row) + (snap.id,)):
+                raise SandboxGone(f"sandbox {sandbox_id} was destroyed while it was being suspended")
             await self.life.network.detach(sandbox_id)
             await self.life.backend.release(sandbox_id, dbmod.row_handle(row))
         finally:
-            self.life.db.update(sandbox_id, claimed_by=None)
+            if not self.life.db.update(sandbox_id, claimed_by=None):
+                # Destroyed meanwhile (a kill, its fleet's close as a script failed): its destroy
+                # looked for its suspend snapshots before this one was recorded.
+                await asyncio.shield(self.life.collect(self.life.own_suspends(sandbox_id)))
         self.life.db.update(sandbox_id, state="suspended", pid=None)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:

@@ -206,6 +206,12 @@ class Database:
         rows = self.conn.execute("SELECT id FROM snapshots WHERE kind=? AND sandbox_id=?", (kind, sandbox_id))
         return {row["id"] for row in rows}
 
+    def stray_suspends(self) -> dict[str, str]:
+        """Suspend snapshots whose sandbox has no row (an engine died as it destroyed it): id -> sandbox id."""
+        rows = self.conn.execute("SELECT id, sandbox_id FROM snapshots WHERE kind='suspend'"
+                                 " AND sandbox_id NOT IN (SELECT id FROM sandboxes)")
+        return {row["id"]: row["sandbox_id"] for row in rows}
+
     def delete_snapshot(self, snapshot_id: str) -> None:
         self.conn.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
 

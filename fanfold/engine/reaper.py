@@ -59,8 +59,9 @@ class Reaper:
         return {"reaped": reaped}
 
     async def sweep_leftovers(self) -> int:
-        """Release what the backend holds for sandboxes no row names (a dead engine's), and
-        what dead helpers left (``Backend.sweep(thorough=True)``)."""
+        """Release what the backend holds for sandboxes no row names (a dead engine's), what dead
+        helpers and crashes left (``Backend.sweep(thorough=True)``), and suspend snapshots of
+        sandboxes that are gone."""
         await self.life.backend.sweep(thorough=True)
         leftovers = await self.life.backend.list_ids()
         # Rows are written before resources exist: reading them after the scan keeps
@@ -73,6 +74,9 @@ class Reaper:
                 released += 1
             except FanfoldError as err:  # one that will not go must not stop the rest, nor an engine's start
                 log.warning("fanfold reaper: releasing leftover %s failed, retried on a later pass: %s", sandbox_id, err)
+        # A sandbox's suspend snapshots go with it; an engine that died in between left them (those
+        # a later snapshot stands on stay, as they do after any destroy).
+        await self.life.collect({s for s, owner in self.life.db.stray_suspends().items() if self.life.mine(owner)})
         return released
 
     async def run(self) -> None:
