@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fanfold import BuildFailed, EnvSpec, Fleet, ImageNotFound, InvalidSpec, ServiceFailed
+from fanfold.host import cgroups, mounts, procs
 from fanfold.images import LayerStore
 from fanfold.images.builder import StepEvent
 
@@ -70,6 +72,46 @@ def test_failed_step_names_step_code_and_tail_and_leaves_no_layer(fleet, config)
     assert "doomed-output" in info.value.output_tail and "RUN" in info.value.step
     assert "exit code 7" in str(info.value)
     assert set(os.listdir(config.state_dir / "layers")) == layers_before
+
+
+def _processes_running(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                if marker.encode() in handle.read() and procs.running(entry):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+async def _within(seconds: float, holds) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``holds()`` comes true within ``seconds`` (polled: it is another process's doing)."""
+    deadline = time.monotonic() + seconds
+    while not holds():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def test_a_cancelled_build_ends_its_running_step_and_leaves_nothing(afleet, config):
+    marker = f"step-{time.time_ns()}"
+    build = asyncio.ensure_future(afleet.build(EnvSpec("host").run(f"sleep 600 # {marker}")))
+    assert await _within(60, lambda: _processes_running(marker))
+    step = _processes_running(marker)[0]
+    container = Path(open(f"/proc/{step}/cgroup").read().splitlines()[0].split(":")[2]).name
+    assert container.startswith("build-")
+    build.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await build
+    assert await _within(30, lambda: not _processes_running(marker)), "the step ran on after its build was cancelled"
+    assert await _within(30, lambda: not (config.run_dir / config.runtime / container).exists())
+    groups = [root / container for root in (*cgroups.v1_roots().values(), *cgroups.v2_roots())]
+    assert not [group for group in groups if group.exists()]
+    assert await _within(30, lambda: not [m for m in mounts.mounts_under(config.state_dir / "layers") if ".tmp-" in str(m)])
 
 
 def test_run_steps_have_a_network_of_their_own_and_sandboxes_none(fleet):

@@ -6,7 +6,7 @@ import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 from ..errors import InfrastructureError
 
@@ -47,6 +47,25 @@ async def on_thread(
         if discard is not None and done.exception() is None:
             discard(done.result())
         raise
+
+
+async def to_the_end(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even when cancelled meanwhile, then raise the cancellation: for
+    cleanup that must not be cut off (a build step's container left running). Under the server an
+    anyio cancel scope cancels every await again, not just the one it found running."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 async def read_once(fd: int, size: int = 16) -> bytes:

@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Literal
 
 from ..errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
 from ..host import safefs, stepnet
+from ..host.offload import to_the_end
 from ..runtime import Bind, ContainerSpec, Runtime
 from ..runtime import seccomp
 from ..runtime.container import ProcessUser
@@ -84,7 +85,7 @@ class Builder:
                 return await self._build(spec, on_step, net)
         finally:
             if net is not None:
-                await net.close()
+                await to_the_end(net.close())
 
     async def _build(self, spec: EnvSpec, on_step: OnStep | None, net: stepnet.StepNetwork | None) -> Image:
         report = on_step or (lambda event: None)

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import HostNotReady, InfrastructureError
 from ..host import procs, setup
 from ..host.idmap import RANGE as USERNS_RANGE
+from ..host.offload import to_the_end
 from ..host.spawn import Finished, log_tail, run
 from . import seccomp
 from .container import CAPABILITIES, ContainerSpec
@@ -139,7 +140,8 @@ class OciRuntime:
         try:
             return await run(self._argv("run", "--bundle", str(bundle), spec.id), timeout=timeout)
         finally:
-            await self.delete(spec.id)
+            # Killing `run` (a cancelled build) leaves its container's processes running: this ends them.
+            await to_the_end(self.delete(spec.id))
 
     def forget(self, sandbox_id: str) -> None:
         # What `delete --force` would do after its own kill, without spawning the
