@@ -185,6 +185,7 @@ def _suspend_committed_after_its_sandbox_went(monkeypatch) -> tuple[threading.Ev
         if info.kind == "suspend":
             waiting.set()
             destroyed.wait(60)
+            time.sleep(1)  # slower than the rest of the close, as a big image's commit on a busy host was
             taken.append(info.id)
         return commit(self, staged, info, layers, tenant)
 

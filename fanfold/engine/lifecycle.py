@@ -157,13 +157,21 @@ class Lifecycle:
             for end_calls in list(self.interrupters):
                 await end_calls(sandbox_id)
 
-        async with self.gate(sandbox_id).change(end_long_calls if interrupt else None):
-            row = self.known(sandbox_id)
-            if wake and row["state"] != "running":
-                await self.wake_locked(row)
+        # Counted as a call: a closing engine waits for a change (a suspend) to unwind before its database goes.
+        self._calls += 1
+        self._no_calls.clear()
+        try:
+            async with self.gate(sandbox_id).change(end_long_calls if interrupt else None):
                 row = self.known(sandbox_id)
-            self.db.touch(sandbox_id)
-            yield row
+                if wake and row["state"] != "running":
+                    await self.wake_locked(row)
+                    row = self.known(sandbox_id)
+                self.db.touch(sandbox_id)
+                yield row
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._no_calls.set()
 
     @asynccontextmanager
     async def using(self, sandbox_id: str) -> AsyncIterator[Any]:
