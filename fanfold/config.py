@@ -116,6 +116,10 @@ class EngineConfig:
     userns: bool = field(default_factory=lambda: os.environ.get("FANFOLD_USERNS", "1") not in ("0", "false", "no"))
     """Each sandbox in a user namespace of its own (default): its root is an unprivileged host uid, a
     range no other live sandbox has. ``FANFOLD_USERNS=0``: sandbox root is host root, as in a Docker default."""
+    uid_ranges: int = field(default_factory=lambda: _env_int("FANFOLD_UID_RANGES", 16384))
+    """Ranges of 65536 host ids the entry named ``fanfold`` in /etc/subuid and /etc/subgid holds when the
+    engine (or ``fanfold doctor --fix``) adds it, there being none: the most sandboxes with user namespaces
+    live on the host at once, every state dir's together. Sandboxes take their ranges within that entry."""
     lazy_restore: bool = field(
         default_factory=lambda: os.environ.get("FANFOLD_LAZY_RESTORE", "1") not in ("0", "false", "no"))
     """Memory snapshots restore lazily (default): resume, create from a memory snapshot and fork's children

@@ -4,10 +4,13 @@ has, over layers shared without copying; writes land on disk as the sandbox's ro
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 
-from fanfold import AsyncFleet, EngineConfig
-from fanfold.host import idmap
+import pytest
+
+from fanfold import AsyncFleet, EngineConfig, HostNotReady
+from fanfold.host import doctor, idmap, subids
 from fanfold.runtime.oci_sandbox import paths
 
 
@@ -119,3 +122,59 @@ def test_a_checkpoints_user_namespace_is_rewritten_for_each_restore(tmp_path):
     assert criu_images.read_maps(source)["gid_map"] == [(0, 1048576, 65536)]  # the shared image is left alone
     assert (copy / "pages-1.img").stat().st_ino == (images / "pages-1.img").stat().st_ino  # linked, not copied
     assert criu_images.has_userns(images) and not criu_images.has_userns(tmp_path)
+
+
+def _subid_files(tmp_path: Path, uids: str, gids: str) -> tuple[Path, Path]:
+    (tmp_path / "subuid").write_text(uids)
+    (tmp_path / "subgid").write_text(gids)
+    return tmp_path / "subuid", tmp_path / "subgid"
+
+
+def test_without_a_fanfold_entry_one_is_added_where_no_other_tool_has_ids(tmp_path):
+    others = "podman:100000:65536\nlxd:1000000:1000000000\n"
+    subuid, subgid = _subid_files(tmp_path, others, "podman:100000:65536\nnspawn:1001100000:65536")
+    slots = subids.ensure(8, subuid, subgid)
+    entry = f"fanfold:1001193472:{8 * idmap.RANGE}\n"  # the first multiple of 65536 past both files' entries
+    assert subuid.read_text() == others + entry and subgid.read_text().endswith("65536\n" + entry)
+    assert len(slots) == 8 and idmap.base_of_slot(slots[0]) == 1001193472
+    assert subids.ensure(8, subuid, subgid) == slots and subuid.read_text().count("fanfold") == 1
+    assert doctor.check_uid_ranges(subuid, subgid).ok
+
+
+def test_an_existing_fanfold_entry_is_used_as_it_is(tmp_path):
+    subuid, subgid = _subid_files(tmp_path, "fanfold:2000000:300000\n", "fanfold:2000000:300000\n")
+    slots = subids.ensure(16384, subuid, subgid)  # not grown to what would be added: the operator's choice
+    bases = [idmap.base_of_slot(s) for s in slots]
+    assert bases == [2031616, 2097152, 2162688, 2228224]  # the whole ranges of 65536 inside it
+    assert subuid.read_text() == "fanfold:2000000:300000\n"
+    sandbox = f"sb-{secrets.token_hex(6)}"
+    assert idmap.claim(sandbox, slots, tmp_path / "claims") == bases[0]
+
+
+def test_a_fanfold_entry_in_one_file_is_copied_to_the_other_and_an_empty_host_starts_at_1048576(tmp_path):
+    subuid, subgid = _subid_files(tmp_path, "", "fanfold:1048576:131072")
+    assert subids.ensure(4, subuid, subgid) == range(0, 2) and subuid.read_text() == "fanfold:1048576:131072\n"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert doctor.check_uid_ranges(fresh / "subuid", fresh / "subgid").ok is False
+    assert subids.ensure(4, fresh / "subuid", fresh / "subgid") == range(0, 4)
+    assert (fresh / "subgid").read_text() == f"fanfold:1048576:{4 * idmap.RANGE}\n"
+
+
+def test_no_room_or_no_shared_range_is_a_clear_error(tmp_path):
+    subuid, subgid = _subid_files(tmp_path, "all:1048576:4293800000\n", "")
+    with pytest.raises(HostNotReady, match="FANFOLD_UID_RANGES"):
+        subids.ensure(4, subuid, subgid)
+    subuid, subgid = _subid_files(tmp_path, "fanfold:1048576:65536\n", "fanfold:4194304:65536\n")
+    with pytest.raises(HostNotReady, match="share no whole range"):
+        subids.ensure(4, subuid, subgid)
+
+
+async def test_the_engines_ranges_lie_within_the_fanfold_entries(config):
+    async with AsyncFleet(config=config) as fleet:
+        async with await fleet.create() as sandbox:
+            base = idmap.base_of(sandbox.id)
+            uid, gid = _host_ids(fleet._transport, sandbox.id)
+    for path, first in ((subids.SUBUID, uid), (subids.SUBGID, gid)):
+        entry = subids.ours(subids.parse(path.read_text()))
+        assert entry is not None and entry.start <= first == base and base + idmap.RANGE <= entry.end, path

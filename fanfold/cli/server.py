@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -20,16 +21,18 @@ if TYPE_CHECKING:
 
 @click.command()
 @click.option("--fix", is_flag=True, help="Apply the fixes that can be made safely (cgroup hybrid mode, cgroup2"
-              " favordynmods).")
+              " favordynmods, fanfold's entry in /etc/subuid and /etc/subgid).")
 @click.pass_context
 def doctor(ctx: click.Context, fix: bool) -> None:
     """Check the host; exit 0 only when sandboxes can run."""
     from ..host import doctor as doctor_checks
-    from ..host import setup
+    from ..host import setup, subids
 
     if fix and setup.is_root():
         moved = setup.fix_hybrid_cgroups()  # doctor always checks this host, never a --url server
         setup.favor_dynamic_cgroups()
+        with contextlib.suppress(FanfoldError):  # the uid ranges check says what stands in the way
+            subids.ensure(_config(ctx).uid_ranges)
         if moved:
             console.print(f"fixed: moved {', '.join(moved)} from cgroup2 to cgroup v1")
     checks = doctor_checks.run_checks(ctx.obj["runtime"])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import EngineConfig
-from . import cgroups, setup
+from . import cgroups, idmap, setup, subids
 
 
 @dataclass(frozen=True)
@@ -191,9 +191,21 @@ def check_build_network() -> Check:
                  "apt-get install iproute2 nftables", required=False)
 
 
+def check_uid_ranges(subuid: Path = subids.SUBUID, subgid: Path = subids.SUBGID) -> Check:
+    """fanfold's entry in /etc/subuid and /etc/subgid, where sandboxes' user namespaces take their ranges."""
+    found = subids.slots(subuid, subgid)
+    if not found:
+        detail = (f"no usable `{subids.NAME}` entry in both {subuid} and {subgid}: the engine adds one as it starts"
+                  if found is None else f"the `{subids.NAME}` entries of {subuid} and {subgid} share no whole range")
+        return Check("uid ranges", False, detail, "`fanfold doctor --fix` adds one", required=found is None)
+    first = subids.LOWEST + found.start * idmap.RANGE
+    return Check("uid ranges", True, f"{len(found)} ranges of {idmap.RANGE} ids from {first} ({subids.NAME} in"
+                                     f" {subuid} and {subgid})")
+
+
 def run_checks(runtime: str) -> list[Check]:
     return [
         check_root(), check_kernel(), check_namespaces(), check_overlayfs(), check_cgroups(), check_cgroup_attach(),
         check_runtime(runtime), check_compiler(), check_criu(), check_lazy_restore(), check_debootstrap(),
-        check_disks(), check_image_tools(), check_build_network(), check_gvisor(runtime == "runsc"),
+        check_disks(), check_image_tools(), check_build_network(), check_uid_ranges(), check_gvisor(runtime == "runsc"),
     ]

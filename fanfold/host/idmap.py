@@ -1,10 +1,10 @@
 """User namespaces for sandboxes: a host uid range per sandbox, and layers idmapped into it.
 
 Root in a sandbox is host uid ``base`` (its whole range is ``base .. base+65535``), a range no
-other live sandbox on this host has: ``claim`` takes the lowest free slot, host-wide (engines
-of every state dir share ``CLAIMS``), as two symlinks (``sweep`` removes what a crash between
-them leaves), within the slots fanfold's entry in /etc/subuid and /etc/subgid allows (``subids``). The layers stay as they
-are on disk (owned by uid 0, shared by every sandbox): each gets an idmapped clone
+other live sandbox on this host has: ``claim`` takes the lowest free slot of those fanfold's
+entry in /etc/subuid and /etc/subgid allows (``subids``), host-wide (engines of every state dir
+share ``CLAIMS``), as two symlinks (``sweep`` removes what a crash between them leaves). The
+layers stay as they are on disk (owned by uid 0, shared by every sandbox): each gets an idmapped clone
 (``open_tree`` + ``mount_setattr(MOUNT_ATTR_IDMAP)``) through a user namespace with the
 sandbox's mapping, and the overlay is mounted over the clones by a thread whose fsuid is the
 range's root, so what the sandbox writes lands on disk as uid 0 again: snapshot layers fit
@@ -186,7 +186,9 @@ class Namespaces:
     the idmaps, and for crun to join. The sandboxes that hold a range one after another share its
     namespace; none of them outlives its sandbox but the kernel keyring, which seccomp closes."""
 
-    def __init__(self, kept: int = NAMESPACES_KEPT) -> None:
+    def __init__(self, kept: int = NAMESPACES_KEPT, slots: range = ALL_SLOTS) -> None:
+        self.slots = slots
+        """The slots sandboxes may claim (``subids``: fanfold's entry in /etc/subuid)."""
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._kept = kept
         self._lock = threading.Lock()

@@ -21,7 +21,7 @@ from pathlib import Path
 from .._agent.build import agent_binary
 from ..config import EngineConfig
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
-from ..host import cgroups, disk, idmap, mounts, netns, procs, setup
+from ..host import cgroups, disk, idmap, mounts, netns, procs, setup, subids
 from ..host.offload import host_errors, on_thread
 from ..store.rootfs import copy_upper
 from . import get_runtime, lazy, oci_sandbox, seccomp
@@ -72,6 +72,8 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
+        if cfg.userns:  # restores of checkpoints made in user namespaces take ranges too
+            self.users.slots = await asyncio.to_thread(subids.ensure, cfg.uid_ranges)
         self.disk_hold = await asyncio.to_thread(quota_disk, cfg)
         if self.userns:
             self.userns = await asyncio.to_thread(_idmaps_work, cfg, self.users, self.disk_hold is not None)
@@ -315,7 +317,7 @@ def _idmaps_work(cfg: EngineConfig, users: idmap.Namespaces, quota: bool) -> boo
         if not quota:
             (probe / "tmpfs").mkdir(exist_ok=True)
             mounts.mount_tmpfs(probe / "tmpfs", 1)
-        ns = users.fd(idmap.base_of_slot(0))
+        ns = users.fd(idmap.base_of_slot(users.slots[0]))
         for index, source in enumerate(sources):
             target = probe / str(index)
             target.mkdir(exist_ok=True)

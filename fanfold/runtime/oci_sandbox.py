@@ -196,7 +196,7 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
     """The file system work of a create, in one go on a thread: a uid range claimed when ``users`` is
     given, the disk, root and channel mounted and made, and the runtime's bundle written."""
     sandbox_id = spec.id
-    base = idmap.claim(sandbox_id) if users is not None else None
+    base = idmap.claim(sandbox_id, users.slots) if users is not None else None
     where = mount_disk(config, store, sandbox_id, spec.layers, spec.host_dirs, spec.limits, quota, base, users)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in spec.services:
@@ -230,7 +230,7 @@ async def restore(
     sandbox_id, host_dirs, images = spec.id, spec.host_dirs, spec.restore
     assert images is not None
     in_userns = criu_images.has_userns(images)
-    base = idmap.claim(sandbox_id) if in_userns else None
+    base = idmap.claim(sandbox_id, users.slots) if in_userns else None
     # A lazy restore's page server starts while the disk is mounted (it reads the images as they are:
     # a user namespace's rewritten map is none of its business).
     serving = asyncio.ensure_future(_serve_pages(criu, images, paths(config, sandbox_id).lazy, sandbox_id,
