@@ -25,6 +25,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -46,7 +47,7 @@ extern char **environ;
 #define SPLICE_BUF (64 * 1024) /* per direction of a spliced connection */
 #define RELAY_BACKLOG 1024
 
-enum { K_NEW, K_PING, K_WAIT, K_EXEC };
+enum { K_NEW, K_PING, K_WAIT, K_EXEC, K_AUTH };
 enum { S_SETUP, S_RUN, S_DRAIN, S_DONE };
 
 struct conn {
@@ -73,6 +74,7 @@ struct conn {
 	int trunc[2], timed_out, status;
 	int64_t t_start, t_end, deadline, drain_deadline;
 	int pi_sock, pi_fd[2], pi_in; /* indexes into this round's pollfd array */
+	char nonce[33];                /* `n`: what the host's next frame must carry a MAC of */
 };
 
 struct user {
@@ -121,7 +123,7 @@ static int held;                  /* --hold: services wait for the host's `g` */
 static int rebinds;               /* --hold: a runtime without fd passing (gVisor) may have us drop
                                    * our listener (`q`); under others we never do */
 static const char *listen_path;   /* --listen: bound again on SIGUSR2 after a `q` */
-static char token[65];            /* the last `q`'s payload, told back by `t` */
+static char host_key[65];         /* the first `g`'s payload (--hold): see mac() */
 static int64_t accept_resume; /* listener paused until then (fd exhaustion) */
 static char ready_msg[600];
 static char scratch[256 * 1024]; /* sink for output past the limit */
@@ -494,33 +496,207 @@ static void parse_user(struct conn *c, char *pl)
 	}
 }
 
+/* ---- the host's key: HMAC-SHA256 ---------------------------------------- */
+
+/* Under gVisor the host gives its first `g` a key (nothing of the sandbox runs before it), which
+ * then proves requests both ways: the host's `q` (a MAC over a nonce of ours, `n`), and our `t` (a
+ * MAC over the host's nonce, given only once our --listen path is seen to lead to us). */
+struct sha256 {
+	uint32_t h[8];
+	uint64_t len;
+	unsigned char buf[64];
+	size_t n;
+};
+
+static const uint32_t sha256_k[64] = {
+	0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+	0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+	0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+	0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+	0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+	0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+	0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+	0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+#define ROR(x, n) ((x) >> (n) | (x) << (32 - (n)))
+
+static void sha256_block(struct sha256 *s, const unsigned char *p)
+{
+	uint32_t w[64], v[8], t1, t2;
+	for (int i = 0; i < 16; i++)
+		w[i] = (uint32_t)p[4 * i] << 24 | p[4 * i + 1] << 16 | p[4 * i + 2] << 8 | p[4 * i + 3];
+	for (int i = 16; i < 64; i++)
+		w[i] = w[i - 16] + (ROR(w[i - 15], 7) ^ ROR(w[i - 15], 18) ^ w[i - 15] >> 3) + w[i - 7] +
+		       (ROR(w[i - 2], 17) ^ ROR(w[i - 2], 19) ^ w[i - 2] >> 10);
+	memcpy(v, s->h, sizeof v);
+	for (int i = 0; i < 64; i++) {
+		t1 = v[7] + (ROR(v[4], 6) ^ ROR(v[4], 11) ^ ROR(v[4], 25)) + ((v[4] & v[5]) ^ (~v[4] & v[6])) +
+		     sha256_k[i] + w[i];
+		t2 = (ROR(v[0], 2) ^ ROR(v[0], 13) ^ ROR(v[0], 22)) + ((v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]));
+		memmove(v + 1, v, 7 * sizeof *v);
+		v[4] += t1;
+		v[0] = t1 + t2;
+	}
+	for (int i = 0; i < 8; i++)
+		s->h[i] += v[i];
+}
+
+static void sha256_init(struct sha256 *s)
+{
+	static const uint32_t h0[8] = { 0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+					0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19 };
+	memcpy(s->h, h0, sizeof h0);
+	s->len = s->n = 0;
+}
+
+static void sha256_update(struct sha256 *s, const void *data, size_t len)
+{
+	const unsigned char *p = data;
+	s->len += len;
+	while (len--) {
+		s->buf[s->n++] = *p++;
+		if (s->n == 64) {
+			sha256_block(s, s->buf);
+			s->n = 0;
+		}
+	}
+}
+
+static void sha256_final(struct sha256 *s, unsigned char out[32])
+{
+	uint64_t bits = s->len * 8;
+	unsigned char pad = 0x80;
+	sha256_update(s, &pad, 1);
+	pad = 0;
+	while (s->n != 56)
+		sha256_update(s, &pad, 1);
+	for (int i = 7; i >= 0; i--) {
+		pad = (unsigned char)(bits >> (8 * i));
+		sha256_update(s, &pad, 1);
+	}
+	for (int i = 0; i < 32; i++)
+		out[i] = (unsigned char)(s->h[i / 4] >> (24 - 8 * (i % 4)));
+}
+
+static void to_hex(const unsigned char *p, size_t n, char *out)
+{
+	for (size_t i = 0; i < n; i++)
+		sprintf(out + 2 * i, "%02x", p[i]);
+}
+
+static int is_hex(const char *s, size_t min, size_t max)
+{
+	size_t n = strspn(s, "0123456789abcdef");
+	return !s[n] && n >= min && n <= max;
+}
+
+/* hex(HMAC-SHA256(key, "KIND NONCE")) into out (65 bytes) */
+static void mac(const char *key, char kind, const char *nonce, char *out)
+{
+	unsigned char pad[64], inner[32], digest[32];
+	struct sha256 s;
+	size_t klen = strlen(key); /* 64 hex digits: shorter than a block, used as they are */
+
+	for (int round = 0; round < 2; round++) {
+		memset(pad, round ? 0x5c : 0x36, sizeof pad);
+		for (size_t i = 0; i < klen; i++)
+			pad[i] ^= (unsigned char)key[i];
+		sha256_init(&s);
+		sha256_update(&s, pad, sizeof pad);
+		if (round) {
+			sha256_update(&s, inner, sizeof inner);
+		} else {
+			char head[2] = { kind, ' ' };
+			sha256_update(&s, head, 2);
+			sha256_update(&s, nonce, strlen(nonce));
+		}
+		sha256_final(&s, round ? digest : inner);
+	}
+	to_hex(digest, sizeof digest, out);
+}
+
+/* The host's MAC over our nonce, compared in constant time. */
+static int mac_ok(char kind, const char *nonce, const char *given)
+{
+	char want[65];
+	unsigned char diff = 0;
+	if (!*host_key || strlen(given) != 64)
+		return 0;
+	mac(host_key, kind, nonce, want);
+	for (int i = 0; i < 64; i++)
+		diff |= (unsigned char)(want[i] ^ given[i]);
+	return diff == 0;
+}
+
+static int fresh_nonce(char out[33])
+{
+	unsigned char raw[16];
+	if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw)
+		return -1;
+	to_hex(raw, sizeof raw, out);
+	return 0;
+}
+
 static void drop_listener(void);
 static void release_services(void);
 static void relay_listen(struct conn *c, char *pl);
 static void relay_stop(int port);
 static void open_port(struct conn *c, const char *pl);
+static void signal_exec(struct conn *c, const char *pl);
+static int listening_at_path(void);
 
 /* Takes ownership of pl (NUL-terminated, n bytes). */
 static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 {
-	if (c->kind == K_NEW) {
+	if (c->kind == K_AUTH) {
+		/* the frame after `n`: only a `q` with the host's MAC over our nonce lets go */
+		int ok = t == 'q' && mac_ok('q', c->nonce, pl);
+		if (ok)
+			drop_listener();
+		put(c, t == 'q' ? 'q' : 'n', ok ? "ok" : "fail EPERM");
+		c->kind = K_PING;
+		c->close_after = 1;
+	} else if (c->kind == K_NEW) {
 		if (t == 'h') {
 			c->kind = K_PING;
-			put(c, 'h', "fanfold-agent 4");
+			put(c, 'h', "fanfold-agent 5");
 			c->close_after = 1;
-		} else if (t == 'q' || t == 'g') {
-			c->kind = K_PING;
-			if (t == 'q') {
-				snprintf(token, sizeof token, "%s", n < sizeof token ? pl : "");
-				drop_listener();
+		} else if (t == 'n') {
+			c->kind = K_AUTH;
+			if (fresh_nonce(c->nonce) == 0) {
+				put(c, 'n', c->nonce);
 			} else {
-				release_services();
+				put(c, 'n', "fail EAGAIN");
+				c->close_after = 1;
 			}
-			put(c, t, "ok");
+		} else if (t == 'q') {
+			/* unproven (a process of the sandbox may send it): the listener stays */
+			c->kind = K_PING;
+			put(c, 'q', "fail EPERM");
+			c->close_after = 1;
+		} else if (t == 'g') {
+			c->kind = K_PING;
+			if (held && !*host_key && is_hex(pl, 64, 64))
+				memcpy(host_key, pl, 65); /* nothing of the sandbox has run yet: only the host can say it */
+			release_services();
+			put(c, 'g', "ok");
 			c->close_after = 1;
 		} else if (t == 't') {
+			char proof[65];
 			c->kind = K_PING;
-			put(c, 't', token);
+			if (!n) {
+				put(c, 't', ""); /* no nonce, no proof */
+			} else if (is_hex(pl, 32, 64) && *host_key && listening_at_path()) {
+				mac(host_key, 't', pl, proof);
+				put(c, 't', proof);
+			} else {
+				put(c, 't', "fail EPERM");
+			}
+			c->close_after = 1;
+		} else if (t == 'k') {
+			c->kind = K_PING;
+			signal_exec(c, pl); /* a signal of its own: never behind stdin the command does not read */
 			c->close_after = 1;
 		} else if (t == 'w') {
 			c->kind = K_WAIT;
@@ -584,7 +760,7 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 static int want_read(struct conn *c)
 {
 	return !c->rd_eof && !c->pend && !c->dead &&
-	       (c->kind == K_NEW || (c->kind == K_EXEC && c->state != S_DONE));
+	       (c->kind == K_NEW || (c->kind == K_AUTH && !c->close_after) || (c->kind == K_EXEC && c->state != S_DONE));
 }
 
 static void conn_read(struct conn *c)
@@ -650,6 +826,21 @@ static void free_conn(struct conn *c)
 	accept_resume = 0;
 }
 
+static void add_conn(int fd)
+{
+	struct conn *c = calloc(1, sizeof *c);
+	if (!c) {
+		close(fd);
+		return;
+	}
+	c->fd = fd;
+	c->fds[0] = c->fds[1] = c->in_fd = -1;
+	c->pi_sock = c->pi_fd[0] = c->pi_fd[1] = c->pi_in = -1;
+	c->limit = DEFAULT_LIMIT;
+	c->next = conns;
+	conns = c;
+}
+
 static void do_accept(void)
 {
 	for (;;) {
@@ -661,18 +852,63 @@ static void do_accept(void)
 				accept_resume = now_us() + DRAIN_US;
 			return;
 		}
-		struct conn *c = calloc(1, sizeof *c);
-		if (!c) {
-			close(fd);
-			return;
-		}
-		c->fd = fd;
-		c->fds[0] = c->fds[1] = c->in_fd = -1;
-		c->pi_sock = c->pi_fd[0] = c->pi_fd[1] = c->pi_in = -1;
-		c->limit = DEFAULT_LIMIT;
-		c->next = conns;
-		conns = c;
+		add_conn(fd);
 	}
+}
+
+/* `t`: does --listen PATH lead to our listener? Asked once the host has locked the socket's dir, so
+ * nothing can make a new way to our listener meanwhile: a process that put its own socket there
+ * and passes the host's `t` to us, over connections it made before, gets no proof. We take in what
+ * waits first, connect to PATH and write a mark: PATH is ours when a connection carrying it comes. */
+static int listening_at_path(void)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	unsigned char mark[16], got[16];
+	struct pollfd p = { listen_fd, POLLIN, 0 };
+	int probe, fd, mine = 0;
+
+	if (listen_fd < 0 || !listen_path || strlen(listen_path) >= sizeof sa.sun_path ||
+	    getrandom(mark, sizeof mark, 0) != (ssize_t)sizeof mark)
+		return 0;
+	do_accept(); /* connections made before the probe: none of them can carry its mark */
+	strcpy(sa.sun_path, listen_path);
+	if ((probe = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)) < 0)
+		return 0;
+	if (connect(probe, (struct sockaddr *)&sa, sizeof sa) == 0 && write(probe, mark, sizeof mark) == sizeof mark) {
+		/* a unix connection is queued at its listener once connect returns: the wait is a margin */
+		while (!mine && poll(&p, 1, 100) > 0) {
+			if ((fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) < 0)
+				break;
+			struct pollfd q = { fd, POLLIN, 0 };
+			mine = poll(&q, 1, 100) > 0 && recv(fd, got, sizeof got, MSG_PEEK) == (ssize_t)sizeof got &&
+			       !memcmp(got, mark, sizeof mark);
+			if (mine)
+				close(fd);
+			else
+				add_conn(fd); /* someone else's, through PATH too: served as usual */
+		}
+	}
+	close(probe);
+	return mine;
+}
+
+/* `k PID SIGNAL`: signal the process group of the exec whose command is PID, while it runs. */
+static void signal_exec(struct conn *c, const char *pl)
+{
+	int pid = 0, sig = 0, used = 0;
+	const char *answer = "gone";
+
+	if (sscanf(pl, "%d %d%n", &pid, &sig, &used) != 2 || pl[used] || pid <= 0 || sig <= 0 || sig >= NSIG) {
+		put(c, 'k', "fail EINVAL");
+		return;
+	}
+	for (struct conn *e = conns; e; e = e->next)
+		if (e->kind == K_EXEC && (e->state == S_RUN || e->state == S_DRAIN) && e->pid == pid) {
+			kill(-pid, sig);
+			answer = "ok";
+			break;
+		}
+	put(c, 'k', answer);
 }
 
 /* ---- relays: sandbox networks under gVisor ------------------------------ */

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import hashlib
+import hmac
 import os
 import re
+import secrets
 import socket
 import stat
 import struct
@@ -23,10 +26,11 @@ _MAX_FRAME = 1 << 20
 OnChunk = Callable[[str, bytes], Awaitable[None] | None]
 
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """What this client speaks: version 2 added the ``u`` frame (run the command as a user), version 3
 the ``q`` and ``g`` requests (a runtime without fd passing: gVisor), version 4 the relays of gVisor's
-sandbox networks (``l``, ``L``, ``o``)."""
+sandbox networks (``l``, ``L``, ``o``), version 5 the ``k`` request (a signal on a connection of its
+own) and the host's key (``g KEY``, ``n``+``q``, ``t NONCE``)."""
 USER_FRAME_VERSION = 2
 
 
@@ -36,6 +40,11 @@ class AgentUnreachable(Exception):
 
 class AgentProtocolError(AgentUnreachable):
     """The agent sent what the protocol does not allow: a sandbox that subverted its agent."""
+
+
+class AgentGone(AgentUnreachable):
+    """The agent's socket is there but nothing listens on it: the agent let go of it (only a ``q``
+    does that, and only an agent of protocol 4 or older takes one from inside the sandbox)."""
 
 
 class AgentTooOld(Exception):
@@ -58,25 +67,29 @@ class ExecUser:
 
 
 class ExecControl:
-    """Live stdin and signals for one exec while it runs, sent to the agent as ``i`` and ``k``
-    frames: stdin in order, a signal ahead of stdin still queued. The agent reads no frame while
-    the command has not taken the last stdin chunk, so a signal to a command that does not read
-    its stdin waits while ``backlog`` is above zero (signal such a command by another way, or
-    end the exec). ``pid`` is set once the agent has started the command (``started`` is then
-    done)."""
+    """Live stdin and signals for one exec while it runs. Stdin goes in order as ``i`` frames on the
+    exec's connection, which the agent reads only as fast as the command takes them; each signal
+    goes at once on a connection of its own (``k PID SIGNAL``), so it never waits behind stdin the
+    command does not read (an agent older than protocol 5 gets it as an ``k`` frame on the exec's
+    connection, ahead of stdin still queued here). ``pid`` is set once the agent has started the
+    command (``started`` is then done)."""
 
     MAX_BACKLOG = 16 << 20
 
     def __init__(self, *, keep_output: bool = True) -> None:
         self._stdin: collections.deque[bytes] = collections.deque()
-        self._signals: collections.deque[bytes] = collections.deque()
+        self._signals: collections.deque[int] = collections.deque()
+        self._signalled = asyncio.Event()
+        self._inline: collections.deque[bytes] = collections.deque()
+        """Frames for the exec's connection that go ahead of stdin still queued: an older agent's ``k``."""
+        self._inline_only = False
         self._wake = asyncio.Event()
         self.keep_output = keep_output
         """False: output only reaches ``on_chunk`` (a long-lived process), the result keeps none."""
         self.backlog = 0
         """Stdin bytes queued or in flight, which the agent has not yet passed to the command."""
         self.written = 0
-        """Stdin bytes written in all (once any were, a signal may wait behind them, see above)."""
+        """Stdin bytes written in all."""
         self.pid: int | None = None
         self.started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.stdin_closed = False
@@ -102,20 +115,21 @@ class ExecControl:
             self._wake.set()
 
     def signal(self, signum: int) -> None:
-        """Send ``signum`` to the command's process group."""
-        self._signals.append(_frame(b"k", str(int(signum)).encode()))
-        self._wake.set()
+        """Send ``signum`` to the command's process group (once it started)."""
+        self._signals.append(int(signum))
+        self._signalled.set()
 
     def _started(self, pid: int) -> None:
         self.pid = pid
         if not self.started.done():
             self.started.set_result(pid)
 
-    async def _send(self, sock: socket.socket) -> None:
+    async def _send_inline(self, sock: socket.socket) -> None:
+        """Feed the exec's connection: stdin, and the signals an older agent takes only there."""
         loop = asyncio.get_running_loop()
         while True:
-            if self._signals:
-                await loop.sock_sendall(sock, self._signals.popleft())
+            if self._inline:
+                await loop.sock_sendall(sock, self._inline.popleft())
             elif self._stdin:
                 frame = self._stdin.popleft()
                 await loop.sock_sendall(sock, frame)
@@ -123,6 +137,19 @@ class ExecControl:
             else:
                 self._wake.clear()
                 await self._wake.wait()
+
+    async def _send_signals(self, agent: AgentClient) -> None:
+        """Send each signal on a connection of its own, as soon as the command has started."""
+        pid = await self.started
+        while True:
+            await self._signalled.wait()
+            self._signalled.clear()
+            while self._signals:
+                signum = self._signals.popleft()
+                if self._inline_only or not await agent.signal(pid, signum):
+                    self._inline_only = True  # an agent before protocol 5: on the exec's connection then
+                    self._inline.append(_frame(b"k", str(signum).encode()))
+                    self._wake.set()
 
 
 @dataclass
@@ -159,22 +186,18 @@ class AgentClient:
         self.socket_path = socket_path
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        sock = await self._connect_raw()
         try:
-            sock = await _connect_socket(self.socket_path)
             return await asyncio.open_unix_connection(sock=sock, limit=_MAX_FRAME * 2)
         except OSError as err:
+            sock.close()
             raise AgentUnreachable(f"cannot reach the agent at {self.socket_path}: {err}") from None
 
     async def _request(self, kind: bytes, answer: re.Pattern[str], *, payload: bytes = b"",
                        until_closed: bool = False) -> str:
         reader, writer = await self._connect()
         try:
-            writer.write(_frame(kind, payload))
-            await writer.drain()
-            got, payload = await _read_frame(reader)
-            text = payload.decode(errors="replace")
-            if got != kind.decode() or not answer.fullmatch(text):
-                raise AgentProtocolError(f"agent answered {kind.decode()!r} with {got!r} {text[:80]!r}")
+            text = await _ask(reader, writer, kind, answer, payload)
             if until_closed and await reader.read(1):
                 raise AgentProtocolError(f"agent sent more after its {kind.decode()!r} answer")
             return text
@@ -184,22 +207,61 @@ class AgentClient:
     async def ping(self) -> str:
         return await self._request(b"h", _PING)
 
-    async def drop_listener(self, token: str) -> None:
-        """Have the agent close its listening socket (``q``) and keep ``token`` (up to 64 hex digits),
-        which ``token`` asks back: what an agent bound again in its place proves itself by. Returns
-        once it also closed this connection, so it holds nothing of the host's. SIGUSR2 to the agent
-        binds it again."""
+    async def drop_listener(self, key: str) -> None:
+        """Have the agent close its listening socket (``q``), proving the request with ``key`` (the
+        one its first ``g`` gave it) over a nonce the agent gives first (``n``): the agent lets go for
+        no one else. Returns once it also closed this connection, so it holds nothing of the host's;
+        AgentProtocolError when it refused. SIGUSR2 to the agent binds it again."""
+        reader, writer = await self._connect()
+        try:
+            nonce = await _ask(reader, writer, b"n", _NONCE)
+            if await _ask(reader, writer, b"q", _OK_OR_FAIL, mac(key, "q", nonce).encode()) != "ok":
+                raise AgentProtocolError("the agent refused the host's key: it is not the agent the key was given to")
+            if await reader.read(1):
+                raise AgentProtocolError("agent sent more after its 'q' answer")
+        finally:
+            writer.close()
+
+    async def proves(self, key: str) -> bool:
+        """Whether what answers at the socket is the agent that holds ``key`` and listens on that very
+        socket (``t`` with a fresh nonce: the agent's MAC over it, given only once it has connected to
+        its own socket's path and found itself there). Ask only with the socket's dir locked."""
+        nonce = secrets.token_hex(16)
+        try:
+            proof = await self._request(b"t", _PROOF, payload=nonce.encode())
+        except AgentProtocolError:
+            return False
+        return hmac.compare_digest(proof, mac(key, "t", nonce))
+
+    async def drop_listener_legacy(self, token: str) -> None:
+        """``drop_listener`` for an agent of protocol 3 or 4 (restored from an older checkpoint), which
+        has no key: ``q`` with ``token`` (up to 64 hex digits), which ``token`` asks back."""
         if not _TOKEN.fullmatch(token):
             raise ValueError("a token is 1 to 64 lowercase hex digits")
         await self._request(b"q", _OK, payload=token.encode(), until_closed=True)
 
     async def token(self) -> str:
-        """The token of the agent's last ``q`` (``t``), empty when it had none."""
+        """An agent of protocol 3 or 4: the token of its last ``q`` (``t``), empty when it had none. It
+        tells anyone that asks: weaker than ``proves``, for agents that know no better."""
         return await self._request(b"t", _TOKEN_OR_NONE)
 
-    async def release_services(self) -> None:
-        """Let an agent started with ``--hold`` start its services (``g``)."""
-        await self._request(b"g", _OK)
+    async def release_services(self, key: str | None = None) -> None:
+        """Let an agent started with ``--hold`` start its services (``g``), giving it ``key`` (64 hex
+        digits) on that first ``g``: what proves the host's ``q`` and the agent's ``t`` from then on.
+        Only the first ``g`` gives a key, while nothing of the sandbox has run yet."""
+        if key is not None and not _KEY.fullmatch(key):
+            raise ValueError("a key is 64 lowercase hex digits")
+        await self._request(b"g", _OK, payload=(key or "").encode())
+
+    async def signal(self, pid: int, signum: int) -> bool:
+        """Send ``signum`` to the process group of the running exec whose command is ``pid``, on a
+        connection of its own (``k``): True once sent, or when that exec has ended; False when the
+        agent predates the request (protocol 4 or older) or could not be reached."""
+        try:
+            await self._request(b"k", _SIGNALLED, payload=f"{int(pid)} {int(signum)}".encode())
+        except AgentUnreachable:
+            return False
+        return True
 
     async def relay(self, port: int, path: str) -> None:
         """Have the agent listen on 127.0.0.1:``port`` inside the sandbox, if it does not already, and
@@ -233,6 +295,8 @@ class AgentClient:
     async def _connect_raw(self) -> socket.socket:
         try:
             return await _connect_socket(self.socket_path)
+        except ConnectionRefusedError:
+            raise AgentGone(f"the agent at {self.socket_path} no longer listens on its socket") from None
         except OSError as err:
             raise AgentUnreachable(f"cannot reach the agent at {self.socket_path}: {err}") from None
 
@@ -292,7 +356,7 @@ class AgentClient:
             await writer.drain()
             if stdin is not None or control is not None:
                 second = _second_handle(writer)
-                feeder = asyncio.create_task(_feed(second, stdin or b"", control))
+                feeder = asyncio.create_task(_feed(second, stdin or b"", control, self))
             await self._collect(reader, result, on_chunk, max_output, control)
             return result
         except ConnectionError as err:
@@ -344,9 +408,31 @@ _OK = re.compile("ok")
 _OK_OR_FAIL = re.compile(r"ok|fail (E[A-Z0-9]{1,20}|[0-9]{1,5})")
 _TOKEN = re.compile("[0-9a-f]{1,64}")
 _TOKEN_OR_NONE = re.compile("[0-9a-f]{0,64}")
+_KEY = re.compile("[0-9a-f]{64}")
+_NONCE = re.compile("[0-9a-f]{32}")
+_PROOF = re.compile("[0-9a-f]{64}|fail EPERM")
+_SIGNALLED = re.compile("ok|gone")
 _PING = re.compile(r"fanfold-agent [0-9]{1,4}")
 _READY = re.compile(r"ok|fail [^\s]{1,255} -?[0-9]{1,10}")
 _STATUS_KEYS = ("code", "signal", "timeout", "out_bytes", "err_bytes", "out_trunc", "err_trunc", "duration_us")
+
+
+def mac(key: str, kind: str, nonce: str) -> str:
+    """What proves a request between the host and an agent holding ``key``: hex HMAC-SHA256 over
+    ``KIND NONCE`` (``q``: the host's, over the agent's nonce; ``t``: the agent's, over the host's)."""
+    return hmac.new(key.encode(), f"{kind} {nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, kind: bytes, answer: re.Pattern[str],
+               payload: bytes = b"") -> str:
+    """Send one frame and read the agent's answer: a frame of the same kind that ``answer`` matches."""
+    writer.write(_frame(kind, payload))
+    await writer.drain()
+    got, said = await _read_frame(reader)
+    text = said.decode(errors="replace")
+    if got != kind.decode() or not answer.fullmatch(text):
+        raise AgentProtocolError(f"agent answered {kind.decode()!r} with {got!r} {text[:80]!r}")
+    return text
 
 
 def _status(payload: bytes) -> dict[str, int]:
@@ -402,21 +488,26 @@ async def _connect_socket(path: str) -> socket.socket:
         os.close(fd)
 
 
-async def _feed(sock: socket.socket, data: bytes, control: ExecControl | None = None) -> None:
+async def _feed(sock: socket.socket, data: bytes, control: ExecControl | None, agent: AgentClient) -> None:
     """Write stdin (and then the control's frames) on ``sock``, a second handle on the exec's
     connection: a write that fails there (the agent closed after a fast command's ``z``) ends
     the feeding and nothing else, where a failed write on the stream's transport would also
-    discard the frames still unread, ``z`` among them."""
+    discard the frames still unread, ``z`` among them. The control's signals go meanwhile."""
     loop = asyncio.get_running_loop()
+    signals = None if control is None else asyncio.create_task(control._send_signals(agent))
     try:
         for start in range(0, len(data), 1 << 16):
             await loop.sock_sendall(sock, _frame(b"i", data[start : start + (1 << 16)]))
         if control is not None:
-            await control._send(sock)
+            await control._send_inline(sock)
             return
         await loop.sock_sendall(sock, _frame(b"i"))
     except ConnectionError:
         pass
+    finally:
+        if signals is not None:
+            signals.cancel()
+            await asyncio.gather(signals, return_exceptions=True)
 
 
 def _second_handle(writer: asyncio.StreamWriter) -> socket.socket:

@@ -321,22 +321,8 @@ async def send_signal(call: Call, message: dict[str, Any]) -> dict[str, Any]:
     number = enum_value(message.get("signal", "SIGNAL_UNSPECIFIED"), SIGNALS, "signal")
     if not number:
         raise RpcError("invalid_argument", "signal is SIGNAL_SIGTERM or SIGNAL_SIGKILL")
-    if process.control.written and await _kill_aside(call, process.pid, number):
-        return {}
-    process.control.signal(number)
+    process.control.signal(number)  # on a connection of its own: never behind stdin the process has not read
     return {}
-
-
-async def _kill_aside(call: Call, pid: int, number: int) -> bool:
-    """Signal the process group from a second command: a signal on the process's own connection
-    waits behind stdin it has not read. False when the image's shell cannot (the caller falls back)."""
-    name = {9: "KILL", 15: "TERM"}.get(number, str(number))
-    try:
-        done = await call.engine.exec(call.sandbox_id, ["/bin/sh", "-c", 'kill -s "$0" -- "-$1"', name, str(pid)],
-                                      timeout=10, user="root")
-    except FanfoldError:
-        return False
-    return done.exit_code == 0
 
 
 async def close_stdin(call: Call, message: dict[str, Any]) -> dict[str, Any]:
