@@ -9,7 +9,9 @@ overlay off so that writes land on the sandbox's disk. What differs (``docs/desi
 - runsc passes no descriptors, so the agent starts with ``--hold``: the host polls its socket,
   locks the channel dir, then lets services start (``g``).
 - Memory checkpoints are runsc's own (no CRIU). gVisor cannot save a socket bound on the host,
-  so the agent closes its listener first (``q``) and binds it again on SIGUSR2.
+  so the agent closes its listener first (``q``) and binds it again on SIGUSR2. The host gives each
+  agent a key at its first ``g`` (nothing of the sandbox runs before): the agent lets go only for a
+  ``q`` proven with it, and, bound again, proves with it that it is what listens at its socket.
 - A restored sandbox keeps its source's hostname: the agent's binary renames it (``runsc exec``).
 - Limits: a sandbox's processes are counted inside gVisor (RLIMIT_NPROC), since the host's pids
   limit counts the sentry's threads; hitting the memory limit kills the whole sandbox (the host
@@ -34,11 +36,12 @@ import socket
 import stat
 import time
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._agent.build import agent_binary
-from .._agent.client import AgentUnreachable
+from .._agent.client import AgentClient, AgentUnreachable
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError, InvalidRequest
 from ..host import cgroups, disk, doctor, procs, setup
 from ..host.offload import host_errors, on_thread
@@ -54,8 +57,11 @@ START_TIMEOUT_S = 30.0
 PIDS_PER_PROCESS = 10
 """Host tasks (the sentry's threads, ptrace stubs) per sandbox process, for the host's pids limit:
 a safety net only, the sandbox's own limit is RLIMIT_NPROC inside gVisor."""
+KEY_FILE = "fanfold-agent-key"
+"""In a sandbox's bundle and its memory checkpoints' dirs: the key its agent got at its first ``g``."""
 TOKEN_FILE = "fanfold-agent-token"
-"""In a memory checkpoint's dir: the token its agent proves itself by once restored (``q``)."""
+"""In a memory checkpoint's dir instead, for an agent of protocol 4 or older (restored from a checkpoint
+taken before keys): the token of its last ``q``, which it tells back (``t``)."""
 REQUEST_TIMEOUT_S = 10.0
 KEEP_TMP = ".fanfold-keep"
 PLATFORMS = ("systrap", "ptrace", "kvm")
@@ -134,14 +140,17 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             oci_sandbox.set_immutable(where.channel, True)
             if spec.before_run is not None:
                 await spec.before_run(Handle(spec.id, _read_pid(bundle)))
-            await asyncio.wait_for(self.agent_of(spec.id).release_services(), REQUEST_TIMEOUT_S)
+            key = secrets.token_hex(32)
+            _write_secret(bundle / KEY_FILE, key)
+            await asyncio.wait_for(self.agent_of(spec.id).release_services(key), REQUEST_TIMEOUT_S)
         else:
-            try:
-                token = (spec.restore / TOKEN_FILE).read_text()
-            except OSError:
+            secret = _checkpoint_secret(spec.restore)
+            if secret is None:
                 raise InfrastructureError(f"{spec.restore} holds no gVisor checkpoint of fanfold's (a snapshot taken"
-                                          " by another backend?): restore it with the backend that took it") from None
-            await self._restore(spec.id, spec.restore, where, token)
+                                          " by another backend?): restore it with the backend that took it")
+            if not secret.legacy:  # the restored agent holds its source's key
+                _write_secret(bundle / KEY_FILE, secret.value)
+            await self._restore(spec.id, spec.restore, where, secret)
             # The restored processes run already (runsc restores nothing stopped), but their relays
             # accept nothing until the engine's listener is there (``l``).
             if spec.before_run is not None:
@@ -196,20 +205,22 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
                                               f" {log_tail(bundle / 'runtime.log')}") from None
                 await asyncio.sleep(0.002)
 
-    async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths, token: str) -> None:
+    async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths, secret: AgentSecret) -> None:
         """Restore ``images`` as ``sandbox_id`` over the bundle in ``where``; its agent listens again."""
         bundle = where.bundle
         await self._runsc(sandbox_id, "restore", "--detach", "--image-path", str(images), "--pid-file",
                           str(bundle / "pid"), "--bundle", str(bundle), sandbox_id)
-        await self._listen_again(sandbox_id, where, token)
+        await self._listen_again(sandbox_id, where, secret)
 
-    async def _listen_again(self, sandbox_id: str, where: oci_sandbox.Paths, token: str) -> None:
+    async def _listen_again(self, sandbox_id: str, where: oci_sandbox.Paths, secret: AgentSecret) -> None:
         """Have an agent that let go of its socket (``q``) bind it again, lock its dir, then check that
-        the dir holds only a socket, and that what listens there knows ``token``.
+        the dir holds only a socket, and that what listens there is the agent (``secret``).
 
         The sandbox's processes run meanwhile (runsc restores nothing stopped), so one could put a
-        socket of its own in the agent's place before the lock; a sandbox caught at it, or whose
-        agent does not come back, is ended. The dir is never left open."""
+        socket of its own in the agent's place before the lock, and pass the host's check to the agent
+        over connections it made before: the agent proves itself only once it finds its own socket's
+        path leads to it. A sandbox caught at it, or whose agent does not come back, is ended. The dir
+        is never left open."""
         oci_sandbox.set_immutable(where.channel, False)
         try:
             # The old socket's file goes first: the agent's own unlink of it did not free the name under
@@ -223,16 +234,16 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             raise InfrastructureError(f"{err}; the sandbox was ended") from None
         finally:
             oci_sandbox.set_immutable(where.channel, True)
-        if not await self._answers_as_agent(sandbox_id, where, token):
+        if not await self._answers_as_agent(sandbox_id, where, secret):
             await self._end(sandbox_id)
             raise InfrastructureError(f"sandbox {sandbox_id}: something else than its agent took the agent's socket"
                                       " while it was bound again; the sandbox was ended")
 
-    async def _answers_as_agent(self, sandbox_id: str, where: oci_sandbox.Paths, token: str) -> bool:
+    async def _answers_as_agent(self, sandbox_id: str, where: oci_sandbox.Paths, secret: AgentSecret) -> bool:
         try:
             if os.listdir(where.channel) != [where.socket.name] or not stat.S_ISSOCK(os.lstat(where.socket).st_mode):
                 return False
-            return await asyncio.wait_for(self.agent_of(sandbox_id).token(), REQUEST_TIMEOUT_S) == token
+            return await asyncio.wait_for(secret.proven_by(self.agent_of(sandbox_id)), REQUEST_TIMEOUT_S)
         except (OSError, AgentUnreachable, asyncio.TimeoutError):
             return False
 
@@ -340,18 +351,18 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             await on_thread(disk.sync, where.subvolume)  # as the oci backend: the snapshot's flush, before the pause
         started = time.perf_counter()
         touched = memory or not frozen  # a frozen sandbox is thawed for the `q` of a memory checkpoint
-        token = secrets.token_hex(16) if memory else None
-        unbound: str | None = None  # the token, once the agent may have let go of its socket
+        secret = _sandbox_secret(where) if memory else None
+        unbound: AgentSecret | None = None  # once the agent may have let go of its socket
         try:
-            if token is not None:
-                unbound = token  # a `q` whose answer is lost may still have been carried out
-                await self._unbind(handle, frozen, token)
+            if secret is not None:
+                unbound = secret  # a `q` whose answer is lost may still have been carried out
+                await self._unbind(handle, frozen, secret)
             if touched:
                 await self.freeze(handle)
             await on_thread(copy_upper, where.disk, host_dirs, dest / "layer")
-            if token is not None:
+            if secret is not None:
                 (dest / "memory").mkdir()
-                (dest / "memory" / TOKEN_FILE).write_text(token)
+                _write_secret(dest / "memory" / (TOKEN_FILE if secret.legacy else KEY_FILE), secret.value)
                 if _net_dir(where).is_dir():
                     (dest / "memory" / NET_FILE).write_text(json.dumps(sorted(self.relays.get(sandbox_id, ()))))
                 leave = ["--leave-running"] if leave_running else []
@@ -368,12 +379,13 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             raise CheckpointFailed(f"snapshot of {sandbox_id} failed: {err}") from None
         return (time.perf_counter() - started) * 1000
 
-    async def _carry_on(self, handle: Handle, where: oci_sandbox.Paths, token: str | None, frozen: bool) -> None:
+    async def _carry_on(self, handle: Handle, where: oci_sandbox.Paths, secret: AgentSecret | None,
+                        frozen: bool) -> None:
         """After a checkpoint that leaves the sandbox running: thaw it, have its agent listen again
-        (when it let go, ``token``), and freeze it again if it was frozen before."""
+        (when it let go, ``secret``), and freeze it again if it was frozen before."""
         await self.thaw(handle)
-        if token is not None:
-            await self._listen_again(handle.id, where, token)
+        if secret is not None:
+            await self._listen_again(handle.id, where, secret)
             try:
                 await self._relay_again(handle.id)
             except (OSError, AgentUnreachable, asyncio.TimeoutError) as err:
@@ -381,14 +393,57 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         if frozen:
             await self.freeze(handle)
 
-    async def _unbind(self, handle: Handle, frozen: bool, token: str) -> None:
-        """Have the agent close its listener, which gVisor cannot save, and keep ``token`` (``q``)."""
+    async def _unbind(self, handle: Handle, frozen: bool, secret: AgentSecret) -> None:
+        """Have the agent close its listener, which gVisor cannot save (``q``, proven by ``secret``)."""
         if frozen:
             await self.thaw(handle)
         try:
-            await asyncio.wait_for(self.agent(handle).drop_listener(token), REQUEST_TIMEOUT_S)
+            await asyncio.wait_for(secret.unbind(self.agent(handle)), REQUEST_TIMEOUT_S)
         except (AgentUnreachable, asyncio.TimeoutError) as err:
             raise CheckpointFailed(f"sandbox {handle.id}'s agent did not let go of its socket: {err!r}") from None
+
+
+@dataclass(frozen=True)
+class AgentSecret:
+    """What a gVisor sandbox's agent proves itself by: the host's key (protocol 5), or, for an agent of
+    protocol 4 or older (restored from a checkpoint taken before keys, ``legacy``), a token it keeps
+    from the host's last ``q`` and tells whoever asks: a weaker check, kept for those agents."""
+
+    value: str
+    legacy: bool = False
+
+    async def unbind(self, agent: AgentClient) -> None:
+        await (agent.drop_listener_legacy(self.value) if self.legacy else agent.drop_listener(self.value))
+
+    async def proven_by(self, agent: AgentClient) -> bool:
+        return await agent.token() == self.value if self.legacy else await agent.proves(self.value)
+
+
+def _sandbox_secret(where: oci_sandbox.Paths) -> AgentSecret:
+    """The key the sandbox's agent got, or for an agent without one, a fresh token for its next ``q``."""
+    try:
+        return AgentSecret((where.bundle / KEY_FILE).read_text())
+    except FileNotFoundError:
+        return AgentSecret(secrets.token_hex(16), legacy=True)
+
+
+def _checkpoint_secret(images: Path) -> AgentSecret | None:
+    """What the agent of a memory checkpoint proves itself by once restored; None: not a gVisor checkpoint."""
+    for name, legacy in ((KEY_FILE, False), (TOKEN_FILE, True)):
+        try:
+            return AgentSecret((images / name).read_text(), legacy=legacy)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _write_secret(path: Path, value: str) -> None:
+    """Write a key or token readable by root alone (the bundle and checkpoint dirs are the host's)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(value)
 
 
 def _net_dir(where: oci_sandbox.Paths) -> Path:
