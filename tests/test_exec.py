@@ -229,3 +229,46 @@ async def test_stdin_nobody_reads_is_bounded_on_the_host(config):
         await asyncio.gather(running, return_exceptions=True)
         left = await sandbox.exec("for p in /proc/[0-9]*; do cat $p/cmdline; echo; done | tr '\\0' ' '")
     assert "sleep 61" not in left.text
+
+
+async def test_a_signal_reaches_a_command_that_never_reads_its_stdin_at_once(config):
+    """With stdin still on its way to a command that never reads it (more than its pipe and the
+    agent's connection hold), a signal ends the command at once: it goes on a connection of its own."""
+    from fanfold import AsyncFleet
+    from fanfold._agent.client import ExecControl
+
+    async with AsyncFleet(config=config) as fleet, await fleet.create() as sandbox:
+        control = ExecControl()
+        running = asyncio.create_task(fleet._transport.exec(sandbox.id, ["sleep", "63"], stdin=b"x" * (4 << 20),
+                                                            control=control))
+        await control.started
+        control.signal(9)
+        ended = await asyncio.wait_for(running, 10)
+    assert (ended.outcome, ended.signal) == (Outcome.KILLED, 9)
+
+
+async def test_an_agent_that_no_longer_listens_ends_its_sandbox(config):
+    """A sandbox whose agent let go of its socket (what an older gVisor agent did on a `q` from
+    inside) is ended with a typed, final error, not left failing every exec as retryable."""
+    import os
+    import socket
+
+    from fanfold import AsyncFleet
+    from fanfold.runtime.oci_sandbox import paths, set_immutable
+
+    async with AsyncFleet(config=config) as fleet:
+        sandbox = await fleet.create()
+        where = paths(config, sandbox.id)
+        set_immutable(where.channel, False)
+        try:  # a socket file that nothing listens on, where the agent's was
+            where.socket.unlink()
+            dead = socket.socket(socket.AF_UNIX)
+            fd = os.open(where.channel, os.O_PATH | os.O_CLOEXEC)
+            dead.bind(f"/proc/self/fd/{fd}/{where.socket.name}")
+            os.close(fd)
+            dead.close()
+        finally:
+            set_immutable(where.channel, True)
+        with pytest.raises(SandboxGone, match="no longer listens"):
+            await sandbox.exec("true")
+        assert sandbox.id not in {s.id for s in await fleet.list()}

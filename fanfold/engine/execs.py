@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from .._agent.client import AgentProtocolError, AgentTooOld, AgentUnreachable, ExecControl, ExecUser
+from .._agent.client import AgentGone, AgentProtocolError, AgentTooOld, AgentUnreachable, ExecControl, ExecUser
 from ..errors import InfrastructureError, InvalidRequest, SandboxGone
 from ..host import safefs
 from ..images import users
@@ -105,6 +105,13 @@ class Execs:
                 if oom is None:
                     raise
                 return oom
+            if isinstance(err, AgentGone):
+                # Its agent let go of its socket outside a checkpoint (an older agent takes a `q` from
+                # inside): nothing brings it back, so the sandbox ends rather than fail every exec.
+                life.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
+                await asyncio.shield(life.destroy(sandbox_id))
+                raise SandboxGone(f"sandbox {sandbox_id}'s agent no longer listens on its socket (a process in the"
+                                  " sandbox had it let go); the sandbox was destroyed") from None
             raise InfrastructureError(f"lost contact with sandbox {sandbox_id}'s agent: {err}") from None
         finally:
             left = self._in_exec.pop(sandbox_id, 1) - 1
