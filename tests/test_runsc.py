@@ -467,17 +467,113 @@ async def test_a_process_taking_the_agents_socket_as_it_rebinds_ends_its_sandbox
     assert outcomes  # each round ended one way or the other, never with an impostor in place
 
 
+RELAYER = r"""
+import os, socket, struct
+path = "/.fanfold/run/agent.sock"
+def frame(kind, payload):
+    return struct.pack(">BI", ord(kind), len(payload)) + payload
+def forged():  # what it would answer an exec with, once the host took it for the agent
+    status = b"code=0 signal=0 timeout=0 out_bytes=7 err_bytes=0 out_trunc=0 err_trunc=0 duration_us=1"
+    return frame("p", b"1") + frame("o", b"forged\n") + frame("z", status)
+while True:
+    made = []
+    try:  # connections to the agent first, then the name of its socket: refused while the dir is locked
+        for _ in range(4):
+            made.append(socket.socket(socket.AF_UNIX))
+            made[-1].connect(path)
+        os.unlink(path)
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(path)
+        s.listen(16)
+    except OSError:
+        for c in made:
+            c.close()
+        continue
+    while True:  # pings and checks of the host go to the agent over the connections made before
+        conn, _ = s.accept()
+        head = conn.recv(5)
+        size = struct.unpack(">BI", head)[1] if len(head) == 5 else 0
+        body = conn.recv(size) if 0 < size < 4096 else b""
+        if head[:1] in (b"h", b"t") and made:
+            to = made.pop()
+            to.sendall(head + body)
+            conn.sendall(to.recv(65536))
+        elif head[:1] in (b"a", b"u"):
+            conn.sendall(forged())
+        conn.close()
+"""
+
+
 @bounded
-async def test_a_restored_agent_proves_itself_with_the_checkpoints_token(rfleet, rconfig):
+async def test_a_process_relaying_the_hosts_check_to_the_agent_ends_its_sandbox(rfleet):
+    """The rebind window after a memory checkpoint, attacked by relaying: root connects to the agent
+    as it binds again, takes its socket, and passes the host's check to the agent over the connections
+    it made before. The agent, finding that its path no longer leads to it, proves nothing: the sandbox
+    is ended, or the relayer lost the race and the real agent answers. Never does the host take the
+    relayer for the agent (it would answer every exec with what it likes)."""
+    outcomes = []
+    for _ in range(3):
+        sandbox = await rfleet.create()
+        await sandbox.exec(["sh", "-c", f"nohup python3 -c '{RELAYER}' >/dev/null 2>&1 &"])
+        try:
+            snap = await sandbox.snapshot(memory=True)
+        except FanfoldError as err:
+            assert "something else than its agent took the agent's socket" in str(err)
+            with pytest.raises((SandboxGone, SandboxNotFound)):
+                await sandbox.exec("echo still")
+            outcomes.append("ended")
+        else:
+            assert (await sandbox.exec("echo mine")).text == "mine\n"  # its real agent, not the relayer
+            outcomes.append("carried on")
+            await sandbox.kill()
+            await rfleet.delete_snapshot(snap.id)
+    assert outcomes
+
+
+QUITTER = r"""
+import socket, struct
+def ask(*frames):
+    c = socket.socket(socket.AF_UNIX)
+    c.connect("/.fanfold/run/agent.sock")
+    answers = []
+    for kind, payload in frames:
+        c.sendall(struct.pack(">BI", ord(kind), len(payload)) + payload)
+        answers.append(c.recv(128)[5:].decode())
+    return answers
+print(ask(("q", b"c0ffee"))[0])  # as agents before protocol 5 took it
+print(ask(("n", b""), ("q", b"0" * 64))[1])  # proven with a key it does not have
+"""
+
+
+@bounded
+async def test_a_process_cannot_have_its_agent_let_go_of_its_socket(rfleet):
+    """``q`` (let go of the socket, before a checkpoint) is the host's alone: proven with the key the
+    agent got before anything of the sandbox ran. Root in the sandbox asking for it is refused, and
+    its sandbox carries on."""
+    async with await rfleet.create() as sandbox:
+        tried = await sandbox.exec(["python3", "-c", QUITTER])
+        assert tried.text == "fail EPERM\nfail EPERM\n", tried.stderr
+        assert (await sandbox.exec("echo still")).text == "still\n"
+        snap = await sandbox.snapshot(memory=True)  # the host's own `q` still works
+        assert (await sandbox.exec("echo after")).text == "after\n"
+    await rfleet.delete_snapshot(snap.id)
+
+
+@bounded
+async def test_a_restored_agent_proves_itself_with_its_key(rfleet, rconfig):
     from fanfold._agent.client import AgentClient
-    from fanfold.runtime.runsc_backend import TOKEN_FILE
+    from fanfold.runtime.runsc_backend import KEY_FILE, TOKEN_FILE
 
     async with await rfleet.create() as sandbox:
         snap = await sandbox.snapshot(memory=True)
-        token = (rconfig.state_dir / "snapshots" / snap.id / "memory" / TOKEN_FILE).read_text()
+        memory = rconfig.state_dir / "snapshots" / snap.id / "memory"
+        key = (memory / KEY_FILE).read_text()
+        assert not (memory / TOKEN_FILE).exists() and (memory / KEY_FILE).stat().st_mode & 0o777 == 0o600
         async with await rfleet.create(snap.id) as copy:
             for live in (sandbox, copy):
-                assert await AgentClient(str(rconfig.run_dir / live.id / "agent.sock")).token() == token
+                agent = AgentClient(str(rconfig.run_dir / live.id / "agent.sock"))
+                assert await agent.proves(key) and not await agent.proves("0" * 64)
+                assert await agent.token() == ""  # nothing secret for whoever asks
     await rfleet.delete_snapshot(snap.id)
 
 

@@ -8,7 +8,8 @@ import math
 import time
 from typing import Any
 
-from .._agent.client import AgentGone, AgentProtocolError, AgentTooOld, AgentUnreachable, ExecControl, ExecUser
+from .._agent.client import (AgentClient, AgentGone, AgentProtocolError, AgentTooOld, AgentUnreachable, ExecControl,
+                             ExecUser)
 from ..errors import InfrastructureError, InvalidRequest, SandboxGone
 from ..host import safefs
 from ..images import users
@@ -105,7 +106,7 @@ class Execs:
                 if oom is None:
                     raise
                 return oom
-            if isinstance(err, AgentGone):
+            if isinstance(err, AgentGone) or await _let_go(life.backend.agent(handle)):
                 # Its agent let go of its socket outside a checkpoint (an older agent takes a `q` from
                 # inside): nothing brings it back, so the sandbox ends rather than fail every exec.
                 life.telemetry.sandboxes_reaped.labels(reason="crashed").inc()
@@ -120,6 +121,18 @@ class Execs:
             after = counters.read()
             counters.close()
         return build_result(raw, argv, before, after, workdir)
+
+
+async def _let_go(agent: AgentClient) -> bool:
+    """Whether nothing listens on the agent's socket any more (an exec that raced the agent's letting
+    go sees its connection reset instead)."""
+    try:
+        await asyncio.wait_for(agent.ping(), 5)
+    except AgentGone:
+        return True
+    except (AgentUnreachable, asyncio.TimeoutError):
+        pass
+    return False
 
 
 def _switch(who: users.User | None) -> ExecUser | None:
