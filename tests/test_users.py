@@ -134,7 +134,7 @@ async def test_the_u_frame_switches_ids_and_groups(agent):
     raw = await agent.exec(["/bin/sh", "-c", "id -u; id -g; id -G"], env=["PATH=/usr/bin:/bin"], cwd="/",
                            timeout_ms=10_000, max_output=4096, user=ExecUser(65534, 65534, (65534, 100)))
     assert raw.stdout.decode().split("\n")[:3] == ["65534", "65534", "65534 100"]
-    assert await agent.ping() == "fanfold-agent 4"
+    assert await agent.ping() == "fanfold-agent 5"
 
 
 async def test_an_unknown_frame_refuses_the_exec(agent):

@@ -140,7 +140,7 @@ class ExecControl:
 
     async def _send_signals(self, agent: AgentClient) -> None:
         """Send each signal on a connection of its own, as soon as the command has started."""
-        pid = await self.started
+        pid = await asyncio.shield(self.started)  # cancelling this task must not cancel ``started``
         while True:
             await self._signalled.wait()
             self._signalled.clear()
