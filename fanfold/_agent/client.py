@@ -70,7 +70,7 @@ class ExecControl:
     """Live stdin and signals for one exec while it runs. Stdin goes in order as ``i`` frames on the
     exec's connection, which the agent reads only as fast as the command takes them; each signal
     goes at once on a connection of its own (``k PID SIGNAL``), so it never waits behind stdin the
-    command does not read (an agent older than protocol 5 gets it as an ``k`` frame on the exec's
+    command does not read (an agent older than protocol 5 gets it as a ``k`` frame on the exec's
     connection, ahead of stdin still queued here). ``pid`` is set once the agent has started the
     command (``started`` is then done)."""
 
