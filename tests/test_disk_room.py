@@ -84,3 +84,22 @@ async def test_a_filling_state_filesystem_fails_only_the_sandbox_that_writes_on(
         async with await fleet.create(disk_mb=64) as late:
             assert (await late.exec("true")).ok
     assert not disk.ready(small_state)
+
+
+async def test_a_snapshot_on_a_full_state_filesystem_is_capacity_exceeded_and_leaves_nothing(small_state):
+    config = EngineConfig(state_dir=small_state, disk="btrfs", reserve_disk_mb=16)
+    async with AsyncFleet(config=config) as fleet:
+        sandbox = await fleet.create(disk_mb=64)
+        await asyncio.to_thread(os.sync)  # the btrfs's own writes are done before the space goes
+        filler = small_state / "filler"
+        with open(filler, "wb") as handle:
+            handle.truncate(shutil.disk_usage(small_state).free)
+            os.posix_fallocate(handle.fileno(), 0, handle.seek(0, os.SEEK_END))
+        try:
+            with pytest.raises(CapacityExceeded, match="state filesystem is full"):
+                await sandbox.snapshot()
+            assert not list((small_state / "snapshots").glob(".tmp-*"))
+        finally:
+            filler.unlink()
+        assert (await sandbox.exec("echo alive")).text == "alive\n"
+        assert (await sandbox.snapshot()).id

@@ -56,7 +56,8 @@ class Checkpoints:
         await self.life.gone_if_dead(sandbox_id, row["pid"])
         img = self.life.sources.store.load_image(row["image_id"])
         snapshot_id = snapmod.new_id(self.life.config.node_tag)
-        staged = self.life.snaps.staging(snapshot_id)
+        with host_errors(f"staging the snapshot of {sandbox_id} failed"):
+            staged = self.life.snaps.staging(snapshot_id)
         try:
             pause_ms = await self.life.backend.checkpoint(
                 dbmod.row_handle(row), staged, img.host_dirs, memory=memory, leave_running=leave_running,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sqlite3
 import time
 from pathlib import Path
-from typing import TypeVar
+from typing import Iterator, TypeVar
 
+from ..errors import host_full
 from ..models import Limits, SandboxInfo, SnapshotInfo
 from ..runtime.base import Handle
 
@@ -85,11 +87,59 @@ LATER_COLUMNS = [
 ]
 
 
+class _Cursor(sqlite3.Cursor):
+    """A cursor whose statements on a full state filesystem raise the typed ``CapacityExceeded``
+    (SQLite rolls the statement back), not a raw ``sqlite3.OperationalError``: at execute, and at
+    the fetch where a write with RETURNING ends and commits."""
+
+    def execute(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with _typed():
+            return super().execute(*args, **kwargs)
+
+    def executemany(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with _typed():
+            return super().executemany(*args, **kwargs)
+
+    def fetchone(self):  # type: ignore[no-untyped-def]
+        with _typed():
+            return super().fetchone()
+
+    def fetchall(self):  # type: ignore[no-untyped-def]
+        with _typed():
+            return super().fetchall()
+
+    def __next__(self):  # type: ignore[no-untyped-def]
+        with _typed():
+            return super().__next__()
+
+
+class _Connection(sqlite3.Connection):
+    """A connection whose ``execute`` runs on a ``_Cursor``."""
+
+    def execute(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.cursor(_Cursor).execute(*args, **kwargs)
+
+    def executemany(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.cursor(_Cursor).executemany(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _typed() -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.OperationalError as err:
+        full = host_full(err)
+        if full is None:
+            raise
+        raise full from None
+
+
 class Database:
     """One connection per engine; WAL so other engines and CLI calls read while we write."""
 
     def __init__(self, path: Path) -> None:
-        self.conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        self.conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False,
+                                    factory=_Connection)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.executescript(SCHEMA)

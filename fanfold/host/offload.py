@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
-from ..errors import InfrastructureError
+from ..errors import InfrastructureError, host_full
 
 T = TypeVar("T")
 # Threads of their own: mounts and releases never queue behind file copies and other thread work.
@@ -24,7 +24,7 @@ def host_errors(what: str) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        raise InfrastructureError(f"{what}: {err}") from None
+        raise host_full(err) or InfrastructureError(f"{what}: {err}") from None
 
 
 async def on_thread(

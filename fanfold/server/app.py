@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..__version__ import __version__
 from ..config import EngineConfig
 from ..engine import Engine
-from ..errors import FanfoldError, InvalidRequest, NotFound
+from ..errors import FanfoldError, InvalidRequest, NotFound, host_full
 from ..integrations import e2b, openenv, rft
 from ..web import rollouts
 from ..web.auth import Tenants
@@ -117,6 +117,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def bug(_: Request, err: Exception) -> JSONResponse:
+        if (full := host_full(err)) is not None:
+            log.warning("fanfold server: %s", full)
+            return error_response(full)
         log.exception("fanfold server: unexpected error")
         return JSONResponse(bug_body(err), 500)
 

@@ -11,7 +11,7 @@ from fastapi import Depends, Header, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..engine import Engine
-from ..errors import FanfoldError, SandboxNotFound, SnapshotNotFound, Unauthorized
+from ..errors import FanfoldError, SandboxNotFound, SnapshotNotFound, Unauthorized, host_full
 from ..wire import error_to_json
 from .auth import LOCAL_TENANT
 from .schemas import ErrorBody
@@ -105,8 +105,11 @@ async def ndjson_events(queue: asyncio.Queue[dict[str, Any] | None], task: async
         except FanfoldError as err:
             yield line({"error": error_to_json(err)})
         except Exception as err:  # noqa: BLE001 - the 200 is gone: a bug still ends the stream in a line
-            log.exception("fanfold server: unexpected error in a stream")
-            yield line({"error": bug_body(err)})
+            if (full := host_full(err)) is not None:
+                yield line({"error": error_to_json(full)})
+            else:
+                log.exception("fanfold server: unexpected error in a stream")
+                yield line({"error": bug_body(err)})
     finally:
         await _cancel(task)
 
