@@ -12,12 +12,14 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from ..config import EngineConfig
 from . import cgroups, idmap, mounts, procs
 
 NETNS_DIR = Path("/run/netns")
+CLAIM_SETTLE_S = 3.0
 KINDS = ("mounts", "cgroups", "containers", "agents", "netns", "nft_tables", "uid_claims", "page_servers")
 
 
@@ -26,7 +28,8 @@ def census(config: EngineConfig, *, claims_before: frozenset[str] = frozenset())
 
     uid-range claims are host-wide, not per state dir: those counted are the orphans (a claim
     whose sandbox has no cgroup under any engine on this host, or half a claim) that are not in
-    ``claims_before``, what was already orphaned before the caller began.
+    ``claims_before``, what was already orphaned before the caller began, and that stay orphans
+    for a moment (``lasting_orphan_claims``).
     """
     runtime_root = config.run_dir / config.runtime
     return {
@@ -36,7 +39,7 @@ def census(config: EngineConfig, *, claims_before: frozenset[str] = frozenset())
         "agents": len(agent_pids(config)),
         "netns": len(named_netns(config)) + len(held_netns()),
         "nft_tables": len(nft_tables(config)),
-        "uid_claims": len(orphan_claims() - claims_before),
+        "uid_claims": len(lasting_orphan_claims(claims_before)),
         "page_servers": len(page_servers(config)),
     }
 
@@ -112,6 +115,18 @@ def orphan_claims(claims: Path = idmap.CLAIMS) -> set[str]:
                if sandbox not in live or by_id.get(sandbox) != slot}
     orphans |= {f"by-id {sandbox} -> {slot}" for sandbox, slot in by_id.items()
                 if sandbox not in live or slots.get(slot) != sandbox}
+    return orphans
+
+
+def lasting_orphan_claims(claims_before: frozenset[str] = frozenset(), settle_s: float = CLAIM_SETTLE_S) -> set[str]:
+    """Orphan claims not in ``claims_before`` that stay orphans for ``settle_s``: a claim is made just
+    before its sandbox's cgroup and released just after it goes, so an engine of another state dir
+    creating or releasing a sandbox meanwhile holds one for a moment."""
+    orphans = orphan_claims() - claims_before
+    give_up = time.monotonic() + settle_s
+    while orphans and time.monotonic() < give_up:
+        time.sleep(0.1)
+        orphans &= orphan_claims()
     return orphans
 
 
