@@ -160,7 +160,8 @@ NO_HOME = "/nonexistent/fanfold"
 
 
 class Route(Protocol):
-    """How skopeo goes out when not straight from the host (a server tenant's pull: ``fanfold.net.pulls``)."""
+    """How a tool (skopeo, git) goes out when not straight from the host (a server tenant's fetch:
+    ``fanfold.net.outbound``)."""
 
     fds: dict[int, int]
     """Descriptors the wrapped command needs (child fd -> ours)."""
