@@ -154,6 +154,12 @@ class EngineConfig:
     ``FANFOLD_TENANT_REGISTRIES=ghcr.io,10.1.2.3:5000``), at whatever address each has; by default any
     registry at a public address. Every other host a tenant's pull is sent to (a redirect) must be at a
     public address or in ``net_reachable``. The host's own pulls go anywhere."""
+    tenant_git_hosts: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_TENANT_GIT_HOSTS"))
+    """``HOST[:PORT]`` of the git hosts a server's tenants' builds may clone from over https or http
+    (``fanfold serve --git-host``, ``FANFOLD_TENANT_GIT_HOSTS=github.com,10.1.2.3:3000``), at whatever
+    address each has; by default any host at a public address. A list of its own, not the registries'.
+    Every other host a tenant's git is sent to (a redirect) must be at a public address or in
+    ``net_reachable``. The host's own builds clone from anywhere, over any transport."""
     net_dns: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_NET_DNS"))
     """DNS servers (``IP`` or ``IP:PORT``) the egress proxy resolves names with; by default the host's resolver."""
     net_hosts: tuple[tuple[str, tuple[str, ...]], ...] = field(

@@ -29,6 +29,7 @@ import pytest
 from fanfold.errors import InvalidRequest
 from fanfold.net.policy import NetworkPolicy, Reachable
 from fanfold.net.proxy import Proxy
+from fanfold.net.clones import GitGate
 from fanfold.net.pulls import PullGate, PullPolicy
 from fanfold.net.resolve import LookupFailed, Resolver
 from fanfold.net.state import NetStats, SandboxNet
@@ -602,6 +603,26 @@ def test_a_pull_gate_admits_public_registries_or_only_the_listed_ones_wherever_t
     assert policy.decide("10.0.0.5", 5000, private, reachable) is None
     assert "private" in (policy.decide("cdn.example", 443, private, reachable) or "")  # a redirect there: refused
     assert "private" in (policy.decide("registry.internal", 8443, private, reachable) or "")  # another port
+
+
+def test_a_git_gate_admits_https_and_http_urls_of_public_or_listed_hosts_only() -> None:
+    anywhere_public = GitGate()
+    for url in ("https://github.com/a/b.git", "http://203.0.113.9:8080/x.git", "HTTPS://Example.COM:443/x"):
+        anywhere_public.check(url)
+    for url, why in (("http://127.0.0.1:3000/x", "a loopback address"), ("https://localhost/x", "a loopback name"),
+                     ("http://169.254.169.254/x", "link-local"), ("https://10.0.0.5/x", "a private address"),
+                     ("http://[::1]:80/x", "a loopback address"), ("ssh://git@github.com/a/b", "https or http only"),
+                     ("git@github.com:a/b.git", "https or http only"), ("git://github.com/a/b", "https or http only"),
+                     ("file:///root", "https or http only"), ("ext::sh -c touch% /tmp/x", "https or http only"),
+                     ("/srv/repo", "https or http only"), ("http://github.com:99999/a", "not a URL git can clone")):
+        with pytest.raises(InvalidRequest, match=why):
+            anywhere_public.check(url)
+    listed = GitGate(["git.internal", "10.0.0.5:3000"])
+    for url in ("https://git.internal/x", "http://git.internal:80/x", "https://git.internal:443/x", "http://10.0.0.5:3000/x"):
+        listed.check(url)
+    for url in ("https://github.com/a/b", "https://git.internal:8443/x", "http://10.0.0.5/x"):
+        with pytest.raises(InvalidRequest, match=r"\(git.internal, 10.0.0.5:3000\), and .* is not one: .*--git-host"):
+            listed.check(url)
 
 
 async def test_no_socket_is_left_open(servers: Servers) -> None:

@@ -3,8 +3,8 @@ shares some), quotas refuse with a 429 that names them and leave nothing behind,
 through the files API past the sandbox's disk fails cleanly.
 
 The module runs its own server (quotas in its tokens file, tenants' pulls from two loopback registries
-its operator lists, not from a third) on the session's state directory; alice and bob have no quota,
-carol has small ones.
+its operator lists, not from a third, and their clones from one loopback git host, not from a second)
+on the session's state directory; alice and bob have no quota, carol has small ones.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import httpx
 import pytest
 
 from conftest import TOKENS, Server, run_cli, start_server, stop_server
-from fanfold import (AsyncFleet, EnvSpec, ImageNotFound, InvalidRequest, LimitExceeded, QuotaExceeded, SandboxNotFound,
-                     SnapshotInfo, SnapshotNotFound, Unauthorized)
+from fanfold import (AsyncFleet, EnvSpec, ImageNotFound, InvalidRequest, InvalidSpec, LimitExceeded, QuotaExceeded,
+                     SandboxNotFound, SnapshotInfo, SnapshotNotFound, Unauthorized)
 from fanfold.engine import db as dbmod
 from fanfold.errors import FanfoldError
 from fanfold.web.auth import Tenants
+from gitserve import serve_git
 from outside import PRIVATE_ADDRESS
 from registry import push_image, run_registry
 
@@ -47,13 +48,29 @@ def redirecting(registry, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tserver(config, registry, redirecting, unlisted, tmp_path_factory):
+def git_listed(tmp_path_factory):
+    """A git repository over http on loopback that the operator lets tenants clone from; its ``moved_url``
+    redirects to a private address (where the outside answers, when it runs)."""
+    with serve_git(tmp_path_factory.mktemp("git-listed"), redirect=f"http://{PRIVATE_ADDRESS}/") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def git_unlisted(tmp_path_factory):
+    """A git repository over http on loopback that the operator does not let tenants clone from."""
+    with serve_git(tmp_path_factory.mktemp("git-unlisted")) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def tserver(config, registry, redirecting, unlisted, git_listed, git_unlisted, tmp_path_factory):
     where = tmp_path_factory.mktemp("tenants")
     tokens = where / "quota-tokens"
     tokens.write_text(f"alice {TOKENS['alice']}\nbob {TOKENS['bob']}\n# small quotas\ncarol {CAROL} {QUOTA}\n")
     insecure = ",".join(r.host for r in (registry, redirecting, unlisted))
     running = start_server(config.state_dir, where, "--tokens-file", str(tokens), "--registry", registry.host,
-                           "--registry", redirecting.host, env={"FANFOLD_INSECURE_REGISTRIES": insecure})
+                           "--registry", redirecting.host, env={"FANFOLD_INSECURE_REGISTRIES": insecure,
+                                                                "FANFOLD_TENANT_GIT_HOSTS": f"127.0.0.1:{git_listed.port}"})
     running.tokens["carol"] = CAROL
     yield running
     assert stop_server(running) == 0
@@ -401,6 +418,51 @@ async def test_a_tenants_pull_or_build_never_moves_the_hosts_names(tserver, regi
         assert fresh not in {name for image in await host.images() for name in image.names}
         [hers] = [image for image in await alice.images() if fresh in image.names]
         await alice.remove_image(hers.id)
+
+
+async def test_a_tenants_repo_step_clones_only_from_the_git_hosts_the_operator_allows(tserver, git_listed, git_unlisted):
+    unlisted_commit = git_unlisted.commit("marker", "unlisted\n")
+    refused = {  # what a tenant's repo step names: what its refusal says
+        git_unlisted.url: f"127.0.0.1:{git_unlisted.port} is not one",
+        f"http://localhost:{git_listed.port}/repo.git": f"localhost:{git_listed.port} is not one",
+        f"http://{PRIVATE_ADDRESS}/repo.git": f"{PRIVATE_ADDRESS} is not one",
+        "http://169.254.169.254/latest/meta-data": "169.254.169.254 is not one",
+        f"git://127.0.0.1:{git_unlisted.port}/repo.git": "https or http only",
+        f"ssh://git@127.0.0.1:{git_unlisted.port}/repo.git": "https or http only",
+        "git@127.0.0.1:repo.git": "https or http only",
+    }
+    async with fleet(tserver, "alice") as alice, fleet(tserver, None) as host:
+        for url, said in refused.items():
+            for ref in ("HEAD", unlisted_commit):  # a commit asks nothing of the remote, and is refused as well
+                with pytest.raises(InvalidRequest) as refusal:
+                    await alice.build(EnvSpec("host").repo(url, "/src", ref=ref))
+                assert said in str(refusal.value), (url, str(refusal.value))
+                assert "--git-host" in str(refusal.value) or "https or http only" in said
+        with pytest.raises(InvalidSpec, match="local path"):  # file:// is a local path, which no client may name
+            await alice.build(EnvSpec("host").repo("file:///root", "/src"))
+        listed = await alice.build(EnvSpec("host").repo(git_listed.url, "/src"))  # on loopback, listed: cloned
+        async with await alice.create(listed.id) as sandbox:
+            assert await sandbox.files.read("/src/README") == b"v1\n"
+        operators = await host.build(EnvSpec("host").repo(git_unlisted.url, "/src"))  # from anywhere, as before
+        async with await host.create(operators.id) as sandbox:
+            assert await sandbox.files.read("/src/marker") == b"unlisted\n"
+        await alice.remove_image(listed.id)
+        await host.remove_image(operators.id)
+
+
+async def test_a_tenants_clone_is_not_sent_where_a_git_host_redirects_to_a_private_address(
+        tserver, git_listed, outside):
+    seen = len(outside.requests())
+    async with fleet(tserver, "alice") as alice, fleet(tserver, None) as host:
+        with pytest.raises(InvalidRequest) as refused:
+            await alice.build(EnvSpec("host").repo(git_listed.moved_url, "/src"))
+        said = str(refused.value)
+        assert git_listed.moved_url in said and f"{PRIVATE_ADDRESS}:80" in said and "a private address" in said, said
+        assert "FANFOLD_NET_REACHABLE" in said
+        assert outside.requests()[seen:] == []  # nothing of the clone reached it
+        with pytest.raises(FanfoldError):  # the operator's git follows the redirect, as before (to a 404 there)
+            await host.build(EnvSpec("host").repo(git_listed.moved_url, "/src"))
+        assert [r["path"] for r in outside.requests()[seen:]][:1] == ["/repo.git/info/refs?service=git-upload-pack"]
 
 
 async def test_a_quota_is_a_429_that_names_it_and_leaves_nothing(tserver, config):

@@ -79,9 +79,12 @@ def _sandbox_check(ctx: click.Context) -> Check:
 @click.option("--registry", "registries", multiple=True, metavar="HOST[:PORT]",
               help="A registry tenants may pull from, at whatever address it has (repeatable;"
                    " FANFOLD_TENANT_REGISTRIES). Default: any registry at a public address.")
+@click.option("--git-host", "git_hosts", multiple=True, metavar="HOST[:PORT]",
+              help="A git host tenants' builds may clone from over https or http, at whatever address it has"
+                   " (repeatable; FANFOLD_TENANT_GIT_HOSTS). Default: any host at a public address.")
 @click.pass_context
 def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_token, grace, pools,  # type: ignore[no-untyped-def]
-          registries) -> None:
+          registries, git_hosts) -> None:
     """Serve the HTTP API for this host's sandboxes until SIGINT or SIGTERM.
 
     Each token is a tenant that sees only its own sandboxes. On shutdown the server stops
@@ -116,14 +119,21 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_tok
     if pools:
         config = dataclasses.replace(config, pools=config.pools + _pool_sizes(pools))
     if registries:
-        from ..images.registry import is_registry_host
-
-        for item in registries:
-            if not is_registry_host(item):
-                raise click.BadParameter(f"{item!r} is not HOST[:PORT]", param_hint="--registry")
-        config = dataclasses.replace(config, tenant_registries=config.tenant_registries + registries)
+        config = dataclasses.replace(config, tenant_registries=config.tenant_registries + _hosts(registries, "--registry"))
+    if git_hosts:
+        config = dataclasses.replace(config, tenant_git_hosts=config.tenant_git_hosts + _hosts(git_hosts, "--git-host"))
     run_server(config, tenants=tenants, socket_path=None if no_socket else socket_path, host=host, port=port,
                grace_s=grace, announce=announce)
+
+
+def _hosts(items: tuple[str, ...], option: str) -> tuple[str, ...]:
+    """``HOST[:PORT]`` items of a repeatable option, checked."""
+    from ..images.registry import is_registry_host
+
+    for item in items:
+        if not is_registry_host(item):
+            raise click.BadParameter(f"{item!r} is not HOST[:PORT]", param_hint=option)
+    return items
 
 
 def _pool_sizes(items: tuple[str, ...]) -> tuple[tuple[str, int], ...]:

@@ -44,7 +44,7 @@ from .figures import Figures
 from .files import Files, FileStream
 from .leases import Leases
 from .lifecycle import Lifecycle, owner_token
-from .network import pull_gate, to_column
+from .network import git_gate, pull_gate, to_column
 from .policies import Policies
 from .pools import Pools
 from .quotas import Quotas
@@ -103,7 +103,8 @@ class Engine:
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count, DiskRoom(cfg, lambda: self.db, lambda: self.backend.quota))
         self.telemetry = Telemetry(lambda tenant: self.figures.gauges(tenant))
-        self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve, tier=self.backend.name)
+        self.sources = Sources(db, self.store, builder, self.snaps, self.catalog.resolve, tier=self.backend.name,
+                               clones=functools.partial(git_gate, cfg))
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
                                      self.owner, self.shard, self.claimer)
         self.pools = Pools(cfg, self.admission, self.telemetry, life,
@@ -173,7 +174,7 @@ class Engine:
         (``myenv``, ``myenv:v2``) for ``tenant`` (a server's tenant: in its own namespace of names)."""
         if tag is not None:
             check_tag(tag)
-        built = self.catalog.own(await self.sources.build(spec, on_step, network=network), tenant)
+        built = self.catalog.own(await self.sources.build(spec, on_step, network=network, tenant=tenant), tenant)
         return built if tag is None else self.catalog.name(tag, built, tenant)
 
     async def image(self, ref: str | Image, *, tenant: str = "") -> Image:

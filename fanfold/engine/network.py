@@ -32,6 +32,7 @@ from ..net.policy import NetworkPolicy
 from ..runtime import Backend, Handle
 
 if TYPE_CHECKING:
+    from ..net.clones import GitGate
     from ..net.pulls import PullGate
 
 log = logging.getLogger("fanfold.engine")
@@ -93,6 +94,16 @@ def pull_gate(config: EngineConfig) -> PullGate:
     return PullGate(config.tenant_registries, reachable=config.net_reachable,
                     hosts={name: list(found) for name, found in config.net_hosts}, nameservers=config.net_dns,
                     idle_timeout=config.net_idle_timeout or None)
+
+
+def git_gate(config: EngineConfig) -> GitGate:
+    """Where server tenants' builds may clone from (``net.clones``), from the operator's settings."""
+    require("net", "server tenants' repo steps")
+    from ..net.clones import GitGate
+
+    return GitGate(config.tenant_git_hosts, reachable=config.net_reachable,
+                   hosts={name: list(found) for name, found in config.net_hosts}, nameservers=config.net_dns,
+                   idle_timeout=config.net_idle_timeout or None)
 
 
 class Network:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..errors import ImageNotFound, InvalidRequest, SnapshotNotFound
 from ..images import Image, LayerStore
@@ -15,23 +15,38 @@ from . import db as dbmod
 from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
 
+if TYPE_CHECKING:
+    from ..images.git import Gate as GitGate
+
 
 class Sources:
     """Images and snapshots, resolved to what a sandbox starts from."""
 
     def __init__(self, db: dbmod.Database, store: LayerStore, builder: Builder, snaps: SnapshotStore,
-                 resolve: Callable[[str], Awaitable[Image]], tier: str = "oci") -> None:
+                 resolve: Callable[[str], Awaitable[Image]], tier: str = "oci",
+                 clones: Callable[[], GitGate] | None = None) -> None:
         self.db, self.store, self.builder, self.snaps = db, store, builder, snaps
         self.tier = tier
         """The engine's backend: memory snapshots of another one cannot be restored here."""
         self.resolve = resolve
         """An image id or reference to its image (a reference never pulled is pulled)."""
         self._bases: dict[str, Image] = {}
+        self._make_clones = clones
+        self._clones: GitGate | None = None
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+    def clones(self) -> GitGate | None:
+        """Where server tenants' repo steps may clone from (made on first use); None: as the host's git does."""
+        if self._clones is None and self._make_clones is not None:
+            self._clones = self._make_clones()
+        return self._clones
+
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
+                    tenant: str = "") -> Image:
+        """Build ``spec``; a server ``tenant``'s repo steps clone only where ``clones`` allows."""
         if not isinstance(spec, EnvSpec):
             raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
-        return await self.builder.build(spec, on_step, network=network)
+        confined = bool(tenant) and self._make_clones is not None
+        return await self.builder.build(spec, on_step, network=network, clones=self.clones if confined else None)
 
     async def image(self, ref: str | Image) -> Image:
         if isinstance(ref, Image):

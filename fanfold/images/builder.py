@@ -8,7 +8,6 @@ import json
 import os
 import posixpath
 import shutil
-import subprocess
 import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -25,7 +24,7 @@ from ..spec import BASES, EnvSpec, Step, is_repo_url, words
 from ..store import Image, LayerStore, trust
 from ..store.layers import Healthcheck
 from ..store.rootfs import copy_tree, fold_host_uppers, mount_rootfs, mount_trusted, unmount_rootfs
-from . import users
+from . import git, users
 from .bases import base_digest, ensure_base, host_dirs
 
 STEP_TIMEOUT_S = 3600
@@ -46,6 +45,8 @@ class StepEvent:
 OnStep = Callable[[StepEvent], None]
 ResolveBase = Callable[[str], Awaitable[Image]]
 """Turns a base that is not one of fanfold's own (an image reference or id) into a local image."""
+GitGates = Callable[[], git.Gate]
+"""The gate a server tenant's repo steps clone through, asked for by each repo step (made on first use)."""
 CONFIG_STEPS = ("env", "service", "user", "entrypoint", "cmd", "expose", "label", "volume", "healthcheck")
 """Steps that change an image's config and make no layer."""
 Network = Literal["isolated", "host"]
@@ -76,18 +77,21 @@ class Builder:
         self.scratch_run = scratch_run
         self.resolve_base = resolve_base
 
-    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated") -> Image:
+    async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
+                    clones: GitGates | None = None) -> Image:
         """Build ``spec``; its layers are safe from gc until its image record names them. Its ``run``
-        steps share one network for the build (see ``Network``)."""
+        steps share one network for the build (see ``Network``). With ``clones`` (a server tenant's build),
+        its repo steps clone only through that gate (``images.git``); else as the host's git does."""
         net = self.networks.network() if check_network(network) == "isolated" else None
         try:
             async with self.store.making():
-                return await self._build(spec, on_step, net)
+                return await self._build(spec, on_step, net, clones)
         finally:
             if net is not None:
                 await to_the_end(net.close())
 
-    async def _build(self, spec: EnvSpec, on_step: OnStep | None, net: stepnet.StepNetwork | None) -> Image:
+    async def _build(self, spec: EnvSpec, on_step: OnStep | None, net: stepnet.StepNetwork | None,
+                     clones: GitGates | None) -> Image:
         report = on_step or (lambda event: None)
         total = len(spec.steps) + 1
         report(StepEvent(0, total, f"BASE {spec.base}", "running"))
@@ -110,10 +114,12 @@ class Builder:
             description = step.describe()
             source = None
             if step.kind == "copy_from":
-                source, key = await self._copy_source(step.arg("source"), context, description, report, net)
+                source, key = await self._copy_source(step.arg("source"), context, description, report, net, clones)
                 inputs: dict[str, object] = {**dict(step.args), "source": key}
+            elif step.kind == "repo":
+                inputs = await _repo_inputs(step, context, clones() if clones else None)  # asks the remote
             else:
-                inputs = await _off_loop(_step_inputs, step, context)  # hashes trees, asks remotes
+                inputs = await _off_loop(_step_inputs, step, context)  # hashes trees
             if step.kind == "run":
                 # What a step saw on the host's network (its loopback services) never serves an isolated
                 # build, nor does a layer made before steps had a network of their own.
@@ -138,7 +144,7 @@ class Builder:
             report(StepEvent(index, total, description, "running"))
             try:
                 await self._make_layer(step, digest, tuple(layers), dirs, env, str(config["workdir"]), context,
-                                       inputs, net, str(config["user"]), source)
+                                       inputs, net, str(config["user"]), source, clones)
             except BuildFailed:
                 report(StepEvent(index, total, description, "failed"))
                 raise
@@ -183,8 +189,8 @@ class Builder:
             raise InvalidSpec(f"base {base!r} is an image reference, and this builder cannot pull images")
         return start, hashlib.sha256(f"image:{start.id}".encode()).hexdigest(), cached
 
-    async def _copy_source(self, source: EnvSpec | str, context: Path, description: str,
-                           report: OnStep, net: stepnet.StepNetwork | None) -> tuple[Image, str]:
+    async def _copy_source(self, source: EnvSpec | str, context: Path, description: str, report: OnStep,
+                           net: stepnet.StepNetwork | None, clones: GitGates | None) -> tuple[Image, str]:
         """The image a copy_from step reads and what its layer's key counts of it: a spec is built
         first (its progress reported under the step's name), anything else resolved as a base is."""
         if isinstance(source, str):
@@ -192,11 +198,12 @@ class Builder:
             return image, image.id or f"base:{digest}"
         nested = source if source.context is not None else source.with_context(context)
         image = await self._build(nested, lambda event: report(StepEvent(
-            event.index, event.total, f"{description} <- {event.description}", event.status)), net)
+            event.index, event.total, f"{description} <- {event.description}", event.status)), net, clones)
         return image, image.id
 
     async def _make_layer(self, step, digest, layers, dirs, env, workdir, context, inputs,
-                          net: stepnet.StepNetwork | None, user="", source: Image | None = None) -> None:
+                          net: stepnet.StepNetwork | None, user="", source: Image | None = None,
+                          clones: GitGates | None = None) -> None:
         async with self.store.alock(digest):
             if self.store.has_layer(digest):
                 return
@@ -208,10 +215,14 @@ class Builder:
                 elif step.kind == "copy_from":
                     assert source is not None
                     tree, copied = await _off_loop(_copy_from, self.store, source, step, scratch)
+                elif step.kind == "repo":
+                    tree = copied = scratch / "upper"
+                    tree.mkdir()
+                    await _clone(step, tree, context, inputs, clones() if clones else None)
                 else:
                     tree = scratch / "upper"
                     tree.mkdir()
-                    await _off_loop(_file_step, step, tree, context, inputs)
+                    await _off_loop(_file_step, step, tree, context)
                     copied = tree / step.arg("dst").lstrip("/") if step.kind == "copy" else tree
                 if owner is not None:
                     await _off_loop(_chown_tree, copied, *owner)
@@ -394,15 +405,18 @@ def _copy(source: str, target: Path) -> None:
 def _step_inputs(step: Step, context: Path) -> dict[str, object]:
     """What a step's layer depends on. A local source counts by its content, not its path,
     so the same files sent to a server (which unpacks them elsewhere) reuse the layers
-    built in-process. A repo's ref is resolved here, once: the clone checks out this commit."""
+    built in-process. A repo step's are ``_repo_inputs``."""
     args = dict(step.args)
     if step.kind == "copy":
         args["src"] = _tree_hash(source_path(step.arg("src"), context))
-    elif step.kind == "repo":
-        args["commit"] = _resolve_commit(_repo_source(step.arg("src"), context), step.arg("ref"))
-        if not is_repo_url(step.arg("src")):
-            args["src"] = "local"
     return args
+
+
+async def _repo_inputs(step: Step, context: Path, gate: git.Gate | None) -> dict[str, object]:
+    """A repo step's ``_step_inputs``: its ref resolved here, once (the clone checks out this commit);
+    a local repository counts by that commit, not its path."""
+    commit = await git.resolve_commit(_repo_source(step.arg("src"), context), step.arg("ref"), gate)
+    return {**dict(step.args), "commit": commit, **({} if is_repo_url(step.arg("src")) else {"src": "local"})}
 
 
 def _step_digest(parent: str, step: Step, inputs: dict[str, object]) -> str:
@@ -424,19 +438,6 @@ def _repo_source(src: str, context: Path) -> str:
     return str(source_path(src, context))
 
 
-def _resolve_commit(src: str, ref: str) -> str:
-    if len(ref) == 40 and all(c in "0123456789abcdef" for c in ref):
-        return ref
-    try:
-        done = subprocess.run(["git", "ls-remote", "--", src, ref], capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        raise InvalidSpec(f"git repository {src!r} did not answer within 120 s") from None
-    lines = done.stdout.split()
-    if done.returncode != 0 or not lines:
-        raise InvalidSpec(f"cannot resolve {ref!r} in git repository {src!r}: {done.stderr.strip()[-300:]}")
-    return lines[0]
-
-
 def _tree_hash(path: Path) -> str:
     digest = hashlib.sha256()
     items = [path] if not path.is_dir() else [path, *sorted(path.rglob("*"))]
@@ -453,7 +454,7 @@ def _tree_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _file_step(step: Step, tree: Path, context: Path, inputs: dict[str, object]) -> None:
+def _file_step(step: Step, tree: Path, context: Path) -> None:
     if step.kind == "workdir":
         (tree / step.arg("path").lstrip("/")).mkdir(parents=True, exist_ok=True)
     elif step.kind == "copy":
@@ -463,18 +464,13 @@ def _file_step(step: Step, tree: Path, context: Path, inputs: dict[str, object])
             shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
         else:
             shutil.copy2(src, dst)
-    elif step.kind == "repo":
-        src, dst = _repo_source(step.arg("src"), context), tree / step.arg("dst").lstrip("/")
-        commit = str(inputs["commit"])
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        for argv in (["git", "clone", "--quiet", "--no-hardlinks", "--", src, str(dst)],
-                     ["git", "-C", str(dst), "checkout", "--quiet", "--detach", commit]):
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
-            if done.returncode != 0:
-                raise BuildFailed(
-                    f"build step {step.describe()!r} failed: {done.stderr.strip()[-1000:]}",
-                    step=step.describe(), exit_code=done.returncode, output_tail=done.stderr[-2000:],
-                )
+
+
+async def _clone(step: Step, tree: Path, context: Path, inputs: dict[str, object], gate: git.Gate | None) -> None:
+    dst = tree / step.arg("dst").lstrip("/")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    await git.clone(_repo_source(step.arg("src"), context), str(dst), str(inputs["commit"]), step=step.describe(),
+                    gate=gate)
 
 
 async def _off_loop(fn, *args):
