@@ -15,6 +15,7 @@ import json
 import os
 import stat
 import tarfile
+import warnings
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -26,6 +27,7 @@ from fanfold import (
     AsyncFleet, CreateParams, FanfoldError, InvalidRequest, Limits, Retryable, SandboxNotFound, Unauthorized,
 )
 from fanfold import errors as fe
+from fanfold.web.schemas import CreateRequest
 from fanfold.web.status import status_for
 
 
@@ -235,6 +237,15 @@ async def test_bad_input_gets_a_typed_error_never_a_500(server):
 
 SCHEMA_BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "min_length": "minLength",
                  "max_length": "maxLength"}
+
+
+def test_a_network_policy_body_serializes_as_its_own_type():
+    """A create body's rules keep their list defaults: dumping it (as the server does for every create)
+    warns of no value off its declared type."""
+    body = CreateRequest.model_validate({"network": {"allow": ["example.com"]}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert body.model_dump()["network"]["deny"] == []
 
 
 async def test_bounds_are_the_models_own_and_enforced_alike_embedded_and_over_http(server):

@@ -8,6 +8,7 @@ the server takes exactly what the engine takes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Annotated, Any, Literal
 
@@ -38,13 +39,16 @@ def fields_of(cls: type, *, skip: tuple[str, ...] = (), **types: Any) -> dict[st
         if spec.name in skip:
             continue
         default: dict[str, Any] = {}
-        if spec.default is not dataclasses.MISSING:
+        hint = types.get(spec.name, hints[spec.name])
+        if isinstance(spec.default, tuple) and typing.get_origin(hint) is list:
+            # A list field's default is a list: a tuple would not serialize as the field's type.
+            default["default_factory"] = functools.partial(list, spec.default)
+        elif spec.default is not dataclasses.MISSING:
             default["default"] = spec.default
         elif spec.default_factory is not dataclasses.MISSING:
             default["default_factory"] = spec.default_factory
         if spec.name in docs:
             default["description"] = docs[spec.name]
-        hint = types.get(spec.name, hints[spec.name])
         # The engine takes true or false only, never "yes" or 1.
         made[spec.name] = (StrictBool if hint is bool else hint, Field(**default, **spec.metadata))
     return made
