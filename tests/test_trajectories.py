@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from fanfold.cli import main
-from fanfold.errors import InvalidRequest, NotFound
+from fanfold.errors import InfrastructureError, InvalidRequest, NotFound
 from fanfold.rl.store import TrajectoryStore
 from fanfold.rl.trajectory import FORMAT_VERSION, Episode, Step
 
@@ -445,3 +445,28 @@ def test_cli_without_a_store_says_so(tmp_path: Path):
     done = traj("ls", "--db", str(tmp_path / "none.db"))
     assert done.exit_code == 2 and "no trajectory store" in done.stderr
     assert not (tmp_path / "none.db").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_a_full_disk_fails_writes_typed_and_the_store_writes_again_once_space_is_back(tmp_path: Path):
+    where = tmp_path / "small"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "fanfold-small-store", str(where)], check=True)
+    try:
+        with TrajectoryStore(where / "t.db") as small:
+            small.add(full_episode(id="a" * 32))
+            with open(where / "filler", "wb") as filler:  # every free byte
+                try:
+                    while True:
+                        filler.write(b"\0" * 65536)
+                        filler.flush()
+                except OSError:
+                    pass
+            with pytest.raises(InfrastructureError, match="disk is full"):
+                for n in range(1000):  # until a COMMIT needs a page there is no room for
+                    small.add(full_episode(id=f"{n:032x}", steps=[full_step(i) for i in range(20)]))
+            (where / "filler").unlink()
+            small.add(full_episode(id="b" * 32))  # a failed COMMIT left no transaction open behind it
+            assert small.get("b" * 32).id == "b" * 32
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)

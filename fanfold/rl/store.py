@@ -147,10 +147,10 @@ class TrajectoryStore:
                 conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
                 try:
                     yield conn
+                    conn.execute("COMMIT")
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    _roll_back(conn)
                     raise
-                conn.execute("COMMIT")
             except sqlite3.IntegrityError as err:
                 raise InvalidRequest(f"trajectory store {self.path}: {err}") from None
             except sqlite3.Error as err:
@@ -489,6 +489,16 @@ def _boot_id() -> str | None:
     except OSError:
         return None
 
+
+
+def _roll_back(conn: sqlite3.Connection) -> None:
+    """End the transaction a failed statement or COMMIT left open (a COMMIT that failed for a full
+    disk leaves it so, and every later BEGIN would fail), if SQLite has not ended it already."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # the statement's own error is the one to report
 
 
 def _writer() -> tuple[int, int | None, str | None]:
