@@ -619,3 +619,24 @@ def test_a_body_past_the_cap_is_not_recorded_and_leaves_nothing(tmp_path, monkey
     taps.response_data(b"x" * 6)  # past the cap: the exchange goes through, unrecorded
     assert taps.commit() is False
     assert not recorder.directory.exists() and not any((tmp_path / "_host" / record.PARTS).iterdir())
+
+
+async def test_a_request_in_flight_when_netd_is_stopped_fails_as_netd_died(tmp_path: Path) -> None:
+    """The engine stops a netd it found dead while a call waits on it: that call is NetdDied (which the
+    engine answers by starting another), never a closed socket's ValueError or an assert."""
+    import shutil
+    import tempfile
+
+    from fanfold.net.netd import Netd, NetdDied
+
+    net_dir = Path(tempfile.mkdtemp(prefix="fanfold-netd-test-"))
+    netd = Netd({"reachable": [], "hosts": {}, "net_dir": str(net_dir)}, tmp_path / "netd.log", None)
+    try:
+        await netd.start()
+        # The request sends from a task of its own: stop runs first, between its check and its send.
+        asked, stopped = await asyncio.gather(netd.request({"op": "ping"}), netd.stop(), return_exceptions=True)
+        assert isinstance(asked, NetdDied), repr(asked)
+        assert stopped is None and not netd.running
+    finally:
+        await netd.stop()
+        shutil.rmtree(net_dir)

@@ -80,13 +80,16 @@ class Netd:
                       timeout: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
         """Send one message (with ``fds``) and return netd's answer; NetdDied when it is gone."""
         async with self._lock:
-            if self.control is None:
+            # Its own reference: ``stop`` (netd found dead) may close and drop the socket under this wait.
+            control = self.control
+            if control is None:
                 raise NetdDied("netd is not running")
             loop = asyncio.get_running_loop()
             try:
-                await asyncio.wait_for(self._send(loop, json.dumps(message).encode(), fds or []), timeout)
-                data = await asyncio.wait_for(loop.sock_recv(self.control, MAX_REPLY), timeout)
-            except (OSError, asyncio.TimeoutError) as err:
+                await asyncio.wait_for(self._send(loop, control, json.dumps(message).encode(), fds or []), timeout)
+                data = await asyncio.wait_for(loop.sock_recv(control, MAX_REPLY), timeout)
+            except (OSError, ValueError, asyncio.TimeoutError) as err:
+                # ValueError: ``stop`` closed the socket under this wait (its fd is now -1).
                 raise NetdDied(f"netd did not answer {message.get('op')!r}: {err or 'timed out'}{self._tail()}") from None
             if not data:
                 raise NetdDied(f"netd exited{self._tail()}")
@@ -95,19 +98,19 @@ class Netd:
             raise InfrastructureError(f"netd refused {message.get('op')!r}: {reply.get('error')}")
         return reply
 
-    async def _send(self, loop: asyncio.AbstractEventLoop, data: bytes, fds: list[int]) -> None:
-        assert self.control is not None
+    @staticmethod
+    async def _send(loop: asyncio.AbstractEventLoop, control: socket.socket, data: bytes, fds: list[int]) -> None:
         while True:
             try:
-                socket.send_fds(self.control, [data], fds)
+                socket.send_fds(control, [data], fds)
                 return
             except BlockingIOError:
                 ready = loop.create_future()
-                loop.add_writer(self.control, ready.set_result, None)
+                loop.add_writer(control, ready.set_result, None)
                 try:
                     await ready
                 finally:
-                    loop.remove_writer(self.control)
+                    loop.remove_writer(control)
 
     def _tail(self) -> str:
         try:
