@@ -326,6 +326,21 @@ async def test_a_registry_that_stalls_mid_blob_fails_the_pull_in_its_stall_time(
     assert_nothing_half_stored(images)
 
 
+async def test_pulls_waiting_behind_one_that_finds_a_stall_fail_with_it(images: ImageStore, registry: Registry) -> None:
+    """Three callers pull one image from a registry that stalls: the two that waited their turn fail
+    as the first did, at once, rather than each waiting out the stall again."""
+    ref = push_image(registry, "stall-shared:v1", [{"data.bin": os.urandom(2 << 20)}])
+    images.options = dataclasses.replace(images.options, stall_s=3.0)
+    with Relay(registry.host, cut_after=256 << 10, stall=True) as relay:
+        pulls = [images.pull(ref.replace(registry.host, relay.host), tls_verify=False) for _ in range(3)]
+        failed = await asyncio.wait_for(asyncio.gather(*pulls, return_exceptions=True), 60)
+        assert all(isinstance(err, RegistryUnavailable) for err in failed), failed
+        assert sum("this one waited for" in str(err) for err in failed) == 2
+        assert relay.cuts == 1  # only the first reached the blob
+    assert_nothing_half_stored(images)
+    assert (await images.pull(ref, tls_verify=False)).layers  # the registry itself, later: fine
+
+
 def skopeo_running(images: ImageStore) -> bool:
     """Whether a skopeo process works on this store's storage."""
     root = str(images.storage.graphroot).encode()

@@ -15,12 +15,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable
+from typing import AsyncIterator, Awaitable
 
-from ..errors import ImageCorrupt, ImageNotFound, InvalidRequest
+from ..errors import ImageCorrupt, ImageNotFound, InvalidRequest, RegistryUnavailable
 from .progress import LayerProgress, OnPull, PullEvent
 from .registry import (
     Options, Route, Storage, chain_ids, choose_platform, decompress, file_transport, is_registry_host,
@@ -68,6 +69,8 @@ class ImageStore:
         self.tmp_dir.mkdir(exist_ok=True)
         self._active = 0
         self._pulls = asyncio.Condition()
+        self._unavailable: dict[tuple[str, tuple[str, ...], str | None], tuple[float, RegistryUnavailable]] = {}
+        """When a pull of a source last found its registry unavailable, and how (``_in_turn``)."""
         """Guards ``_active``; gc holds it while it deletes, so no pull starts meanwhile."""
         self.discard_tmp()
 
@@ -117,7 +120,7 @@ class ImageStore:
         async with self._pulls:
             self._active += 1
         try:
-            async with self.store.alock(hashlib.sha256(f"pull:{source.transport}".encode()).hexdigest()):
+            async with self._in_turn(source, platform):
                 raw, config_raw = await _both(
                     self._skopeo(["inspect", "--raw", *source.flags, source.transport], source),
                     self._skopeo([*overrides, "inspect", "--config", "--raw", *source.flags, source.transport], source),
@@ -153,6 +156,25 @@ class ImageStore:
             async with self._pulls:
                 self._active -= 1
                 self._pulls.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def _in_turn(self, source: _Source, platform: str | None) -> AsyncIterator[None]:
+        """One pull of a source at a time. One that waited behind a pull that found the registry
+        unavailable (stalled, down) fails as it did, rather than waiting out the same stall again:
+        N callers of a stalled registry wait one stall, not N."""
+        key = (source.transport, source.flags, platform)
+        started = time.monotonic()
+        async with self.store.alock(hashlib.sha256(f"pull:{source.transport}".encode()).hexdigest()):
+            failed = self._unavailable.get(key)
+            if failed is not None and failed[0] >= started:
+                raise RegistryUnavailable(f"{failed[1]} (found by a pull of the same image this one waited for)",
+                                          reached=failed[1].reached)
+            try:
+                yield
+            except RegistryUnavailable as err:
+                self._unavailable[key] = (time.monotonic(), err)
+                raise
+            self._unavailable.pop(key, None)
 
     async def _copy(self, source: _Source, overrides: list[str], config_digest: str, chain: list[str],
                     stored: dict[str, dict], on_progress: OnPull | None, raw: bytes,
