@@ -35,6 +35,7 @@ import dns.rcode
 import dns.rdatatype
 import dns.rrset
 
+IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)  # Linux's; Python names it from 3.13 on
 CHUNK = bytes(range(256)) * 256  # 64 KiB, a whole number of periods: chunks stay in phase
 
 
@@ -92,13 +93,13 @@ def dns_answer(wire: bytes, names: dict[str, str]) -> tuple[bytes, dict[str, obj
 
 class DnsUdpHandler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        wire, sock = self.request
+        wire, sock, source = self.request
         answered = dns_answer(wire, self.server.names)
         if answered is None:
             return
         response, entry = answered
         self.server.log.write(kind="dns", transport="udp", peer=_peer(self.client_address), **entry)
-        sock.sendto(response, self.client_address)
+        sock.sendmsg([response], [(socket.IPPROTO_IP, IP_PKTINFO, source)], 0, self.client_address)
 
 
 class DnsTcpHandler(socketserver.BaseRequestHandler):
@@ -276,8 +277,21 @@ class HttpServer(http.server.ThreadingHTTPServer):
 
 
 class DnsUdpServer(socketserver.ThreadingUDPServer):
+    """Answers from the address each query came to (the namespace has three): an answer from another
+    one is no answer to a resolver, nor does the asker's NAT take it back."""
+
     allow_reuse_address = True
     daemon_threads = True
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+        super().server_bind()
+
+    def get_request(self) -> tuple[tuple[bytes, socket.socket, bytes], tuple[str, int]]:
+        wire, ancillary, _, client = self.socket.recvmsg(self.max_packet_size, socket.CMSG_SPACE(12))
+        arrived = next(data for level, kind, data in ancillary if (level, kind) == (socket.IPPROTO_IP, IP_PKTINFO))
+        # struct in_pktinfo {ifindex; spec_dst; addr}: send from spec_dst, by whichever interface routes there
+        return (wire, self.socket, bytes(4) + arrived[4:12]), client
 
 
 class DnsTcpServer(socketserver.ThreadingTCPServer):
