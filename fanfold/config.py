@@ -148,7 +148,9 @@ class EngineConfig:
     """Inside a sandbox with transparent capture, the port its TCP connections are redirected to (taken there)."""
     net_reachable: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_NET_REACHABLE"))
     """CIDRs of private, loopback, link-local or host addresses the egress proxy may still connect to
-    when a sandbox's policy allows them (``FANFOLD_NET_REACHABLE=10.1.0.0/16,...``); by default none."""
+    when a sandbox's policy allows them (``FANFOLD_NET_REACHABLE=10.1.0.0/16,...``); by default none.
+    A server tenant's build steps may reach them too, but for loopback, link-local and the host's own
+    addresses, which no build step reaches."""
     tenant_registries: tuple[str, ...] = field(default_factory=lambda: _env_list("FANFOLD_TENANT_REGISTRIES"))
     """``HOST[:PORT]`` of the registries a server's tenants may pull from (``fanfold serve --registry``,
     ``FANFOLD_TENANT_REGISTRIES=ghcr.io,10.1.2.3:5000``), at whatever address each has; by default any

@@ -1,14 +1,17 @@
 """Build ``run`` steps reach the outside through NAT and nothing of the host (``host.stepnet``).
 
-"The outside" is a network namespace this module makes, behind a veth from the host (198.18.0.0/15),
+``nat_outside`` is a network namespace this module makes, behind a veth from the host (198.18.0.0/15),
 with an HTTP server that also answers as the metadata address 169.254.169.254 (routed to it for the
 module): if the filter let anything through, the probes would reach it, and nothing leaves the host.
+``outside`` (tests/outside.py) has a public-looking address and a private one, and DNS on both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.server
+import ipaddress
 import json
 import os
 import shlex
@@ -25,8 +28,10 @@ import pytest
 from conftest import TOKENS, run_cli
 from fanfold import AsyncFleet, EnvSpec, InvalidRequest, Unauthorized
 from fanfold.engine import Engine
+from fanfold.engine.network import build_refused
 from fanfold.images import Image, LayerStore
 from fanfold.host import stepnet
+from outside import ADDRESS, PRIVATE_ADDRESS
 
 OUTSIDE_NS = f"fanfold-test-outside-{os.getpid()}"
 OUTSIDE_VETH = f"ffto{os.getpid() % 100000}"
@@ -94,7 +99,7 @@ def _ifindexes() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def outside(tmp_path_factory):
+def nat_outside(tmp_path_factory):
     """An HTTP server in a namespace of its own, answering ``outside`` on OUTSIDE and METADATA, port 80."""
     root = tmp_path_factory.mktemp("outside")
     (root / "probe").write_text("outside")
@@ -180,7 +185,7 @@ def blocked(result: dict) -> bool:
     return not result["outcome"].startswith("ok:")
 
 
-async def test_isolated_steps_reach_the_outside_and_nothing_of_the_host(config, outside, host_service):
+async def test_isolated_steps_reach_the_outside_and_nothing_of_the_host(config, nat_outside, host_service):
     port = host_service
     urls = {"outside": f"http://{OUTSIDE}/probe", "metadata": f"http://{METADATA}/probe",
             "loopback": f"http://127.0.0.1:{port}/", "loopback6": f"http://[::1]:{port}/",
@@ -209,10 +214,11 @@ async def test_the_hosts_own_tenant_may_build_on_the_hosts_network(config, serve
         assert probes(config, image)["loopback"]["outcome"] == "ok:host"
 
 
-async def test_other_tenants_build_isolated_and_may_not_ask_for_the_hosts_network(config, server, outside,
-                                                                                     host_service):
+async def test_other_tenants_build_isolated_and_may_not_ask_for_the_hosts_network(config, server, nat_outside,
+                                                                                     outside, host_service):
     urls = {"outside": f"http://{OUTSIDE}/probe", "loopback": f"http://127.0.0.1:{host_service}/",
-            "gateway": f"http://GATEWAY:{host_service}/", "metadata": f"http://{METADATA}/probe"}
+            "gateway": f"http://GATEWAY:{host_service}/", "metadata": f"http://{METADATA}/probe",
+            "public": f"http://{ADDRESS}/hello", "private": f"http://{PRIVATE_ADDRESS}/hello"}
     async with AsyncFleet(server.tcp_url, token=TOKENS["alice"]) as alice:
         with pytest.raises(Unauthorized, match=r"only the host's own tenant .*\(network=host\)"):
             await alice.build(probe_spec(urls), network="host")
@@ -221,7 +227,10 @@ async def test_other_tenants_build_isolated_and_may_not_ask_for_the_hosts_networ
         image = await alice.build(probe_spec(urls))
     seen = probes(config, image)
     assert seen["outside"]["outcome"] == "ok:outside", seen
-    assert all(blocked(seen[name]) for name in ("loopback", "gateway", "metadata")), seen
+    assert seen["public"]["outcome"] == f"ok:hello from {ADDRESS}", seen
+    assert all(blocked(seen[name]) for name in ("loopback", "gateway", "metadata", "private")), seen
+    async with AsyncFleet(server.unix_url) as local:  # the host's own tenant keeps the LAN
+        assert probes(config, await local.build(probe_spec(urls)))["private"]["outcome"].startswith("ok:hello")
     async with httpx.AsyncClient(base_url=server.tcp_url, timeout=60,
                                  headers={"Authorization": f"Bearer {TOKENS['bob']}"}) as http:
         spec = {"base": "host", "steps": [{"kind": "run", "cmd": "true"}]}
@@ -229,6 +238,53 @@ async def test_other_tenants_build_isolated_and_may_not_ask_for_the_hosts_networ
         unknown = await http.post("/v1/images", params={"network": "bridge"}, json=spec)
     assert refused.status_code == 401 and "network=host" in refused.json()["message"], refused.text
     assert unknown.status_code == 422 and "network must be one of" in unknown.json()["message"], unknown.text
+
+
+async def test_a_tenants_steps_reach_no_range_the_proxy_refuses_where_the_operators_do(config, outside,
+                                                                                        monkeypatch, tmp_path):
+    """A server tenant's steps reach public addresses, not the operator's private ranges; the operator's
+    steps reach both. Both resolve names through a resolver at a private address: port 53 stays open."""
+    resolvers = tmp_path / "resolv.conf"
+    resolvers.write_text(f"nameserver {PRIVATE_ADDRESS}\n")
+    monkeypatch.setattr(stepnet, "resolv_conf", lambda: str(resolvers))  # the resolver a host's DHCP names
+    urls = {"public": f"http://{ADDRESS}/hello", "private": f"http://{PRIVATE_ADDRESS}/hello",
+            "named": "http://www.outside.test/hello"}
+    engine = Engine(config)
+    await engine.start()
+    try:
+        spec = probe_spec(urls)  # the same for both: what the operator's step got from the LAN serves no tenant
+        operator = probes(config, await engine.build(spec))
+        tenant = probes(config, await engine.build(spec, tenant="alice"))
+    finally:
+        await engine.close()
+    for seen in (operator, tenant):
+        assert seen["public"]["outcome"] == f"ok:hello from {ADDRESS}", seen
+        assert seen["named"]["outcome"] == "ok:hello from www.outside.test", seen
+    assert operator["private"]["outcome"] == f"ok:hello from {PRIVATE_ADDRESS}", operator
+    assert blocked(tenant["private"]) and tenant["private"]["seconds"] < 1.5, tenant  # refused, not dropped
+    assert ours(config) == {"netns": [], "tables": []}
+
+
+async def test_a_tenants_steps_reach_what_the_operator_made_reachable(config, outside):
+    engine = Engine(dataclasses.replace(config, net_reachable=(f"{PRIVATE_ADDRESS}/32",)))
+    await engine.start()
+    try:
+        image = await engine.build(probe_spec({"private": f"http://{PRIVATE_ADDRESS}/hello"}), tenant="alice")
+    finally:
+        await engine.close()
+    assert probes(config, image)["private"]["outcome"] == f"ok:hello from {PRIVATE_ADDRESS}"
+
+
+def test_a_tenants_build_network_refuses_the_proxys_special_ranges_less_the_reachable_ones(config):
+    refused = [ipaddress.ip_network(cidr) for cidr in build_refused(
+        dataclasses.replace(config, net_reachable=("10.1.0.0/16", "100.64.0.0/10")))]
+    def refuses(address: str) -> bool:
+        return any(ipaddress.ip_address(address) in net for net in refused)
+    assert all(refuses(a) for a in ("10.2.0.1", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254",
+                                    "127.0.0.1", "224.0.0.1", "0.0.0.1"))
+    assert not any(refuses(a) for a in ("10.1.2.3", "100.64.0.1", "8.8.8.8", ADDRESS, OUTSIDE))
+    assert [str(net) for net in ipaddress.collapse_addresses(n for n in refused if n.version == 4)] == \
+        [str(net) for net in refused if net.version == 4], "overlapping ranges: nft refuses them in one set"
 
 
 async def test_a_dead_builders_network_is_swept_when_an_engine_starts(config):

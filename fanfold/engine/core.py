@@ -44,7 +44,7 @@ from .figures import Figures
 from .files import Files, FileStream
 from .leases import Leases
 from .lifecycle import Lifecycle, owner_token
-from .network import git_gate, pull_gate, to_column
+from .network import build_refused, git_gate, pull_gate, to_column
 from .policies import Policies
 from .pools import Pools
 from .quotas import Quotas
@@ -99,7 +99,8 @@ class Engine:
         self.catalog = Catalog(db, self.store, cfg.state_dir, pull=cfg.pull, gate=functools.partial(pull_gate, cfg))
         builder = Builder(self.store, self.backend.step_runtime, mirror=cfg.debian_mirror,
                           scratch_run=cfg.state_dir / "bundles", tag=cfg.tag,
-                          resolve_base=self.catalog.resolve, extra_ca_file=cfg.extra_ca_file)
+                          resolve_base=self.catalog.resolve, extra_ca_file=cfg.extra_ca_file,
+                          confined_refused=build_refused(cfg))
         self.snaps = SnapshotStore(cfg.state_dir, self.store, db)
         self.admission = Admission(cfg, db.count, DiskRoom(cfg, lambda: self.db, lambda: self.backend.quota))
         self.telemetry = Telemetry(lambda tenant: self.figures.gauges(tenant))
@@ -170,7 +171,8 @@ class Engine:
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
                     tag: str | None = None, tenant: str = "") -> Image:
         """Build ``spec`` into an image, reusing every layer already built. Its ``run`` steps reach the
-        outside through NAT but nothing of the host, unless ``network="host"``. ``tag`` names the image
+        outside through NAT but nothing of the host, unless ``network="host"``; a server ``tenant``'s
+        reach no range the egress proxy refuses either (``net_reachable`` aside). ``tag`` names the image
         (``myenv``, ``myenv:v2``) for ``tenant`` (a server's tenant: in its own namespace of names)."""
         if tag is not None:
             check_tag(tag)

@@ -28,7 +28,7 @@ from ..errors import FanfoldError, InfrastructureError, InvalidRequest, QuotaExc
 from ..host import safefs
 from ..store.trust import SYSTEM_BUNDLES
 from ..net.netd import Netd, NetdDied
-from ..net.policy import NetworkPolicy
+from ..net.policy import NetworkPolicy, Reachable
 from ..runtime import Backend, Handle
 
 if TYPE_CHECKING:
@@ -104,6 +104,12 @@ def git_gate(config: EngineConfig) -> GitGate:
     return GitGate(config.tenant_git_hosts, reachable=config.net_reachable,
                    hosts={name: list(found) for name, found in config.net_hosts}, nameservers=config.net_dns,
                    idle_timeout=config.net_idle_timeout or None)
+
+
+def build_refused(config: EngineConfig) -> list[str]:
+    """What a server tenant's build steps may not reach through their NAT (``host.stepnet``): the
+    ranges the egress proxy refuses, less the operator's ``net_reachable``."""
+    return [str(net) for net in Reachable(config.net_reachable).refused_ranges()]
 
 
 class Network:

@@ -42,11 +42,13 @@ class Sources:
 
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
                     tenant: str = "") -> Image:
-        """Build ``spec``; a server ``tenant``'s repo steps clone only where ``clones`` allows."""
+        """Build ``spec``; a server ``tenant``'s repo steps clone only where ``clones`` allows, and its
+        ``run`` steps reach none of the ranges the egress proxy refuses (``Builder.build``'s ``confined``)."""
         if not isinstance(spec, EnvSpec):
             raise InvalidRequest(f"build() takes an EnvSpec, got {type(spec).__name__}")
-        confined = bool(tenant) and self._make_clones is not None
-        return await self.builder.build(spec, on_step, network=network, clones=self.clones if confined else None)
+        gated = bool(tenant) and self._make_clones is not None
+        return await self.builder.build(spec, on_step, network=network, clones=self.clones if gated else None,
+                                        confined=bool(tenant))
 
     async def image(self, ref: str | Image) -> Image:
         if isinstance(ref, Image):

@@ -10,7 +10,11 @@ the build ends (every step of it, nested ``COPY --from`` stages included, joins 
   build's traffic out of the host's interfaces, rejects everything it sends to the host itself
   (the input hook: every address of the host, loopback services bound to 0.0.0.0 included),
   rejects forwarding to 127.0.0.0/8, 169.254.0.0/16 (link-local, cloud metadata), to other
-  builds' subnets and any IPv6, and drops new connections from outside into the build.
+  builds' subnets and any IPv6, and drops new connections from outside into the build;
+- for a server tenant's build (``refused``), that table also rejects forwarding to every range the
+  egress proxy refuses (private, CGNAT, multicast...: ``net.policy.SPECIAL``) less the operator's
+  ``net_reachable``, but for DNS (port 53, udp and tcp) to the resolvers its steps are given, which
+  on many hosts live at a private address. The host's own builds keep the LAN (its mirrors).
 
 Per build, not per step: a build's steps run one after another and trust each other, and
 setup is paid once (tens of ms) instead of at every step; not one per engine: concurrent
@@ -38,6 +42,7 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import HostNotReady, InfrastructureError
 from . import procs
@@ -91,10 +96,15 @@ class _Names:
 
 
 class StepNetwork:
-    """One build's network: made on the first ``netns()``, removed by ``close()`` whatever happened."""
+    """One build's network: made on the first ``netns()``, removed by ``close()`` whatever happened.
+    ``refused``: IPv4 CIDRs its steps may not reach besides ``BLOCKED`` (a server tenant's build), DNS
+    to ``resolvers``' nameservers excepted."""
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, refused: Sequence[str] = ()) -> None:
         self.tag = tag
+        self.refused = tuple(refused)
+        self.resolvers = resolv_conf()
+        """The resolv.conf its steps get, chosen once: the table admits DNS to its nameservers."""
         self.names: _Names | None = None
         """What exists (or partly does) and ``close`` removes."""
         self._lock = threading.Lock()  # make and remove run in threads: a remove waits for a make
@@ -130,7 +140,8 @@ class StepNetwork:
             for _ in range(8):
                 # The table first, so the veth is filtered from the moment it exists.
                 self.names = names = _Names(self.tag, os.getpid(), serial, _free_slot())
-                _tool(["nft", "-f", "-"], _ruleset(names), what="adding the build's nftables table")
+                ruleset = _ruleset(names, self.refused, _nameservers(self.resolvers))
+                _tool(["nft", "-f", "-"], ruleset, what="adding the build's nftables table")
                 claimed = _run(["ip", "-batch", "-"], _host_batch(names))
                 if claimed.returncode == 0:
                     break
@@ -152,26 +163,33 @@ class StepNetwork:
 
 
 class StepNetworks:
-    """Makes the build networks of one engine, its ``tag`` in their names."""
+    """Makes the build networks of one engine, its ``tag`` in their names; a confined one (a server
+    tenant's build) also refuses ``confined_refused`` (CIDRs; the IPv6 ones go without saying)."""
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, confined_refused: Sequence[str] = ()) -> None:
         self.tag = tag
+        self.confined_refused = tuple(c for c in confined_refused if ipaddress.ip_network(c).version == 4)
 
-    def network(self) -> StepNetwork:
-        return StepNetwork(self.tag)
+    def network(self, *, confined: bool = False) -> StepNetwork:
+        return StepNetwork(self.tag, self.confined_refused if confined else ())
 
 
 def resolv_conf() -> str:
     """The resolver list a build step gets: the host's, unless it names only loopback resolvers
     (a systemd-resolved stub), which no step can reach; then systemd-resolved's upstream list."""
     upstream = Path("/run/systemd/resolve/resolv.conf")
-    try:
-        servers = [line.split()[1] for line in Path("/etc/resolv.conf").read_text().splitlines()
-                   if line.startswith("nameserver") and len(line.split()) > 1]
-    except OSError:
-        return "/etc/resolv.conf"
+    servers = _nameservers("/etc/resolv.conf")
     loopback = servers and all(_is_loopback(server) for server in servers)
     return str(upstream) if loopback and upstream.exists() else "/etc/resolv.conf"
+
+
+def _nameservers(path: str) -> list[str]:
+    """The ``nameserver`` entries of a resolv.conf; none if it cannot be read."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    return [line.split()[1] for line in lines if line.startswith("nameserver") and len(line.split()) > 1]
 
 
 def sweep(tag: str) -> int:
@@ -207,8 +225,15 @@ def _parse(name: str) -> _Names | None:
     return _Names(parts[1], int(parts[3]), int(parts[4]))
 
 
-def _ruleset(names: _Names) -> str:
+def _ruleset(names: _Names, refused: Sequence[str] = (), nameservers: Sequence[str] = ()) -> str:
     veth, blocked = f'"{names.veth}"', ", ".join((*BLOCKED, str(SUBNET)))
+    confined = ""
+    if refused:
+        resolvers = sorted({str(a) for a in map(_ipv4, nameservers) if a is not None and not a.is_loopback})
+        if resolvers:  # before the refusal: a resolver at a private address still answers, on port 53 alone
+            confined += (f"    iifname {veth} ip daddr {{ {', '.join(resolvers)} }} meta l4proto {{ tcp, udp }}"
+                         " th dport 53 accept\n")
+        confined += f"    iifname {veth} ip daddr {{ {', '.join(refused)} }} reject with icmpx admin-prohibited\n"
     return f"""table inet {names.table} {{
   chain input {{
     type filter hook input priority filter - 10; policy accept;
@@ -219,7 +244,7 @@ def _ruleset(names: _Names) -> str:
     iifname {veth} meta nfproto ipv6 reject with icmpx admin-prohibited
     iifname {veth} ip saddr != {names.subnet} drop
     iifname {veth} ip daddr {{ {blocked} }} reject with icmpx admin-prohibited
-    oifname {veth} ct state new drop
+{confined}    oifname {veth} ct state new drop
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -299,6 +324,13 @@ def _is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def _ipv4(address: str) -> ipaddress.IPv4Address | None:
+    try:
+        return ipaddress.IPv4Address(address)
+    except ValueError:
+        return None
 
 
 def _run(argv: list[str], stdin: str) -> subprocess.CompletedProcess[str]:

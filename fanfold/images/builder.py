@@ -11,7 +11,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable, Literal, Sequence
 
 from ..errors import BuildFailed, FanfoldError, InvalidRequest, InvalidSpec
 from ..host import safefs, stepnet
@@ -67,22 +67,27 @@ class Builder:
     engine's) names its build networks."""
 
     def __init__(self, store: LayerStore, runtime: Runtime | None, *, mirror: str, scratch_run: Path,
-                 tag: str, resolve_base: ResolveBase | None = None, extra_ca_file: str | None = None) -> None:
+                 tag: str, resolve_base: ResolveBase | None = None, extra_ca_file: str | None = None,
+                 confined_refused: Sequence[str] = ()) -> None:
         self.store = store
         self.extra_ca_file = extra_ca_file
         """CAs ``run`` steps trust besides the image's own (``trust``), never written into a layer."""
         self.runtime = runtime
-        self.networks = stepnet.StepNetworks(tag)
+        self.networks = stepnet.StepNetworks(tag, confined_refused)
+        """Where ``run`` steps run; a confined build's (a server tenant's) also refuse ``confined_refused``
+        (the engine's: the egress proxy's special ranges less ``net_reachable``)."""
         self.mirror = mirror
         self.scratch_run = scratch_run
         self.resolve_base = resolve_base
 
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
-                    clones: GitGates | None = None) -> Image:
+                    clones: GitGates | None = None, confined: bool = False) -> Image:
         """Build ``spec``; its layers are safe from gc until its image record names them. Its ``run``
-        steps share one network for the build (see ``Network``). With ``clones`` (a server tenant's build),
+        steps share one network for the build (see ``Network``); ``confined`` (a server tenant's build):
+        an isolated one that also refuses ``confined_refused``. With ``clones`` (a server tenant's build),
         its repo steps clone only through that gate (``images.git``); else as the host's git does."""
-        net = self.networks.network() if check_network(network) == "isolated" else None
+        isolated = check_network(network) == "isolated"
+        net = self.networks.network(confined=confined) if isolated else None
         try:
             async with self.store.making():
                 return await self._build(spec, on_step, net, clones)
@@ -122,8 +127,9 @@ class Builder:
                 inputs = await _off_loop(_step_inputs, step, context)  # hashes trees
             if step.kind == "run":
                 # What a step saw on the host's network (its loopback services) never serves an isolated
-                # build, nor does a layer made before steps had a network of their own.
-                inputs["network"] = "host" if net is None else "isolated"
+                # build, nor what an operator's step saw on the LAN a confined one (a tenant's), nor does
+                # a layer made before steps had a network of their own.
+                inputs["network"] = "host" if net is None else "confined" if net.refused else "isolated"
             digest = _step_digest(digest, step, inputs)
             if step.kind in CONFIG_STEPS:
                 if step.kind == "env":
@@ -262,7 +268,7 @@ class Builder:
                 step=step.describe(), exit_code=None, output_tail="",
             )
         netns = None if net is None else await net.netns()  # None: the host's network
-        resolvers = "/etc/resolv.conf" if net is None else stepnet.resolv_conf()
+        resolvers = "/etc/resolv.conf" if net is None else net.resolvers
         rootfs = scratch / "rootfs"
         extra = trust.load(self.extra_ca_file, self.store.layers_dir.parent)
         await _off_loop(lambda: mount_trusted(self.store, layers, dirs, rootfs, scratch, extra))

@@ -315,6 +315,26 @@ class Reachable:
             self._read_at = time.monotonic()
         return self._own
 
+    def refused_ranges(self) -> tuple[Network, ...]:
+        """The special ranges ``refuses`` names, less the operator's, disjoint and sorted: for a firewall
+        that applies the proxy's rules to traffic that never passes through it (a server tenant's build
+        steps, ``host.stepnet``). The host's own addresses are not among them: they change."""
+        pieces: list[Network] = [net for net, _ in _SPECIAL]
+        for allowed in self.operator:
+            pieces = [rest for piece in pieces for rest in _less(piece, allowed)]
+        v4 = ipaddress.collapse_addresses(p for p in pieces if p.version == 4)
+        v6 = ipaddress.collapse_addresses(p for p in pieces if p.version == 6)
+        return (*v4, *v6)
+
+
+def _less(piece: Network, allowed: Network) -> list[Network]:
+    """``piece`` without the addresses of ``allowed`` (two CIDRs overlap only where one holds the other)."""
+    if piece.version != allowed.version or not piece.overlaps(allowed):  # type: ignore[arg-type]
+        return [piece]
+    if piece.subnet_of(allowed):  # type: ignore[arg-type]
+        return []
+    return list(piece.address_exclude(allowed))  # type: ignore[arg-type]
+
 
 def host_addresses() -> set[Address]:
     """Every address of this host's network namespace (/proc/net/fib_trie's local ones, if_inet6)."""
