@@ -252,16 +252,18 @@ class PolicyUnavailable(InfrastructureError):
     kind = "policy_unavailable"
 
 
-_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT
+_FULL_ERRNOS = (28,)  # ENOSPC (EDQUOT is a quota of its own: not the filesystem)
 
 
-def host_full(err: BaseException) -> CapacityExceeded | None:
+def host_full(err: BaseException, what: str = "") -> CapacityExceeded | None:
     """The typed error for a host filesystem that filled under fanfold's own writes (a snapshot's
-    staging dir, the database), which is no bug of fanfold's; None for any other error."""
+    staging dir, the database), which is no bug of fanfold's, saying ``what`` failed; None for any
+    other error."""
     if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
         where = f" ({err.filename})" if err.filename else ""
-        return CapacityExceeded(f"the host's state filesystem is full{where}: {err.strerror}."
-                                " Try again once space is freed (the operator: free space under the state dir)")
+        return CapacityExceeded(f"{what + ': ' if what else ''}the host's state filesystem is full{where}:"
+                                f" {err.strerror}. Try again once space is freed (the operator: free space under"
+                                " the state dir)")
     if type(err).__name__ == "OperationalError" and "disk is full" in str(err):  # sqlite3's SQLITE_FULL
         return CapacityExceeded(f"the host's state filesystem is full: the database says {err};"
                                 " try again once space is freed")

@@ -14,7 +14,9 @@ import time
 import pytest
 
 from conftest import leaks, start_server, stop_server
-from fanfold import AsyncFleet, FanfoldError, InfrastructureError, Outcome, Retryable, SandboxGone, SandboxNotFound
+from fanfold import (
+    AsyncFleet, CapacityExceeded, FanfoldError, InfrastructureError, Outcome, Retryable, SandboxGone, SandboxNotFound,
+)
 from fanfold.engine import Engine
 
 CLEAN = {"mounts": 0, "cgroups": 0, "containers": 0}
@@ -179,13 +181,13 @@ async def test_host_errors_from_resume_and_reset_are_retryable_not_raw(config, m
             await sandbox.suspend()
             with monkeypatch.context() as patch:
                 patch.setattr(resources, "restore", no_space)
-                with pytest.raises(InfrastructureError, match="resuming sandbox .* No space left on device"):
+                with pytest.raises(CapacityExceeded, match="resuming sandbox .* state filesystem is full: No space"):
                     await sandbox.resume()
                 assert (await sandbox.refresh()).state == "suspended"  # nothing lost: resumed later
             assert (await sandbox.exec("cat /root/note")).text == "kept\n"
             with monkeypatch.context() as patch:
                 patch.setattr(resources, "mount_trusted", lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space")))
-                with pytest.raises(InfrastructureError, match="resetting sandbox"):
+                with pytest.raises(CapacityExceeded, match="resetting sandbox"):
                     await sandbox.reset()
     assert leaks(config) == CLEAN
 

@@ -20,11 +20,12 @@ _HOST_THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="fanfold-h
 @contextmanager
 def host_errors(what: str) -> Iterator[None]:
     """An OSError from mounts, cgroups or the runtime's files leaves as the retryable
-    InfrastructureError, saying ``what`` failed, never as a raw traceback to a client."""
+    InfrastructureError (CapacityExceeded for a full filesystem), saying ``what`` failed, never as
+    a raw traceback to a client."""
     try:
         yield
     except OSError as err:
-        raise host_full(err) or InfrastructureError(f"{what}: {err}") from None
+        raise host_full(err, what) or InfrastructureError(f"{what}: {err}") from None
 
 
 async def on_thread(
