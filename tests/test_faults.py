@@ -18,6 +18,7 @@ from fanfold import (
     AsyncFleet, CapacityExceeded, FanfoldError, InfrastructureError, Outcome, Retryable, SandboxGone, SandboxNotFound,
 )
 from fanfold.engine import Engine
+from fanfold.host import cgroups
 
 CLEAN = {"mounts": 0, "cgroups": 0, "containers": 0}
 
@@ -212,3 +213,33 @@ async def test_a_release_that_failed_is_retried_by_the_reaper(config, monkeypatc
         assert engine.db.get(sandbox.id)["state"] == "destroying"
         await _gone(engine, [sandbox.id], within=10)
     assert failures == [sandbox.id] and leaks(config) == CLEAN
+
+
+@pytest.mark.skipif("freezer" not in cgroups.v1_roots(), reason="needs cgroup v1's freezer")
+def test_a_sandbox_group_a_dead_checkpointer_left_frozen_is_removed_whole(config):
+    """CRIU freezes a sandbox in v1's freezer to dump it; one that dies mid-dump (a full disk, a
+    SIGKILL) leaves the group FROZEN, where a SIGKILL waits for good. Removing the groups (the
+    release of a sandbox the runtime forgot, a crashed engine's leftovers) thaws them first."""
+    sandbox_id = f"sb-{os.urandom(6).hex()}"
+    cgroups.ensure_parent(config.cgroup_parent)
+    directories = cgroups.sandbox_dirs(config.cgroup_parent, sandbox_id)
+    for directory in directories:
+        directory.mkdir(parents=True)
+        for name in ("cpuset.cpus", "cpuset.mems"):  # a v1 cpuset group takes no task while empty
+            if (directory / name).exists():
+                (directory / name).write_text((directory.parent / name).read_text())
+    task = subprocess.Popen(["sleep", "600"])
+    try:
+        for directory in directories:
+            (directory / "cgroup.procs").write_text(str(task.pid))
+        freezer = cgroups.v1_roots()["freezer"] / config.cgroup_parent / sandbox_id / "freezer.state"
+        freezer.write_text("FROZEN")
+        cgroups.remove(config.cgroup_parent, sandbox_id)
+        assert task.wait(10) == -signal.SIGKILL
+        assert not any(directory.exists() for directory in directories)
+    finally:
+        if task.poll() is None:  # reported above; not left frozen for the run's end
+            cgroups.thaw(config.cgroup_parent, sandbox_id)
+            task.kill()
+            task.wait()
+            cgroups.remove(config.cgroup_parent, sandbox_id)

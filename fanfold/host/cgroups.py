@@ -173,9 +173,16 @@ def usage(parent: str, sandbox_id: str) -> tuple[float, int]:
 
 
 def remove(parent: str, sandbox_id: str) -> None:
-    """Kill whatever is left in a sandbox's cgroups and remove them."""
-    for directory in sandbox_dirs(parent, sandbox_id):
-        _remove_tree(directory)
+    """Kill whatever is left in a sandbox's cgroups and remove them. Groups that still hold tasks
+    are thawed first: a checkpointer that died mid-dump leaves them frozen, where SIGKILL waits."""
+    held = [directory for directory in sandbox_dirs(parent, sandbox_id) if not _rmdir(directory)]
+    if held:
+        try:
+            thaw(parent, sandbox_id)
+        except OSError:
+            pass  # no freezer left to thaw
+        for directory in held:
+            _remove_tree(directory)
 
 
 def _rmdir(directory: Path) -> bool:
