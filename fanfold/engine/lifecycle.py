@@ -15,9 +15,9 @@ import logging
 import os
 import secrets
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from .._agent.client import AgentUnreachable
 from .. import ids
@@ -158,9 +158,7 @@ class Lifecycle:
                 await end_calls(sandbox_id)
 
         # Counted as a call: a closing engine waits for a change (a suspend) to unwind before its database goes.
-        self._calls += 1
-        self._no_calls.clear()
-        try:
+        with self._counted():
             async with self.gate(sandbox_id).change(end_long_calls if interrupt else None):
                 row = self.known(sandbox_id)
                 if wake and row["state"] != "running":
@@ -168,6 +166,14 @@ class Lifecycle:
                     row = self.known(sandbox_id)
                 self.db.touch(sandbox_id)
                 yield row
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        """A call or change in flight, which ``close`` waits for."""
+        self._calls += 1
+        self._no_calls.clear()
+        try:
+            yield
         finally:
             self._calls -= 1
             if not self._calls:
@@ -181,9 +187,7 @@ class Lifecycle:
         leave the sandbox looking idle the moment it finishes.
         """
         gate = self.gate(sandbox_id)
-        self._calls += 1
-        self._no_calls.clear()
-        try:
+        with self._counted():
             for _ in range(3):
                 async with gate.call():
                     # The common case in one statement: a running sandbox of ours, stamped and read.
@@ -201,10 +205,6 @@ class Lifecycle:
                 async with self.changing(sandbox_id):
                     pass  # woken; take the call again
             raise SandboxGone(f"sandbox {sandbox_id} keeps being paused or suspended by other calls; try again")
-        finally:
-            self._calls -= 1
-            if not self._calls:
-                self._no_calls.set()
 
     async def _serve_network(self, row: Any) -> None:
         """Attach a sandbox with a policy that an earlier engine made (the CLI's ``create``): its
