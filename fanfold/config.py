@@ -30,6 +30,8 @@ class Quota:
     """The sum of its sandboxes' disk limits, live ones and those its pools keep warm."""
     pools: int | None = None
     """Warm sandboxes its pools keep (a pool that follows demand counts as ``pool_auto_max``)."""
+    gpus: int | None = None
+    """GPUs its sandboxes hold, live and warm: a GPU held alone counts 1, a shared one ``1/gpu_shares``."""
     recordings: int | None = None
     """Network recordings it keeps (None: ``EngineConfig.net_recordings``)."""
     recordings_mb: int | None = None
@@ -47,7 +49,7 @@ class Quota:
         return cls(**values)
 
 
-QUOTAS = ("sandboxes", "memory_mb", "disk_mb", "pools", "recordings", "recordings_mb")
+QUOTAS = ("sandboxes", "memory_mb", "disk_mb", "pools", "gpus", "recordings", "recordings_mb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +193,25 @@ class EngineConfig:
     """MB of bodies each server tenant's network recordings may take, unless its quota line says
     ``recordings_mb=N``; the host's own tenant has no limit."""
     """Most disk the shared download cache (``network={"cache": True}``) takes; the least recently used go first."""
+    gpu_shares: int = field(default_factory=lambda: _env_int("FANFOLD_GPU_SHARES", 16))
+    """Sandboxes that may share one GPU at once, time-sliced (``FANFOLD_GPU_SHARES``); 1 makes every GPU
+    exclusive. A sandbox with ``gpu_exclusive`` takes all of a GPU's shares."""
+    gpu_cdi_dirs: tuple[str, ...] = field(
+        default_factory=lambda: _env_list("FANFOLD_GPU_CDI_DIRS") or ("/etc/cdi", "/var/run/cdi"))
+    """Where CDI specs are read (``nvidia-ctk cdi generate`` writes them); ``FANFOLD_GPU_CDI_DIRS=a,b``."""
+    gpu_cdi_kind: str = field(default_factory=lambda: os.environ.get("FANFOLD_GPU_CDI_KIND", "nvidia.com/gpu"))
+    """The CDI kind whose devices are the host's GPUs."""
+    gpu_dev_dir: str = field(default_factory=lambda: os.environ.get("FANFOLD_GPU_DEV_DIR", "/dev"))
+    """Where the NVIDIA device nodes are found when no CDI spec names them."""
+    gpu_proc_dir: str = field(default_factory=lambda: os.environ.get("FANFOLD_GPU_PROC_DIR", "/proc/driver/nvidia"))
+    """The driver's /proc directory (each GPU's UUID and minor number) when no CDI spec names them."""
+    gpu_driver_dirs: tuple[str, ...] = field(
+        default_factory=lambda: _env_list("FANFOLD_GPU_DRIVER_DIRS") or ("/usr/local/nvidia",))
+    """Driver trees (``lib64/``, ``bin/``) bound read-only into GPU sandboxes when no CDI spec names the
+    driver's files; else the driver libraries ``ldconfig`` knows and ``nvidia-smi`` on the PATH are."""
+    gpu_mps_dir: str | None = field(default_factory=lambda: os.environ.get("FANFOLD_GPU_MPS_DIR") or None)
+    """An MPS daemon's pipe directory: shared GPU sandboxes get it and ``CUDA_MPS_PIPE_DIRECTORY``, so their
+    kernels run through that daemon rather than time-sliced (``FANFOLD_GPU_MPS_DIR``)."""
     workers: int = field(default_factory=lambda: _env_workers(os.environ.get("FANFOLD_WORKERS", "0")))
     """Engine worker processes (``FANFOLD_WORKERS``): 0 (default) runs the engine in this process; N runs N
     worker processes, each an engine over a share of the sandboxes, behind a router here, so creates,
@@ -205,6 +226,8 @@ class EngineConfig:
             raise ValueError(f"FANFOLD_DISK (disk=) must be one of {', '.join(DISKS)}, got {self.disk!r}")
         if not self.disk_overcommit > 0:
             raise ValueError(f"FANFOLD_DISK_OVERCOMMIT (disk_overcommit=) must be > 0, got {self.disk_overcommit!r}")
+        if not isinstance(self.gpu_shares, int) or not 1 <= self.gpu_shares <= 1024:
+            raise ValueError(f"FANFOLD_GPU_SHARES (gpu_shares=) must be 1 to 1024, got {self.gpu_shares!r}")
         if self.pull not in PULL_POLICIES:
             raise ValueError(f"FANFOLD_PULL (pull=) must be one of {', '.join(PULL_POLICIES)}, got {self.pull!r}")
 

@@ -111,9 +111,60 @@ class Limits:
     """Most processes and threads alive at once (fork bombs stop here)."""
     disk_mb: int = field(default=1024, metadata=bounds(ge=1, le=1 << 24))
     """Most MiB the sandbox may write to its filesystem."""
+    gpus: str | int | None = None
+    """GPUs it gets: ``all``, a count (``2``), or ``device=`` and GPU indexes or UUIDs (``device=0,GPU-9f3c...``);
+    None: none. The engine picks which GPUs; the sandbox record's ``gpu_ids`` says."""
+    gpu_exclusive: bool = False
+    """Hold its GPUs alone; by default a GPU is shared, time-sliced, by up to the host's ``gpu_shares`` sandboxes."""
 
     def __post_init__(self) -> None:
         check_bounds(self, "limit ")
+        object.__setattr__(self, "gpus", gpu_request(self.gpus))
+        if not isinstance(self.gpu_exclusive, bool):
+            raise InvalidRequest(f"limit gpu_exclusive is true or false, got {self.gpu_exclusive!r}")
+
+
+MAX_GPUS = 1024
+
+
+def gpu_request(value: Any) -> str | None:
+    """A ``gpus`` value in its one written form: ``all``, a count (``"2"``), ``device=ID,...``, or None.
+
+    Takes what Docker's ``--gpus`` does (``all``, ``2``, ``device=0,1``, ``"device=GPU-..."``), an int, a
+    list of indexes or UUIDs, and ``0``/``none``/``""`` for none."""
+    if value is None or isinstance(value, bool) and not value:
+        return None
+    if isinstance(value, (list, tuple)):
+        value = "device=" + ",".join(str(item) for item in value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"limit gpus must be all, a count or device=ID,..., got {value!r}")
+    text = value.strip().strip('"').strip()
+    if text in ("", "0", "none"):
+        return None
+    if text == "all":
+        return text
+    if text.isdigit():
+        if int(text) > MAX_GPUS:
+            raise InvalidRequest(f"limit gpus={text} is out of range: ask for at most {MAX_GPUS}")
+        return str(int(text))
+    ids = text.removeprefix("device=").split(",")
+    if not text.startswith("device=") and not all(_gpu_id(i) for i in ids):
+        raise InvalidRequest(f"limit gpus={value!r} is not a GPU request: use all, a count (2),"
+                             " or device= and GPU indexes or UUIDs (device=0,1)")
+    ids = [i.strip() for i in ids]
+    bad = [i for i in ids if not _gpu_id(i)]
+    if bad or len(ids) > MAX_GPUS or len(set(ids)) != len(ids):
+        why = f"{bad[0]!r} is not a GPU index or UUID" if bad else "each GPU may be named once"
+        raise InvalidRequest(f"limit gpus={value!r}: {why} (device=0,1 or device=GPU-<uuid>)")
+    return "device=" + ",".join(ids)
+
+
+def _gpu_id(text: str) -> bool:
+    text = text.strip()
+    return text.isdigit() or (4 <= len(text) <= 96 and text[:4] in ("GPU-", "MIG-")
+                              and all(c.isalnum() or c in "-/" for c in text))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,6 +312,8 @@ class SandboxInfo:
     (``fanfold.net.policy``); traffic goes out only through the host's filtering proxy."""
     tenant: str = ""
     """The server tenant it belongs to: "" is the host's own (the embedded SDK, the CLI, the unix socket)."""
+    gpu_ids: list[str] = field(default_factory=list)
+    """The GPUs it holds (UUIDs, or indexes where the host knows none), as ``limits.gpus`` asked."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -157,6 +157,8 @@ class AsyncFleet:
         memory_mb: int = 512,
         pids: int = 256,
         disk_mb: int = 1024,
+        gpus: str | int | None = None,
+        gpu_exclusive: bool = False,
         env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None,
         deadline: float | None = None,
@@ -171,14 +173,15 @@ class AsyncFleet:
     ) -> AsyncSandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
-        The parameters are ``CreateParams``'s, each documented there; ``cpus``, ``memory_mb``, ``pids``
-        and ``disk_mb`` make its ``Limits``. Every sandbox but a persistent one gets the host's default
+        The parameters are ``CreateParams``'s, each documented there; ``cpus``, ``memory_mb``, ``pids``,
+        ``disk_mb``, ``gpus`` and ``gpu_exclusive`` make its ``Limits``. Every sandbox but a persistent one gets the host's default
         deadline (an hour unless configured); in a burst the create queues up to ``queue_timeout``
         seconds (default 300) before a retryable CapacityExceeded.
         """
         params = CreateParams(
             image=image if isinstance(image, str) else image.id,
-            limits=Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb), env=env or {},
+            limits=Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, gpus=gpus,
+                             gpu_exclusive=gpu_exclusive), env=env or {},
             labels=labels or {}, deadline=deadline, detached=detached, persistence=persistence, priority=priority,
             idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
         )
@@ -186,11 +189,13 @@ class AsyncFleet:
 
     async def pool(
         self, image: str | Image | SnapshotInfo = "host", size: int | None = None, *, cpus: float = 1.0,
-        memory_mb: int = 512, pids: int = 256, disk_mb: int = 1024, wait: float | None = None,
+        memory_mb: int = 512, pids: int = 256, disk_mb: int = 1024, gpus: str | int | None = None,
+        gpu_exclusive: bool = False, wait: float | None = None,
     ) -> PoolInfo:
         """Keep ``size`` sandboxes of ``image`` warm for creates with these limits (``None``: as many
         as recent demand asks, ``0``: none). With ``wait`` seconds, return once it is full."""
-        limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb)
+        limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, gpus=gpus,
+                             gpu_exclusive=gpu_exclusive)
         source = image.id if isinstance(image, SnapshotInfo) else image
         return await self._transport.set_pool(source, size, limits=limits, wait=wait)
 

@@ -151,6 +151,8 @@ class Fleet:
         memory_mb: int = 512,
         pids: int = 256,
         disk_mb: int = 1024,
+        gpus: str | int | None = None,
+        gpu_exclusive: bool = False,
         env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None,
         deadline: float | None = None,
@@ -165,13 +167,14 @@ class Fleet:
     ) -> Sandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
-        The parameters are ``CreateParams``'s, each documented there; ``cpus``, ``memory_mb``, ``pids``
-        and ``disk_mb`` make its ``Limits``. Every sandbox but a persistent one gets the host's default
+        The parameters are ``CreateParams``'s, each documented there; ``cpus``, ``memory_mb``, ``pids``,
+        ``disk_mb``, ``gpus`` and ``gpu_exclusive`` make its ``Limits``. Every sandbox but a persistent one gets the host's default
         deadline (an hour unless configured); in a burst the create queues up to ``queue_timeout``
         seconds (default 300) before a retryable CapacityExceeded.
         """
         inner = self._call(self._async.create(
-            image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, env=env, labels=labels,
+            image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, gpus=gpus, gpu_exclusive=gpu_exclusive,
+            env=env, labels=labels,
             deadline=deadline, detached=detached, persistence=persistence, priority=priority,
             idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
         ))
@@ -179,12 +182,14 @@ class Fleet:
 
     def pool(
         self, image: str | Image | SnapshotInfo = "host", size: int | None = None, *, cpus: float = 1.0,
-        memory_mb: int = 512, pids: int = 256, disk_mb: int = 1024, wait: float | None = None,
+        memory_mb: int = 512, pids: int = 256, disk_mb: int = 1024, gpus: str | int | None = None,
+        gpu_exclusive: bool = False, wait: float | None = None,
     ) -> PoolInfo:
         """Keep ``size`` sandboxes of ``image`` warm for creates with these limits (``None``: as many
         as recent demand asks, ``0``: none). With ``wait`` seconds, return once it is full."""
         return self._call(self._async.pool(
-            image, size, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, wait=wait,
+            image, size, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb, gpus=gpus,
+            gpu_exclusive=gpu_exclusive, wait=wait,
         ))
 
     def pools(self) -> list[PoolInfo]:

@@ -84,6 +84,7 @@ LATER_COLUMNS = [
     ("seccomp", "TEXT NOT NULL DEFAULT 'default'"),
     ("backend", "TEXT NOT NULL DEFAULT ''"),
     ("network", "TEXT NOT NULL DEFAULT '\"none\"'"),
+    ("gpu_ids", "TEXT NOT NULL DEFAULT '[]'"),
 ]
 
 
@@ -366,7 +367,7 @@ def row_layers(row: sqlite3.Row) -> tuple[str, ...]:
 
 # A record's fields are its row's columns, but for these: kept under another name, or as JSON.
 COLUMN_OF = {"user": "exec_user"}
-AS_JSON = ("limits", "labels", "network")
+AS_JSON = ("limits", "labels", "network", "gpu_ids")
 
 
 def columns_of(record: SandboxInfo | SnapshotInfo) -> dict[str, object]:

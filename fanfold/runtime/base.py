@@ -27,6 +27,7 @@ import socket
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Literal, Protocol
 
 from .._agent.client import AgentClient, ExecControl, ExecUser, OnChunk, RawExec
+from ..host.cdi import Edits
 from ..models import Limits
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class SandboxSpec:
     seccomp: str = "default"
     """The seccomp profile its processes start under (``runtime.seccomp``); a restore keeps the
     checkpoint's own filters."""
+    devices: Edits | None = None
+    """Host devices it gets (its GPUs: ``host.gpus.GpuHost.edits``): nodes bound in and allowed by its
+    device rules, driver files bound read-only, variables, and the OCI hooks a CDI spec names."""
     before_run: Callable[[Handle], Awaitable[None]] | None = None
     """Awaited once the sandbox's processes exist but before any of them runs code of the sandbox's
     (services not yet started, restored processes still frozen): the engine opens what must be in

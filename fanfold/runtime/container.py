@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ..host.cdi import Edits
 from ..host.spawn import Finished
 from ..models import Limits
 
@@ -69,6 +70,8 @@ class ContainerSpec:
     """With ``uid_base``: a user namespace with that mapping to join rather than make one."""
     seccomp_bpf: str | None = None
     """The seccomp filter as a BPF program in base64 (``seccomp.bpf``); None runs unconfined."""
+    devices: Edits | None = None
+    """Devices it gets (a GPU's nodes, driver files, variables and hooks: ``host.gpus``)."""
 
 
 class Runtime(Protocol):

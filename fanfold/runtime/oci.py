@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import HostNotReady, InfrastructureError
 from ..host import procs, setup
+from ..host.cdi import Edits
 from ..host.idmap import RANGE as USERNS_RANGE
 from ..host.offload import to_the_end
 from ..host.spawn import Finished, log_tail, run
@@ -87,11 +88,13 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
         namespaces.append({"type": "user"} if spec.userns_path is None else {"type": "user", "path": spec.userns_path})
         mapping = [{"containerID": 0, "hostID": spec.uid_base, "size": USERNS_RANGE}]
         linux["uidMappings"] = linux["gidMappings"] = mapping
+    hooks = {} if spec.devices is None else apply_devices(spec.devices, mounts, resources)
     annotations = {} if spec.seccomp_bpf is None else {seccomp.BPF_ANNOTATION: spec.seccomp_bpf}
     process_extra = {} if spec.oom_score_adj is None else {"oomScoreAdj": spec.oom_score_adj}
     user: dict[str, Any] = {"uid": spec.user.uid, "gid": spec.user.gid}
-    if spec.user.additional_gids:
-        user["additionalGids"] = list(spec.user.additional_gids)
+    gids = list(spec.user.additional_gids) + list(spec.devices.groups if spec.devices is not None else ())
+    if gids:
+        user["additionalGids"] = gids
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -104,7 +107,37 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
         "mounts": mounts,
         "linux": linux,
         "annotations": annotations,
+        **({"hooks": hooks} if hooks else {}),
     }
+
+
+def apply_devices(devices: Edits, mounts: list[dict[str, Any]],
+                  resources: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Add ``devices``' nodes and files to a config's mounts and device rules; return its hooks.
+
+    Each node is bound in from the host (a container in a user namespace cannot make one) without
+    ``nodev``, and its device rule lets it be opened. The edits' variables are the engine's to put
+    in the processes' environments (``SandboxSpec.env``)."""
+    for node in devices.nodes:
+        mounts.append({"destination": node.path, "type": "bind", "source": node.host_path,
+                       "options": ["bind", "nosuid", "rw" if "w" in node.permissions else "ro"]})
+        resources["devices"].append({"allow": True, "type": node.type, "major": node.major, "minor": node.minor,
+                                     "access": node.permissions})
+    for mount in devices.mounts:
+        options = list(mount.options)
+        if "bind" not in options and "rbind" not in options:
+            options.append("rbind")
+        mounts.append({"destination": mount.container_path, "type": "bind", "source": mount.host_path,
+                       "options": options})
+    hooks: dict[str, list[dict[str, Any]]] = {}
+    for hook in devices.hooks:
+        entry: dict[str, Any] = {"path": hook.path, "args": list(hook.args) or [hook.path]}
+        if hook.env:
+            entry["env"] = list(hook.env)
+        if hook.timeout is not None:
+            entry["timeout"] = hook.timeout
+        hooks.setdefault(hook.hook_name, []).append(entry)
+    return hooks
 
 
 class OciRuntime:

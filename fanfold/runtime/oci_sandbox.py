@@ -206,7 +206,7 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
         limits=spec.limits, binds=channel_binds(agent, where),
         cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
         oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=seccomp.bpf(spec.seccomp),
-        uid_base=base,
+        uid_base=base, devices=spec.devices,
         # crun joins the range's kept namespace: making one costs it ~6 ms a create
         userns_path=None if users is None or base is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
     )
