@@ -46,12 +46,13 @@ class Admission:
 
     @asynccontextmanager
     async def slot(self, wait: float, evict: Callable[[], Awaitable[bool]] | None = None,
-                   disk_mb: int = 0) -> AsyncIterator[None]:
+                   disk_mb: int = 0, also: Callable[[], str | None] | None = None) -> AsyncIterator[None]:
         """Hold one create slot with headroom for one more sandbox whose disk may take ``disk_mb``,
         waiting up to ``wait`` seconds. The caller inserts the sandbox's row before it next awaits,
         so the next create counts its disk.
 
-        ``evict`` frees room (a pooled or sticky sandbox) and says whether it did.
+        ``evict`` frees room (a pooled or sticky sandbox) and says whether it did; ``also`` says what
+        else the sandbox lacks (its GPUs' shares), or None.
         """
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wait
@@ -61,7 +62,10 @@ class Admission:
             )
         self.waiting += 1
         try:
-            async with asyncio.timeout(wait):
+            if also is not None:  # waiting for GPUs holds no slot from creates that need none
+                while (short := also()) is not None:
+                    await self._until_freed(give_up - loop.time(), short, wait)
+            async with asyncio.timeout(max(give_up - loop.time(), 0)):
                 await self._slots.acquire()
         except TimeoutError:
             raise CapacityExceeded(
@@ -72,22 +76,29 @@ class Admission:
             self.waiting -= 1
         self.creating += 1
         try:
-            while (short := self.shortage(disk_mb)) is not None:
-                if evict is not None and await evict():
+            while True:
+                room = self.shortage(disk_mb)
+                short = room or (also() if also is not None else None)
+                if short is None:
+                    break
+                if room is not None and evict is not None and await evict():
                     continue
-                left = give_up - loop.time()
-                if left <= 0:
-                    raise CapacityExceeded(f"the host cannot hold another sandbox: {short} (waited {wait:g} s)")
-                self._freed.clear()
-                try:
-                    async with asyncio.timeout(min(left, HEADROOM_POLL_S)):
-                        await self._freed.wait()
-                except TimeoutError:
-                    pass
+                await self._until_freed(give_up - loop.time(), short, wait)
             yield
         finally:
             self.creating -= 1
             self._slots.release()
+
+    async def _until_freed(self, left: float, short: str, wait: float) -> None:
+        """Wait for a sandbox's release (or the next look), or raise CapacityExceeded when time is up."""
+        if left <= 0:
+            raise CapacityExceeded(f"the host cannot hold another sandbox: {short} (waited {wait:g} s)")
+        self._freed.clear()
+        try:
+            async with asyncio.timeout(min(left, HEADROOM_POLL_S)):
+                await self._freed.wait()
+        except TimeoutError:
+            pass
 
     def shortage(self, disk_mb: int = 0) -> str | None:
         """What the host lacks for one more sandbox whose disk may take ``disk_mb``, or None when it has room."""

@@ -39,7 +39,7 @@ class Checkpoints:
             raise InvalidRequest(f"memory must be True or False, got {memory!r}")
         name = snapmod.check_name(name)
         if memory:
-            self._check_memory_checkpoints("a memory snapshot")
+            self._check_memory_checkpoints("a memory snapshot", sandbox_id)
         if name is not None and (row := self.life.db.get(sandbox_id)) is not None \
                 and self.life.db.snapshot(name, row["tenant"]) is not None:  # names are each tenant's own
             raise InvalidRequest(f"a snapshot named {name!r} exists already: pick another name")
@@ -83,10 +83,17 @@ class Checkpoints:
         finally:
             await on_thread(self.life.snaps.discard, staged, executor=None)  # and a layer taken by reference
 
-    def _check_memory_checkpoints(self, what: str) -> None:
+    def _check_memory_checkpoints(self, what: str, sandbox_id: str) -> None:
         if self.life.backend.capabilities.memory == "none":
             raise InvalidRequest(f"{what} needs memory checkpoints, which the {self.life.backend.name} backend"
                                  " does not have: take a disk snapshot, or use the oci backend")
+        row = self.life.db.get(sandbox_id)
+        if row is not None and row["gpu_ids"] != "[]":
+            # Checked before anything is frozen. CRIU saves no GPU state: a restore would come back with
+            # CUDA contexts pointing at device memory that is gone.
+            raise InvalidRequest(f"{what} of sandbox {sandbox_id} is refused: it holds a GPU, whose memory a"
+                                 " checkpoint cannot keep; take a disk snapshot (memory=False), or create the"
+                                 " copies afresh from its image")
 
     async def snapshots(self, *, tenant: str | None = None) -> list[SnapshotInfo]:
         """Every snapshot (of ``tenant`` only, when given), oldest first; ``parent`` links the tree."""
@@ -125,7 +132,7 @@ class Checkpoints:
         if cmd is not None:
             check_exec_args(cmd, None, None, None, 0)  # before any child exists to leak
         check_deadline(deadline)
-        self._check_memory_checkpoints("fork")
+        self._check_memory_checkpoints("fork", sandbox_id)
         started = time.perf_counter()
         async with self.life.changing(sandbox_id, interrupt=True) as row:
             snap, pause_ms = await self._take(row, memory=True, kind="fork", leave_running=True)
@@ -181,7 +188,7 @@ class Checkpoints:
 
     async def suspend(self, sandbox_id: str) -> SandboxInfo:
         """Checkpoint memory and disk to the state dir and release every process and byte of RAM."""
-        self._check_memory_checkpoints("suspend")
+        self._check_memory_checkpoints("suspend", sandbox_id)
         async with self.life.changing(sandbox_id, wake=False, interrupt=True) as row:
             if row["state"] != "suspended":
                 await self._suspend_locked(row)

@@ -109,7 +109,7 @@ class Engine:
         self.life = life = Lifecycle(cfg, db, self.backend, self.sources, self.snaps, self.admission, self.telemetry,
                                      self.owner, self.shard, self.claimer)
         self.pools = Pools(cfg, self.admission, self.telemetry, life,
-                           fits=lambda tenant, limits: self.quotas.fits_warm(tenant, limits))
+                           fits=lambda tenant, limits: self.quotas.fits_warm(tenant, limits), gpu_weight=life.gpus.weight)
         life.forget = self.pools.forget
         self.execs = Execs(life)
         self.files = Files(life)
@@ -118,7 +118,7 @@ class Engine:
         self.policies = Policies(life, self.pools, self.checkpoints.suspend)
         self.reaper = Reaper(life, self.leases, self.policies, self.pools)
         self.figures = Figures(life, self.pools)
-        self.quotas = Quotas(cfg.quotas, lambda: self.db, self.pools.warm)
+        self.quotas = Quotas(cfg.quotas, lambda: self.db, self.pools.warm, life.gpus)
         self._started = True
         try:
             await self.reaper.reconcile()
@@ -269,6 +269,7 @@ class Engine:
         source, img, limits = await self.sources.source_limits(await self._scoped(params.image, tenant),
                                                                params.limits, tenant)
         check_fits_host(limits)
+        self.life.gpus.check(limits)
         deadline, persistence = params.deadline, params.persistence
         if deadline is None and persistence != "persistent":
             deadline = self.config.default_deadline_s
@@ -300,7 +301,8 @@ class Engine:
                 finally:
                     self.pools.maintain()
         else:
-            async with self.admission.slot(wait, self.policies.evict_for_room, limits.disk_mb):
+            gpus = None if limits.gpus is None else lambda: self.life.gpus.shortage(limits)
+            async with self.admission.slot(wait, self.policies.evict_for_room, limits.disk_mb, also=gpus):
                 self.quotas.check_create(tenant, limits)
                 made, pooled = await self.life.bring_up(info, deadline, owner, env, tenant), False
         if made.user:  # a user the sandbox does not know fails its create, not its first exec
@@ -581,6 +583,7 @@ class Engine:
         ref = image.id if isinstance(image, SnapshotInfo) else image
         source, _, limits = await self.sources.source_limits(await self._scoped(ref, tenant), limits, tenant)
         check_fits_host(limits)
+        self.life.gpus.check(limits)
         need = self.config.pool_auto_max if size is None else size
         self.quotas.check_pools(tenant, self.pools.planned(tenant, but=(source, limits)), need, limits)
         pool = self.pools.configure(source, limits, size, tenant)

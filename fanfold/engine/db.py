@@ -197,6 +197,22 @@ class Database:
         marks = ", ".join("?" * len(columns))
         self.conn.execute(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})", tuple(columns.values()))
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """One write transaction around the statements inside (no await among them): other engines of the
+        state dir wait for it, so what they read and write inside is one step."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def gpu_holders(self) -> list[tuple[str, str]]:
+        """Each sandbox holding GPUs: its ``gpu_ids`` and ``limits``, as JSON."""
+        return self.conn.execute("SELECT gpu_ids, limits FROM sandboxes WHERE gpu_ids != '[]'").fetchall()
+
     def update(self, sandbox_id: str, *, if_state: str | None = None, **fields: object) -> bool:
         """Set ``fields`` of the row (only while its state is ``if_state``, when given); whether it was there."""
         names = ", ".join(f"{name}=?" for name in fields)

@@ -13,6 +13,7 @@ from .._agent.client import (AgentClient, AgentGone, AgentProtocolError, AgentTo
 from ..errors import InfrastructureError, InvalidRequest, SandboxGone
 from ..host import safefs
 from ..images import users
+from ..images.builder import DEFAULT_PATH
 from ..models import ExecResult
 from . import db as dbmod
 from .api import OnOutput
@@ -63,7 +64,9 @@ class Execs:
         image_env = dict(img.env)
         ident = {} if who is None else {k: v for k, v in who.env().items() if k not in image_env}
         proxy = life.network.env(row_policy(row))  # the policy now in force, set at create or since
-        merged = {**ident, **proxy, **json.loads(row["env"]), **check_strings(env, "env")}
+        gpus = {} if row["gpu_ids"] == "[]" else life.gpus.env(json.loads(row["gpu_ids"]), dbmod.row_info(row).limits,
+                                                               image_env, DEFAULT_PATH)
+        merged = {**ident, **gpus, **proxy, **json.loads(row["env"]), **check_strings(env, "env")}
         alone = not self._in_exec.get(sandbox_id)
         self._in_exec[sandbox_id] = self._in_exec.get(sandbox_id, 0) + 1
         handle = dbmod.row_handle(row)

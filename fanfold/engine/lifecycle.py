@@ -26,6 +26,7 @@ from ..errors import FanfoldError, InfrastructureError, InvalidRequest, SandboxG
 from ..host import procs, safefs
 from ..host.offload import host_errors
 from ..images import Image
+from ..images.builder import DEFAULT_PATH
 from ..store.trust import trust_env
 from ..models import Limits, SandboxInfo
 from ..runtime import Backend, Handle, SandboxSpec
@@ -35,6 +36,7 @@ from .gate import Gate
 from .network import Network, NetworkPolicy, row_policy, wire_policy
 from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
+from .gpus import Gpus
 from .sources import Sources, base_env
 from .telemetry import Telemetry
 
@@ -79,6 +81,7 @@ class Lifecycle:
         """This process's token in ``claimed_by`` (and on its warm pools' rows): the owner may be a router,
         which outlives a worker that dies mid-create."""
         self.network = Network(config, backend)
+        self.gpus = Gpus(config, db)
         self.backends = (backend.name,) if backend.name == "runsc" else (backend.name, "")
         """The values of a row's backend column that make it ours: rows from before backends were
         recorded have none, and are the oci backend's (or the fake's)."""
@@ -260,12 +263,14 @@ class Lifecycle:
             info, id=sandbox_id, state="creating", created_at=now, deadline_at=now + deadline if deadline else None,
         )
         # claimed_by names the engine bringing it up: if that engine dies, any engine reaps the row.
-        self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.claimer,
-                       backend=self.backend.name)
+        with self.gpus.claim(info.limits) as gpu_ids:
+            info = dataclasses.replace(info, gpu_ids=gpu_ids)
+            self.db.insert(info, owner=owner, env=env, layers=(), tenant=tenant, claimed_by=self.claimer,
+                           backend=self.backend.name)
         try:
             with host_errors("creating sandbox failed"):
                 pid, layers = await self.start(sandbox_id, info.source, info.limits, info.seccomp,
-                                               network=(wire_policy(info.network), tenant))
+                                               network=(wire_policy(info.network), tenant), gpu_ids=info.gpu_ids)
         except BaseException as err:
             raced = sandbox_id in self.destroying or self.db.get(sandbox_id) is None
             await asyncio.shield(self.destroy(sandbox_id))
@@ -321,24 +326,34 @@ class Lifecycle:
         self._timers[sandbox_id] = asyncio.get_running_loop().call_later(deadline, expire)
 
     async def start(self, sandbox_id: str, source: str, limits: Limits, seccomp: str = "default", *,
-                    network: tuple[NetworkPolicy | None, str] | None = None) -> tuple[int | None, tuple[str, ...]]:
+                    network: tuple[NetworkPolicy | None, str] | None = None,
+                    gpu_ids: list[str] | None = None) -> tuple[int | None, tuple[str, ...]]:
         """Bring up a sandbox's disk and processes from its source; return PID 1 and its layers."""
         img, restore = self.sources.start_point(source)
-        return await self.bring_up_from(sandbox_id, img, limits, restore, seccomp, network=network), img.layers
+        return await self.bring_up_from(sandbox_id, img, limits, restore, seccomp, network=network,
+                                        gpu_ids=gpu_ids), img.layers
 
     async def bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None,
-                            seccomp: str = "default", *,
-                            network: tuple[NetworkPolicy | None, str] | None = None) -> int | None:
+                            seccomp: str = "default", *, network: tuple[NetworkPolicy | None, str] | None = None,
+                            gpu_ids: list[str] | None = None) -> int | None:
         """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given).
-        ``network``: its policy and tenant, when the caller has them at hand; else its row says."""
-        if network is None:
+        ``network`` (its policy and tenant) and ``gpu_ids``: when the caller has them at hand; else its row says."""
+        if network is None or gpu_ids is None:
             row = self.db.get(sandbox_id)
-            network = (None, "") if row is None else (row_policy(row), row["tenant"])
+            if network is None:
+                network = (None, "") if row is None else (row_policy(row), row["tenant"])
+            if gpu_ids is None:
+                gpu_ids = [] if row is None else json.loads(row["gpu_ids"])
         policy, tenant = network
+        if gpu_ids and restore is not None:
+            raise InvalidRequest(f"sandbox {sandbox_id} holds GPUs: its processes cannot be restored from a memory"
+                                 " checkpoint (the GPU's memory is not in it); start it from an image or a disk snapshot")
+        extra = {**self.gpus.env(gpu_ids, limits, dict(img.env), DEFAULT_PATH), **self.network.env(policy)}
         spec = SandboxSpec(
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
-            env=tuple(base_env(img, sandbox_id, self.network.env(policy), self.trust_env)), services=img.services, restore=restore,
+            env=tuple(base_env(img, sandbox_id, extra, self.trust_env)), services=img.services, restore=restore,
             seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy, tenant),
+            devices=self.gpus.edits(gpu_ids, limits),
         )
         handle = await self.backend.bring_up(spec)
         if img.services and (restore is None or self.backend.capabilities.memory != "live"):

@@ -69,10 +69,13 @@ class Pools:
     """Every warm pool of one engine."""
 
     def __init__(self, config: EngineConfig, admission: Admission, telemetry: Telemetry, hooks: PoolHooks,
-                 fits: Callable[[str, Limits], bool] = lambda tenant, limits: True) -> None:
+                 fits: Callable[[str, Limits], bool] = lambda tenant, limits: True,
+                 gpu_weight: Callable[[Limits], float] = lambda limits: 0.0) -> None:
         self._config, self._admission, self._telemetry, self._hooks = config, admission, telemetry, hooks
         self._fits = fits
         """Whether one more warm sandbox of these limits keeps the tenant within its quotas."""
+        self._gpu_weight = gpu_weight
+        """GPUs' worth a sandbox of these limits holds (``Gpus.weight``)."""
         self._pools: dict[PoolKey, _Pool] = {}
         self._fills: set[asyncio.Task[None]] = set()
 
@@ -211,7 +214,8 @@ class Pools:
         total = Use()
         for (owner, source, limits), pool in self._pools.items():
             if owner == tenant and (source, limits) != but:
-                total += Use.of(self._config.pool_auto_max if pool.size is None else pool.size, limits)
+                total += Use.of(self._config.pool_auto_max if pool.size is None else pool.size, limits,
+                                self._gpu_weight(limits) if limits.gpus is not None else 0.0)
         return total
 
     def warm(self, tenant: str) -> Use:
@@ -219,7 +223,8 @@ class Pools:
         total = Use()
         for pool in self._pools.values():
             if pool.tenant == tenant:
-                total += Use.of(len(pool.ready) + pool.filling, pool.limits)
+                total += Use.of(len(pool.ready) + pool.filling, pool.limits,
+                                self._gpu_weight(pool.limits) if pool.limits.gpus is not None else 0.0)
         return total
 
     async def close(self) -> None:

@@ -102,6 +102,10 @@ class Sources:
                     f"snapshot {snapshot.id} holds the memory of a sandbox of the {taken_by} backend, which this"
                     f" engine's {self.tier} backend cannot restore: create from it with an engine of that backend"
                     " (FANFOLD_RUNTIME), or take a disk snapshot (memory=False), which any backend starts from")
+            if limits is not None and limits.gpus is not None:
+                raise InvalidRequest(
+                    f"snapshot {snapshot.id} holds processes' memory, which cannot be given a GPU as they are restored:"
+                    " create a GPU sandbox from an image or a disk snapshot (memory=False)")
             return source, img, limits_of(snapshot, limits)
         return source, img, limits or Limits()
 
