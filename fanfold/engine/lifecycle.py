@@ -289,6 +289,9 @@ class Lifecycle:
         """Give a warm sandbox the caller's owner, tenant, labels, env, user and deadline."""
         now = dbmod.now()
         info = dataclasses.replace(info, id=sandbox_id, created_at=now, deadline_at=now + deadline if deadline else None)
+        if info.limits.gpus is not None:  # the GPUs it got as it warmed up
+            row = self.db.get(sandbox_id)
+            info = dataclasses.replace(info, gpu_ids=json.loads(row["gpu_ids"]) if row is not None else [])
         self.db.update(
             sandbox_id, state="running", owner=owner, tenant=tenant, labels=json.dumps(info.labels), env=json.dumps(env),
             created_at=now, active_at=now, deadline_at=info.deadline_at, detached=int(info.detached),

@@ -93,7 +93,8 @@ def _from_spec(spec: cdi.Spec, uuids: dict[int, tuple[str, str]]) -> tuple[Gpu, 
         edits = Edits()
         for name in names:
             edits = edits + spec.devices[name]
-        minor = next((node.minor for node in edits.nodes if node.path in key), None)
+        # /dev/nvidia<N> is the GPU of minor number N, as the driver's /proc files name it
+        minor = next((int(GPU_NODE.match(Path(path).name).group(1)) for path in key if path.startswith("/dev/")), None)
         uuid, model = uuids.get(minor, ("", "")) if minor is not None else ("", "")
         index = next((int(name) for name in names if name.isdigit()), minor if minor is not None else position)
         uuid = uuid or next((name for name in names if name.startswith(("GPU-", "MIG-"))), "")
@@ -114,7 +115,7 @@ def _from_nodes(dev: Path, uuids: dict[int, tuple[str, str]]) -> tuple[tuple[Gpu
         if node is None:
             continue
         index = int(found.group(1))
-        uuid, model = uuids.get(node.minor, ("", ""))
+        uuid, model = uuids.get(index, ("", ""))  # nvidia<N> has minor number N
         names = (str(index), uuid) if uuid else (str(index),)
         gpus.append(Gpu(uuid or str(index), index, names, model or "NVIDIA GPU", Edits(nodes=(node,))))
     shared = [_device(dev / name, f"/dev/{name}") for name in SHARED_NODES]
