@@ -203,9 +203,30 @@ def check_uid_ranges(subuid: Path = subids.SUBUID, subgid: Path = subids.SUBGID)
                                      f" {subuid} and {subgid})")
 
 
+def check_gpus() -> Check:
+    """The GPUs sandboxes may get (``gpus=``): from a CDI spec, else the NVIDIA device nodes."""
+    from ..config import EngineConfig
+    from ..errors import HostNotReady
+    from . import gpus
+
+    cfg = EngineConfig()
+    try:
+        found = gpus.discover(cdi_dirs=cfg.gpu_cdi_dirs, cdi_kind=cfg.gpu_cdi_kind, dev_dir=cfg.gpu_dev_dir,
+                              proc_dir=cfg.gpu_proc_dir, driver_dirs=cfg.gpu_driver_dirs)
+    except HostNotReady as err:
+        return Check("GPUs", False, str(err), "fix or remove the CDI spec it names", required=False)
+    if not found.gpus:
+        return Check("GPUs", False, f"none: {found.source}", "only on a host with NVIDIA GPUs and their driver;"
+                     " `nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml` describes them", required=False)
+    listed = ", ".join(f"{gpu.index}: {gpu.model} {gpu.id}" for gpu in found.gpus)
+    return Check("GPUs", True, f"{len(found.gpus)} ({listed}), {found.source}, up to {cfg.gpu_shares} sandboxes each",
+                 required=False)
+
+
 def run_checks(runtime: str) -> list[Check]:
     return [
         check_root(), check_kernel(), check_namespaces(), check_overlayfs(), check_cgroups(), check_cgroup_attach(),
         check_runtime(runtime), check_compiler(), check_criu(), check_lazy_restore(), check_debootstrap(),
         check_disks(), check_image_tools(), check_build_network(), check_uid_ranges(), check_gvisor(runtime == "runsc"),
+        check_gpus(),
     ]
