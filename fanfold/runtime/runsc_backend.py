@@ -38,16 +38,17 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable
 
 from .._agent.build import agent_binary
 from .._agent.client import AgentClient, AgentUnreachable
 from ..errors import CheckpointFailed, HostNotReady, InfrastructureError, InvalidRequest
 from ..host import cgroups, disk, doctor, procs, setup
+from ..host.cdi import Edits
 from ..host.offload import host_errors, on_thread
 from ..host.spawn import Finished, log_tail, run
 from ..store.rootfs import copy_upper
-from . import get_runtime, oci_sandbox, seccomp
+from . import get_runtime, nvproxy, oci_sandbox, seccomp
 from .base import Backend, Capabilities, Handle, SandboxSpec
 from .container import Bind, ContainerSpec
 from .oci import oci_config
@@ -72,6 +73,8 @@ NET_PATH = "/.fanfold/net"
 """Where a sandbox sees its net dir (read-only): the host's sockets its agent relays connections to."""
 NET_FILE = "fanfold-net"
 """In a memory checkpoint's dir: the sandbox had a net dir (its agent relays), and the ports it relayed."""
+GPU_FILE = "fanfold-gpus"
+"""In a sandbox's bundle: it has GPUs (runsc starts it with ``--nvproxy``; no memory checkpoints)."""
 
 
 class RunscBackend(oci_sandbox.OnHost, Backend):
@@ -81,6 +84,8 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
     capabilities = Capabilities(memory="live", exact_counters=False, isolated=True, network=True)
     relays: dict[str, set[int]]
     """The ports each sandbox's agent relays, as this engine asked (``listen_inside``)."""
+    gpu_support: nvproxy.Support | None = None
+    """What this runsc can do for GPUs, asked at the first sandbox with devices."""
 
     async def prepare(self) -> None:
         if not setup.is_root():
@@ -121,10 +126,15 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
 
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         cfg = self.config
+        if spec.devices is not None:
+            await self._check_gpus(spec.id, spec.devices)  # before anything is made
+        flags = (nvproxy.FLAG,) if spec.devices is not None else ()
         where = await on_thread(oci_sandbox.mount_disk, cfg, self.store, spec.id, spec.layers, spec.host_dirs,
                                 spec.limits, self.disk_hold is not None)
         bundle = where.bundle
         bundle.mkdir(exist_ok=True)
+        if flags:
+            (bundle / GPU_FILE).touch()
         relayed = None if spec.restore is None else _relayed(spec.restore)
         if spec.restore is None or relayed is not None:  # a checkpoint from before relays has no net dir to bind
             _net_dir(where).mkdir(mode=0o700)
@@ -132,8 +142,9 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         (bundle / "config.json").write_text(json.dumps(config))
         if spec.restore is None:
             keep = await on_thread(_hold_tmp, where.rootfs)
-            await self._runsc(spec.id, "run", "--detach", "--pid-file", str(bundle / "pid"), "--bundle", str(bundle),
-                              spec.id)
+            await self._start_gpus_told(spec.id, self._runsc(
+                spec.id, "run", "--detach", "--pid-file", str(bundle / "pid"), "--bundle", str(bundle), spec.id,
+                flags=flags), flags)
             await self._ping_until_up(spec.id)
             if keep is not None:
                 keep.unlink(missing_ok=True)
@@ -150,7 +161,7 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
                                           " by another backend?): restore it with the backend that took it")
             if not secret.legacy:  # the restored agent holds its source's key
                 _write_secret(bundle / KEY_FILE, secret.value)
-            await self._restore(spec.id, spec.restore, where, secret)
+            await self._start_gpus_told(spec.id, self._restore(spec.id, spec.restore, where, secret, flags), flags)
             # The restored processes run already (runsc restores nothing stopped), but their relays
             # accept nothing until the engine's listener is there (``l``).
             if spec.before_run is not None:
@@ -172,8 +183,11 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
         container = ContainerSpec(
             id=spec.id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=spec.id,
             limits=spec.limits, binds=binds, cgroup_path=f"/{self.config.cgroup_parent}/{spec.id}",
+            devices=None if spec.devices is None else nvproxy.others(spec.devices),
         )
         config = oci_config(container)
+        if spec.devices is not None:
+            nvproxy.add_devices(spec.devices, config)
         pids = spec.limits.pids
         config["process"]["rlimits"] = [{"type": "RLIMIT_NPROC", "soft": pids, "hard": pids}]
         config["linux"]["resources"]["pids"] = {"limit": PIDS_PER_PROCESS * pids + 256}
@@ -182,11 +196,32 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
             config["linux"]["seccomp"] = _for_gvisor(profile)
         return config
 
-    async def _runsc(self, sandbox_id: str, *args: str, timeout: float = 60) -> Finished:
-        """Run runsc; its output goes to the sandbox's runtime log (a pipe would be handed to the
-        sandbox by ``--detach`` and never reach end of file)."""
+    async def _check_gpus(self, sandbox_id: str, devices: Edits) -> None:
+        """HostNotReady unless this runsc and host can give the sandbox ``devices``' GPUs (``nvproxy``)."""
+        if self.gpu_support is None:
+            self.gpu_support = await on_thread(nvproxy.probe, self.argv[0])
+        why = nvproxy.refusal(self.gpu_support, await on_thread(nvproxy.host_driver_version), devices)
+        if why is not None:
+            raise HostNotReady(f"sandbox {sandbox_id} cannot have GPUs under gVisor: {why}")
+
+    async def _start_gpus_told(self, sandbox_id: str, starting: Awaitable[object], flags: tuple[str, ...]) -> None:
+        """Await ``starting`` (runsc's run or restore); a GPU sandbox that nvproxy could not start is the
+        host's to fix (its driver), not a failure that retrying mends."""
+        try:
+            await starting
+        except InfrastructureError as err:
+            if not flags or "nvidia" not in str(err).lower():
+                raise
+            raise HostNotReady(f"gVisor's GPU proxy could not start sandbox {sandbox_id} ({err}): check that the"
+                               " host's NVIDIA driver is loaded and one `runsc nvproxy list-supported-drivers` lists,"
+                               " or use the oci backend for GPU sandboxes (FANFOLD_RUNTIME=crun)") from None
+
+    async def _runsc(self, sandbox_id: str, *args: str, timeout: float = 60, flags: tuple[str, ...] = ()) -> Finished:
+        """Run runsc (with global ``flags`` of the sandbox's: ``run`` and ``restore`` start its kernel);
+        its output goes to the sandbox's runtime log (a pipe would be handed to the sandbox by ``--detach``
+        and never reach end of file)."""
         log = oci_sandbox.paths(self.config, sandbox_id).bundle / "runtime.log"
-        done = await run([*self.argv, *args], log=str(log), timeout=timeout)
+        done = await run([*self.argv, *flags, *args], log=str(log), timeout=timeout)
         if done.returncode != 0:
             raise InfrastructureError(f"runsc {args[0]} of sandbox {sandbox_id} failed: {log_tail(log)}")
         return done
@@ -205,11 +240,12 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
                                               f" {log_tail(bundle / 'runtime.log')}") from None
                 await asyncio.sleep(0.002)
 
-    async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths, secret: AgentSecret) -> None:
+    async def _restore(self, sandbox_id: str, images: Path, where: oci_sandbox.Paths, secret: AgentSecret,
+                       flags: tuple[str, ...] = ()) -> None:
         """Restore ``images`` as ``sandbox_id`` over the bundle in ``where``; its agent listens again."""
         bundle = where.bundle
         await self._runsc(sandbox_id, "restore", "--detach", "--image-path", str(images), "--pid-file",
-                          str(bundle / "pid"), "--bundle", str(bundle), sandbox_id)
+                          str(bundle / "pid"), "--bundle", str(bundle), sandbox_id, flags=flags)
         await self._listen_again(sandbox_id, where, secret)
 
     async def _listen_again(self, sandbox_id: str, where: oci_sandbox.Paths, secret: AgentSecret) -> None:
@@ -347,6 +383,10 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
     ) -> float:
         sandbox_id = handle.id
         where = oci_sandbox.paths(self.config, sandbox_id)
+        if memory and (where.bundle / GPU_FILE).exists():
+            raise InvalidRequest(f"sandbox {sandbox_id} has GPUs, whose state gVisor's GPU proxy cannot save (asked,"
+                                 " its kernel dies): snapshot it without memory (memory=False), or run GPU sandboxes"
+                                 " that need memory snapshots under the oci backend")
         if not frozen and where.subvolume.is_dir():
             await on_thread(disk.sync, where.subvolume)  # as the oci backend: the snapshot's flush, before the pause
         started = time.perf_counter()
