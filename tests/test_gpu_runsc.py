@@ -8,6 +8,7 @@ run only where ``/dev/nvidia0`` exists.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +26,7 @@ from fanfold.runtime import SandboxSpec, nvproxy, oci_sandbox
 from fanfold.runtime.runsc_backend import GPU_FILE, RunscBackend
 
 from conftest import STATE_DIR
+from test_gpu import held, make_host
 from test_runsc import runsc_leftovers, runsc_processes
 
 if shutil.which("runsc") is None:
@@ -40,18 +42,26 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @pytest.fixture(scope="module")
-def rconfig() -> EngineConfig:
-    return EngineConfig(state_dir=STATE_DIR, runtime="runsc")
+def rconfig(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
+    """The suite's state dir under runsc, on a synthetic GPU host of one share a GPU (``test_gpu.make_host``)."""
+    root = tmp_path_factory.mktemp("gpuhost")
+    fields = make_host(root)
+    return EngineConfig(state_dir=STATE_DIR, runtime="runsc", gpu_shares=1, **fields)  # type: ignore[arg-type]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(rconfig: EngineConfig):
+async def rfleet(rconfig: EngineConfig):
     async with AsyncFleet(config=rconfig) as fleet:
-        found = fleet._transport
-        assert isinstance(found, Engine) and isinstance(found.backend, RunscBackend)
-        yield found
+        yield fleet
         assert await fleet.list() == [], "a test left a sandbox running"
     assert runsc_leftovers(rconfig) == {}
+
+
+@pytest.fixture
+def engine(rfleet: AsyncFleet) -> Engine:
+    found = rfleet._transport
+    assert isinstance(found, Engine) and isinstance(found.backend, RunscBackend)
+    return found
 
 
 @pytest.fixture
@@ -227,17 +237,33 @@ async def test_a_sandbox_without_devices_starts_without_nvproxy(engine):
     assert_nothing_left(engine, spec.id)
 
 
+# -- through the engine ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this host has NVIDIA's nodes")
+async def test_a_gpu_create_under_runsc_is_refused_and_gives_its_share_back(rfleet, rconfig, no_driver):
+    for _ in range(2):  # a share kept by the first refusal would make the second wait, not refuse
+        with pytest.raises(HostNotReady, match=r"cannot have GPUs under gVisor: device node /dev/nvidiactl"):
+            await rfleet.create(gpus="all")
+    assert await rfleet.list() == [] and held(rconfig) == 0
+    async with await rfleet.create() as plain:  # the backend still serves sandboxes without GPUs
+        assert (await plain.exec("echo ok")).text == "ok\n"
+    assert runsc_leftovers(rconfig) == {}
+
+
 # -- on a GPU host ---------------------------------------------------------------------------------
 
 
-def host_gpus(config: EngineConfig) -> gpus.GpuHost:
+def host_gpus() -> gpus.GpuHost:
+    """This host's real GPUs, where the engine looks by default."""
+    config = EngineConfig(state_dir=STATE_DIR)
     return gpus.discover(cdi_dirs=config.gpu_cdi_dirs, cdi_kind=config.gpu_cdi_kind, dev_dir=config.gpu_dev_dir,
                          proc_dir=config.gpu_proc_dir, driver_dirs=config.gpu_driver_dirs)
 
 
 @pytest.mark.skipif(not ON_A_GPU, reason="no /dev/nvidia0: no GPU here")
 async def test_nvidia_smi_lists_the_gpu_in_a_runsc_sandbox(engine):
-    found = host_gpus(engine.config)
+    found = host_gpus()
     edits = found.edits([found.gpus[0].id])
     spec = await gpu_spec(engine, edits)
     support = nvproxy.probe(engine.backend.argv[0])
