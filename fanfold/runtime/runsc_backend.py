@@ -23,6 +23,8 @@ overlay off so that writes land on the sandbox's disk. What differs (``docs/desi
   net dir (``/.fanfold/net``, read-only inside; ``--host-uds=all`` lets the sandbox connect to it);
   an exposed port is an agent connection that the agent splices to the service (``o``). A ``q``
   ends those connections, which gVisor cannot save either.
+- GPUs: through gVisor's proxy of NVIDIA's driver (``--nvproxy``, ``nvproxy``), refused before anything
+  is made where this runsc or host cannot; no memory checkpoints of them.
 """
 
 from __future__ import annotations
