@@ -19,9 +19,10 @@ EXTRAS = {
     "report": ("matplotlib",),
     "net": ("dns", "cryptography"),
     "ray": ("ray",),
+    "gpu": ("pynvml",),
 }
 """The packages each extra brings, as pyproject's ``[project.optional-dependencies]`` lists them (by module name)."""
-DISTRIBUTIONS = {"dns": "dnspython"}
+DISTRIBUTIONS = {"dns": "dnspython", "pynvml": "nvidia-ml-py"}
 """Modules whose distribution on PyPI has another name."""
 
 

@@ -408,7 +408,7 @@ def test_traffic_shows_in_stats_and_metrics(net_config, outside):
             assert stats["network"]["requests"] >= 3 and stats["network"]["denied"] >= 1
             await engine.kill(info.id)
             await engine.life.network.refresh()
-            text = engine.metrics_text().decode()
+            text = (await engine.metrics_text()).decode()
             assert "fanfold_network_requests_total 3.0" in text and "fanfold_network_denied_total 1.0" in text
             assert 'fanfold_network_bytes_total{direction="in"}' in text
             assert "fanfold_network_cache_hits_total 0.0" in text and "fanfold_network_replayed_total 0.0" in text

@@ -148,14 +148,41 @@ def _pools(stats: dict) -> RenderableType:
     return table
 
 
+def _gpus(stats: dict) -> list[RenderableType]:
+    """The host's GPUs (none: no panel): each one's use, memory and how many sandboxes share it."""
+    gpus = stats.get("gpus") or []
+    if not gpus:
+        return []
+    cluster = "nodes" in stats
+    nvml = (stats.get("host") or {}).get("nvml")
+    title = "GPUs" if nvml in (None, "ok") else f"GPUs ({nvml})"
+    table = Table(*([Column("node", no_wrap=True)] if cluster else []), Column("gpu", no_wrap=True),
+                  *(Column(name, overflow="fold") for name in ("model", "util", "memory used / total", "sandboxes")),
+                  title=title)
+    for gpu in gpus:
+        used, total = gpu.get("memory_used_bytes"), gpu.get("memory_total_bytes")
+        table.add_row(
+            *([gpu.get("node", "?")] if cluster else []), _short(str(gpu.get("id", "?")), 20), _short(gpu.get("name")),
+            _percent(gpu.get("util_percent")), "-" if used is None else f"{_bytes(used)} / {_bytes(total)}",
+            str(gpu.get("sandboxes", 0)),
+        )
+    return [table]
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}%"
+
+
 def _sandboxes(stats: dict, limit: int) -> RenderableType:
     rows = sorted(stats.get("sandboxes") or [], key=lambda s: s.get("cpu_s") or 0.0, reverse=True)
     cluster = "nodes" in stats
     # Whole ids and states, whatever the width; the other figures fold onto a second line, never to "…".
     longest = max((len(str(sb.get("id", "?"))) for sb in rows[:limit]), default=2)
     nodes = max((len(str(sb.get("node", "?"))) for sb in rows[:limit]), default=4)
+    gpu = any("gpu_ids" in sb for sb in rows)  # GPU columns only where some sandbox holds or uses a GPU
     others = [Column(name, overflow="fold") for name in
-              ("CPU s", "mem MB", "paged in", "net out/in", "denied", "age", "rollout")]
+              ("CPU s", "mem MB", *(("GPU %", "GPU MB") if gpu else ()), "paged in", "net out/in", "denied", "age",
+               "rollout")]
     table = Table(*([Column("node", no_wrap=True, min_width=nodes)] if cluster else []),
                   Column("id", no_wrap=True, min_width=longest),
                   Column("state", no_wrap=True), *others, title="sandboxes by CPU", box=box.SIMPLE_HEAD,
@@ -165,12 +192,19 @@ def _sandboxes(stats: dict, limit: int) -> RenderableType:
         offline = sb.get("network", "none") == "none"
         table.add_row(
             *([sb.get("node", "?")] if cluster else []), sb.get("id", "?"), sb.get("state", "?"), f"{sb.get('cpu_s') or 0.0:.2f}",
-            "-" if memory is None else f"{memory / 2**20:,.1f}", _paged_in(sb.get("memory_pages")),
+            "-" if memory is None else f"{memory / 2**20:,.1f}", *(_gpu_use(sb) if gpu else ()),
+            _paged_in(sb.get("memory_pages")),
             "-" if offline else f"{_bytes(sb.get('net_bytes_up'))} / {_bytes(sb.get('net_bytes_down'))}",
             "-" if offline else str(sb.get("net_denied", 0)), _age(sb.get("age_s")), _short(sb.get("rollout_id")),
         )
     more = len(rows) - limit
     return Group(table, Text(f"... and {more} more", style="dim")) if more > 0 else table
+
+
+def _gpu_use(sandbox: dict) -> tuple[str, str]:
+    """SM utilisation and GPU memory ("-": it holds no GPU, or the host has no NVML to tell)."""
+    used = sandbox.get("gpu_memory_bytes")
+    return _percent(sandbox.get("gpu_util_percent")), "-" if used is None else f"{used / 2**20:,.1f}"
 
 
 def _paged_in(pages: dict | None) -> str:
@@ -242,7 +276,8 @@ def render(stats: dict, *, source: str, limit: int = 20) -> RenderableType:
     counts = _Row(_states(stats), _queue(stats), _host(stats))
     timing = _Row(_latency(stats), _rates(stats), _network(stats))
     nodes = [_nodes(stats)] if "nodes" in stats else []
-    return Group(_header(source), _alerts(stats), counts, timing, *nodes, _pools(stats), _sandboxes(stats, limit))
+    return Group(_header(source), _alerts(stats), counts, timing, *nodes, _pools(stats), *_gpus(stats),
+                 _sandboxes(stats, limit))
 
 
 def _frame(fleet: Any, source: str, limit: int, last: dict | None) -> tuple[RenderableType, dict | None]:

@@ -23,7 +23,7 @@ def merge_stats(per_node: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
 
     Counts, queue, host and network figures are summed and the rates recomputed from the summed
     counts; latency percentiles are the max over nodes, since percentiles do not add; pools,
-    sandboxes and alerts are concatenated, each naming its node.
+    GPUs, sandboxes and alerts are concatenated, each naming its node.
     """
     live = {tag: stats for tag, stats in per_node.items() if stats is not None}
     merged: dict[str, Any] = {
@@ -41,6 +41,7 @@ def merge_stats(per_node: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
     merged["alerts"] = [f"{tag}: {alert}" for tag, stats in live.items() for alert in stats.get("alerts") or []]
     merged["alerts"] += [f"{tag}: node not answering" for tag, stats in per_node.items() if stats is None]
     merged["network"] = _sum_dicts(stats.get("network") for stats in live.values())
+    merged["gpus"] = _tagged(live, "gpus")
     merged["sandboxes"] = _tagged(live, "sandboxes")
     merged["nodes"] = [_node_row(tag, stats) for tag, stats in per_node.items()]
     return merged

@@ -600,8 +600,9 @@ class Engine:
         create and exec latency percentiles, error and timeout rates, and alerts."""
         return await self.figures.stats(tenant=tenant, sandboxes=sandboxes)
 
-    def metrics_text(self, *, tenant: str | None = None) -> bytes:
+    async def metrics_text(self, *, tenant: str | None = None) -> bytes:
         """Every metric in Prometheus' text format (for a server ``tenant``: none that names another's things)."""
+        await self.figures.sample()
         return self.telemetry.exposition(tenant)
 
 

@@ -7,7 +7,8 @@ from typing import Any, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import admission
+from ..host import nvml
+from . import admission, gpu_figures
 from . import db as dbmod
 from .lifecycle import Lifecycle
 from .pools import Pools
@@ -20,12 +21,15 @@ class Figures:
         self.life, self.pools = life, pools
 
     async def stats(self, *, tenant: str | None = None, sandboxes: bool = True) -> dict[str, Any]:
-        """The host at a glance: sandboxes by state (with their CPU and memory), queue, pools,
-        create and exec latency percentiles, error and timeout rates, and alerts."""
+        """The host at a glance: sandboxes by state (with their CPU, memory and GPU use), queue, pools,
+        GPUs, create and exec latency percentiles, error and timeout rates, and alerts."""
         by_state = self.life.db.count_by_state()
-        rows = [r for r in self.life.db.rows() if r["state"] != "pooled" and (tenant is None or r["tenant"] == tenant)]
+        every = self.life.db.rows()
+        rows = [r for r in every if r["state"] != "pooled" and (tenant is None or r["tenant"] == tenant)]
+        gpus = await nvml.read()
         listed = []
         if sandboxes:
+            on_gpus = nvml.by_sandbox(gpus, self.life.config.cgroup_parent)
             for row in rows:
                 cpu_s, memory = self.life.backend.usage(dbmod.row_handle(row))
                 labels = dbmod.row_info(row).labels
@@ -37,9 +41,10 @@ class Figures:
                     "net_bytes_up": net.get("bytes_up", 0), "net_bytes_down": net.get("bytes_down", 0),
                     "net_requests": net.get("requests", 0), "net_denied": net.get("denied", 0),
                     "memory_pages": self.life.backend.page_counts(row["id"]),
+                    **gpu_figures.sandbox_fields(row, on_gpus.get(row["id"]), gpus),
                 })
         tasks, most_tasks = admission.kernel_tasks()
-        live = [dbmod.row_info(r).limits for r in self.life.db.rows() if r["state"] not in ("destroying", "suspended")]
+        live = [dbmod.row_info(r).limits for r in every if r["state"] not in ("destroying", "suspended")]
         return {
             "sandboxes_by_state": by_state,
             "queue": {"waiting": self.life.admission.waiting, "creating": self.life.admission.creating,
@@ -50,14 +55,21 @@ class Figures:
                      "leases": self.life.db.count_leases(),
                      # the limits its sandboxes (pooled too) may take: a cluster places creates by what is left
                      "memory_committed_mb": sum(limits.memory_mb for limits in live),
-                     "cpus_committed": round(sum(limits.cpus for limits in live), 3)},
+                     "cpus_committed": round(sum(limits.cpus for limits in live), 3),
+                     "nvml": gpus.error or "ok"},
+            "gpus": gpu_figures.panel(gpus, every),
             **self.life.telemetry.summary(),
             "network": self.life.network.totals(),
             "sandboxes": listed,
         }
 
+    async def sample(self) -> None:
+        """Read what the gauges show but cannot read on the event loop themselves: the GPUs."""
+        await nvml.read()
+
     def gauges(self, tenant: str | None = None) -> Iterable[GaugeMetricFamily]:
-        """The gauges read at scrape time; a server ``tenant``'s pools only, for its token."""
+        """The gauges read at scrape time (the GPUs' as ``sample`` last read them); a server ``tenant``'s
+        pools and sandboxes only, for its token."""
         states = GaugeMetricFamily("fanfold_sandboxes", "Sandboxes on this host by state.", labels=["state"])
         counts = self.life.db.count_by_state()
         for state in ("creating", "running", "paused", "suspended", "destroying", "pooled"):
@@ -75,6 +87,9 @@ class Figures:
         yield GaugeMetricFamily("fanfold_memory_available_bytes", "Host memory available (MemAvailable).",
                                 value=admission.memory_available_mb() << 20)
         yield from network_counters(self.life.network.totals())
+        gpus = nvml.latest()
+        yield from gpu_figures.gauges(gpus, nvml.by_sandbox(gpus, self.life.config.cgroup_parent),
+                                      self.life.db.rows(), tenant)
 
 
 NETWORK_COUNTERS = (

@@ -301,3 +301,22 @@ def thaw(parent: str, sandbox_id: str) -> None:
 def freezer_dir(parent: str, sandbox_id: str) -> Path:
     """The sandbox's cgroup in the hierarchy that freezes it (CRIU's --freeze-cgroup)."""
     return _freezer(parent, sandbox_id)[0].parent
+
+
+def paths_of(pid: int) -> tuple[str, ...]:
+    """The groups of process ``pid``, one per hierarchy, as /proc/PID/cgroup names them (() when it is gone)."""
+    try:
+        text = procs.read_small(f"/proc/{pid}/cgroup").decode(errors="replace")
+    except OSError:
+        return ()
+    return tuple(fields[2] for line in text.splitlines() if len(fields := line.split(":", 2)) == 3)
+
+
+def sandbox_in(paths: tuple[str, ...], parent: str) -> str | None:
+    """The sandbox whose group (``/PARENT/ID``, or one below it) is among ``paths``, or None."""
+    for path in paths:
+        parts = path.split("/")
+        for at, part in enumerate(parts[:-1]):
+            if part == parent and parts[at + 1]:
+                return parts[at + 1]
+    return None

@@ -86,7 +86,7 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     async def metrics(request: Request) -> Response:
         """Prometheus metrics, where scrapers look by default (the bearer token is checked here too)."""
         caller = app.state.tenants.tenant_for(request)
-        return Response(engine.metrics_text(tenant=seen_by(caller)), media_type=host.PROMETHEUS)
+        return Response(await engine.metrics_text(tenant=seen_by(caller)), media_type=host.PROMETHEUS)
 
     @app.get("/v1/health", tags=["server"])
     async def health() -> dict[str, bool]:

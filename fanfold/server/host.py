@@ -65,4 +65,4 @@ async def stats(request: Request, caller: str = Depends(tenant),
 async def metrics(request: Request, caller: str = Depends(tenant)) -> Response:
     """Prometheus metrics (text format 0.0.4); also served at ``/metrics``. A tenant's token sees the host's
     figures with its own pools only and provisioning times summed over sources; the host's own tenant, all."""
-    return Response(engine(request).metrics_text(tenant=seen_by(caller)), media_type=PROMETHEUS)
+    return Response(await engine(request).metrics_text(tenant=seen_by(caller)), media_type=PROMETHEUS)
