@@ -10,10 +10,11 @@ GPU where ``/dev/nvidia0`` exists.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
-import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -26,12 +27,12 @@ from rich.console import Console
 
 from fanfold import AsyncFleet, EngineConfig
 from fanfold.cli.top import render
-from fanfold.engine import Engine
 from fanfold.host import cgroups, nvml
 from fanfold.host.nvml import GpuSample, ProcessSample, Sample
-from fanfold.models import CreateParams
 from fanfold.server import create_app
 from fanfold.web.auth import Tenants
+
+from test_gpu import UUIDS, make_host
 
 GPU = "GPU-5d1a2c3e-0000-4000-8000-00000000f00d"
 GiB = 2**30
@@ -40,16 +41,17 @@ HAS_GPU = Path("/dev/nvidia0").exists()
 
 
 class StandIn:
-    """Reports one GPU and, for each pid it is given, that process's GPU memory and SM share."""
+    """Reports GPUs and, for each pid it is given, that process's GPU memory and SM share on the first."""
 
     def __init__(self) -> None:
+        self.gpus = (GpuSample(GPU, 0, "Stand-in H100", 88, 7 * GiB, 80 * GiB),)
         self.uses: dict[int, tuple[int, int]] = {}  # pid -> (memory bytes, SM %)
         self.samples = 0
 
     def sample(self) -> Sample:
         self.samples += 1
-        gpu = GpuSample(GPU, 0, "Stand-in H100", 88, 7 * GiB, 80 * GiB)
-        return Sample((gpu,), tuple(ProcessSample(pid, GPU, memory, sm) for pid, (memory, sm) in self.uses.items()))
+        gpu = self.gpus[0].id
+        return Sample(self.gpus, tuple(ProcessSample(pid, gpu, memory, sm) for pid, (memory, sm) in self.uses.items()))
 
 
 @pytest.fixture
@@ -116,73 +118,75 @@ async def test_one_sample_serves_every_reader_for_a_second():
     assert nvml.Reader(sampler, max_age_s=0).latest() == Sample()  # nothing sampled yet: empty
 
 
-# -- the mapping, in an embedded engine ------------------------------------------------------------
+# -- the mapping, in an embedded fleet on a synthetic GPU host ----------------------------------------
 
 
-async def test_a_sandboxs_processes_add_up_and_a_gpu_counts_its_holders(config, stand_in):
-    engine = Engine(config)
-    await engine.start()
-    try:
-        busy, held = await engine.create(CreateParams()), await engine.create(CreateParams())
-        await engine.exec(busy.id, "sleep 600 >/dev/null 2>&1 &")
-        pids = sandbox_pids(config, busy.id)
-        stand_in.uses = {pids["sleep"]: (GiB, 70), pids["agent"]: (GiB // 2, 60), os.getpid(): (4 * GiB, 50)}
-        # ``held`` holds the GPU (as admission records it) but runs nothing on it
-        engine.life.db.update(held.id, gpu_ids=json.dumps([GPU]))
-        try:
-            stats = await engine.stats()
-            rows = {row["id"]: row for row in stats["sandboxes"]}
-            assert {k: rows[busy.id][k] for k in ("gpu_ids", "gpu_memory_bytes", "gpu_util_percent")} == \
-                {"gpu_ids": [], "gpu_memory_bytes": 3 * GiB // 2, "gpu_util_percent": 100}  # 70 + 60, one GPU: 100
-            assert {k: rows[held.id][k] for k in ("gpu_ids", "gpu_memory_bytes", "gpu_util_percent")} == \
-                {"gpu_ids": [GPU], "gpu_memory_bytes": 0, "gpu_util_percent": 0}
-            assert stats["host"]["nvml"] == "ok"
-            assert stats["gpus"] == [{"id": GPU, "index": 0, "name": "Stand-in H100", "util_percent": 88,
-                                      "memory_used_bytes": 7 * GiB, "memory_total_bytes": 80 * GiB, "sandboxes": 1}]
-            seen = samples((await engine.metrics_text()).decode())
-            assert seen[("fanfold_sandbox_gpu_memory_bytes", (("sandbox", busy.id),))] == 3 * GiB // 2
-            assert seen[("fanfold_sandbox_gpu_util_percent", (("sandbox", busy.id),))] == 100
-            assert seen[("fanfold_sandbox_gpu_memory_bytes", (("sandbox", held.id),))] == 0
-            assert seen[("fanfold_gpu_sandboxes", (("gpu", GPU),))] == 1
-            assert seen[("fanfold_gpu_memory_used_bytes", (("gpu", GPU),))] == 7 * GiB
-            out = frame(stats)
-            for figure in ("GPUs", "Stand-in H100", "88%", "7.0 GB / 80.0 GB", "GPU %", "GPU MB", "100%", "1,536.0"):
-                assert figure in out, (figure, out)
-        finally:
-            engine.life.db.update(held.id, gpu_ids="[]")
-        await engine.kill(busy.id)
-        await engine.kill(held.id)
-    finally:
-        await engine.close()
+@pytest.fixture
+def gpu_config(config: EngineConfig, tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
+    """The synthetic GPU host of test_gpu.py (two GPUs, ``UUIDS``), each GPU shared by up to 2 sandboxes."""
+    root = tmp_path_factory.mktemp("gpuhost")
+    if "nodev" in subprocess.run(["findmnt", "-no", "OPTIONS", "-T", str(root)], capture_output=True, text=True).stdout:
+        pytest.skip(f"{root} is on a nodev mount: device nodes there cannot be opened")
+    return dataclasses.replace(config, gpu_shares=2, **make_host(root))  # type: ignore[arg-type]
 
 
-async def test_without_nvml_a_gpu_sandbox_shows_unknown_figures(config):
-    """The real sampler here: a sandbox holding a GPU shows it, with its use unknown (None, "-")."""
-    engine = Engine(config)
-    await engine.start()
-    try:
-        info = await engine.create(CreateParams())
-        plain = await engine.create(CreateParams())
-        engine.life.db.update(info.id, gpu_ids=json.dumps(["0"]))
-        try:
-            stats = await engine.stats()
-            rows = {row["id"]: row for row in stats["sandboxes"]}
-            if not HAS_GPU:
-                assert stats["host"]["nvml"].startswith("no NVML: ")
-                assert stats["gpus"] == [{"id": "0", "index": 0, "name": None, "util_percent": None,
-                                          "memory_used_bytes": None, "memory_total_bytes": None, "sandboxes": 1}]
-                assert rows[info.id]["gpu_memory_bytes"] is None and rows[info.id]["gpu_util_percent"] is None
-                text = (await engine.metrics_text()).decode()
-                assert 'fanfold_gpu_sandboxes{gpu="0"} 1.0' in text and "fanfold_sandbox_gpu" not in text
-                assert "GPUs (no NVML: " in frame(stats)
-            assert rows[info.id]["gpu_ids"] == ["0"]
-            assert "gpu_ids" not in rows[plain.id]  # no GPU, none used: no GPU fields
-        finally:
-            engine.life.db.update(info.id, gpu_ids="[]")
-        for sandbox in (info, plain):
-            await engine.kill(sandbox.id)
-    finally:
-        await engine.close()
+async def test_a_sandboxs_processes_add_up_and_a_gpu_counts_its_holders(gpu_config, stand_in):
+    stand_in.gpus = (GpuSample(UUIDS[0], 0, "Stand-in H100", 88, 7 * GiB, 80 * GiB),
+                     GpuSample(UUIDS[1], 1, "Stand-in H100", 0, 0, 80 * GiB))
+    async with AsyncFleet(config=gpu_config) as fleet:
+        busy = await fleet.create(gpus=f"device={UUIDS[0]}")
+        idle = await fleet.create(gpus=f"device={UUIDS[0]}")
+        stray, plain = await fleet.create(), await fleet.create()  # no GPU held; NVML sees ``stray`` on one
+        for sandbox in (busy, stray):
+            await sandbox.exec("sleep 600 >/dev/null 2>&1 &")
+        pids = sandbox_pids(gpu_config, busy.id)
+        stand_in.uses = {pids["sleep"]: (GiB, 70), pids["agent"]: (GiB // 2, 60), os.getpid(): (4 * GiB, 50),
+                         sandbox_pids(gpu_config, stray.id)["sleep"]: (GiB // 4, 5)}
+        stats = await fleet.metrics()
+        rows = {row["id"]: {k: v for k, v in row.items() if k.startswith("gpu_")} for row in stats["sandboxes"]}
+        assert rows[busy.id] == {"gpu_ids": [UUIDS[0]], "gpu_memory_bytes": 3 * GiB // 2,
+                                 "gpu_util_percent": 100}  # 70 + 60 on one GPU: at most 100
+        assert rows[idle.id] == {"gpu_ids": [UUIDS[0]], "gpu_memory_bytes": 0, "gpu_util_percent": 0}
+        assert rows[stray.id] == {"gpu_ids": [], "gpu_memory_bytes": GiB // 4, "gpu_util_percent": 5}
+        assert rows[plain.id] == {}  # no GPU, none used: no GPU fields
+        assert stats["host"]["nvml"] == "ok"
+        assert stats["gpus"] == [
+            {"id": UUIDS[0], "index": 0, "name": "Stand-in H100", "util_percent": 88, "memory_used_bytes": 7 * GiB,
+             "memory_total_bytes": 80 * GiB, "sandboxes": 2},
+            {"id": UUIDS[1], "index": 1, "name": "Stand-in H100", "util_percent": 0, "memory_used_bytes": 0,
+             "memory_total_bytes": 80 * GiB, "sandboxes": 0}]
+        seen = samples((await fleet._transport.metrics_text()).decode())
+        assert seen[("fanfold_sandbox_gpu_memory_bytes", (("sandbox", busy.id),))] == 3 * GiB // 2
+        assert seen[("fanfold_sandbox_gpu_util_percent", (("sandbox", busy.id),))] == 100
+        assert seen[("fanfold_sandbox_gpu_memory_bytes", (("sandbox", idle.id),))] == 0
+        assert seen[("fanfold_sandbox_gpu_memory_bytes", (("sandbox", stray.id),))] == GiB // 4
+        assert ("fanfold_sandbox_gpu_memory_bytes", (("sandbox", plain.id),)) not in seen
+        assert seen[("fanfold_gpu_sandboxes", (("gpu", UUIDS[0]),))] == 2
+        assert seen[("fanfold_gpu_memory_used_bytes", (("gpu", UUIDS[0]),))] == 7 * GiB
+        out = frame(stats)
+        for figure in ("GPUs", "Stand-in H100", "88%", "7.0 GB / 80.0 GB", "GPU %", "GPU MB", "100%", "1,536.0"):
+            assert figure in out, (figure, out)
+        for sandbox in (busy, idle, stray, plain):
+            await sandbox.kill()
+        assert [gpu["sandboxes"] for gpu in (await fleet.metrics())["gpus"]] == [0, 0]  # released
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is here: NVML opens")
+async def test_without_nvml_a_gpu_sandbox_shows_its_gpu_with_unknown_figures(gpu_config):
+    """The real sampler: the GPU a sandbox holds is listed, its use unknown (None, "-")."""
+    async with AsyncFleet(config=gpu_config) as fleet:
+        sandbox = await fleet.create(gpus=1)
+        stats = await fleet.metrics()
+        (gpu,) = sandbox.info.gpu_ids
+        assert stats["host"]["nvml"].startswith("no NVML: ")
+        assert stats["gpus"] == [{"id": gpu, "index": None, "name": None, "util_percent": None,
+                                  "memory_used_bytes": None, "memory_total_bytes": None, "sandboxes": 1}]
+        row = next(row for row in stats["sandboxes"] if row["id"] == sandbox.id)
+        assert (row["gpu_ids"], row["gpu_memory_bytes"], row["gpu_util_percent"]) == ([gpu], None, None)
+        text = (await fleet._transport.metrics_text()).decode()
+        assert f'fanfold_gpu_sandboxes{{gpu="{gpu}"}} 1.0' in text and "fanfold_sandbox_gpu" not in text
+        assert "GPUs (no NVML: " in frame(stats)
+        await sandbox.kill()
 
 
 def test_top_shows_no_gpu_panel_or_columns_without_gpus():
