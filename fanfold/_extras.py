@@ -19,10 +19,10 @@ EXTRAS = {
     "report": ("matplotlib",),
     "net": ("dns", "cryptography"),
     "ray": ("ray",),
-    "gpu": ("pynvml",),
+    "gpu": ("pynvml", "yaml"),
 }
 """The packages each extra brings, as pyproject's ``[project.optional-dependencies]`` lists them (by module name)."""
-DISTRIBUTIONS = {"dns": "dnspython", "pynvml": "nvidia-ml-py"}
+DISTRIBUTIONS = {"dns": "dnspython", "pynvml": "nvidia-ml-py", "yaml": "pyyaml"}
 """Modules whose distribution on PyPI has another name."""
 
 

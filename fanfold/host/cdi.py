@@ -119,7 +119,9 @@ def read_spec(path: Path) -> Spec:
 
 
 def _yaml(text: str) -> Any:
-    import yaml  # a dependency of fanfold's; imported only where a YAML spec is read
+    from .._extras import require
+
+    (yaml,) = require("gpu", "reading CDI specs in YAML", "yaml")
 
     try:
         return yaml.safe_load(text)
