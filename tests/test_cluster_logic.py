@@ -159,7 +159,7 @@ def test_merge_stats_sums_counts_and_takes_the_worst_percentiles():
     assert merged["queue"] == {"waiting": 2, "creating": 4, "max_creating": 8}
     assert merged["host"] == {"memory_available_mb": 2000, "kernel_tasks": 100, "kernel_tasks_max": 2000, "leases": 2,
                               "memory_committed_mb": 3072, "cpus_committed": 6.0,
-                              "shortage": "n2: memory: 100 MB available"}
+                              "shortage": "n2: memory: 100 MB available", "gpu_inventory": []}
     assert merged["create_ms"] == {"p50": 10.0, "p90": 50.0, "p99": 60.0, "max": 70.0}
     assert merged["exec_ms"] == {"p50": 1.0, "p90": 2.0, "p99": 3.0, "max": 4.0}
     assert (merged["creates"], merged["infra_errors"], merged["infra_error_rate"]) == (40, 1, 0.025)

@@ -69,6 +69,7 @@ def _host(live: dict[str, dict[str, Any]]) -> dict[str, Any]:
     host["cpus_committed"] = round(sum(h.get("cpus_committed") or 0.0 for h in hosts.values()), 3)
     shortages = [f"{tag}: {h['shortage']}" for tag, h in hosts.items() if h.get("shortage") is not None]
     host["shortage"] = "; ".join(shortages) or None
+    host["gpu_inventory"] = [{**gpu, "node": tag} for tag, h in hosts.items() for gpu in h.get("gpu_inventory") or ()]
     return host
 
 

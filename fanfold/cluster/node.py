@@ -194,9 +194,13 @@ class Controller:
     async def _ensure(self, node_id: str, node: dict[str, Any]) -> None:
         actor = self._actors.get(node_id)
         if actor is None:
+            # No Ray resources: its sandboxes' CPUs, memory and GPU shares are the server's own to admit
+            # (it finds the GPUs by their device nodes, whatever CUDA_VISIBLE_DEVICES Ray sets). Taking
+            # num_gpus would keep the server, and every sandbox, off a node whose GPUs Ray tasks hold,
+            # and take whole GPUs from Ray's accounting that the sandboxes share time-sliced.
             actor = ray.remote(FanfoldNode).options(
                 name=NODE_PREFIX + node_id, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=0, max_restarts=-1, max_concurrency=4,
+                num_cpus=0, num_gpus=0, max_restarts=-1, max_concurrency=4,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(self.config, node_id)
             self._actors[node_id] = actor
@@ -214,7 +218,7 @@ class Controller:
             return
         resources = node["Resources"]
         info.update(memory_mb=resources.get("memory", 0) / 2**20, cpus=resources.get("CPU", 0.0),
-                    address=node.get("NodeManagerAddress"))
+                    ray_gpus=resources.get("GPU", 0.0), address=node.get("NodeManagerAddress"))
         self.errors.pop(node_id, None)
         self.nodes[node_id] = info
 

@@ -4,6 +4,10 @@ Pure functions over ``NodeLoad`` figures (each node's last ``stats()`` plus this
 flight), so they are tested without Ray or a network. No node's word is fresh: stats lag by up to a
 poll, and other drivers place creates at the same time; hence the random pick between two good
 candidates (power of two choices), which keeps drivers that read the same stats from herding.
+
+A create with ``gpus`` goes only to nodes whose GPUs (as their own stats list them) could ever give
+it, those with the shares free now first, the most free shares first; one without goes to nodes
+without GPUs unless they have much less room (``GPU_NODE_PENALTY``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,54 @@ CPU_WEIGHT = 0.05
 """How much the fraction of CPU left counts beside memory and creating slots."""
 CHOICE_MARGIN = 0.1
 """How far under the best score a fitting node may be and still be drawn for the first choice."""
+GPU_NODE_PENALTY = 0.2
+"""Headroom a node with GPUs gives up for a create that needs none: such creates go to nodes without
+GPUs unless those have this much less room, keeping GPU nodes' memory and slots for the creates only
+they can take (Ray's scheduler keeps CPU tasks off GPU nodes the same way)."""
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    """One GPU of a node as its stats list it (``host.gpu_inventory``)."""
+
+    id: str
+    index: int
+    names: frozenset[str]
+    """Every name that picks it in ``gpus=device=...``: its id, index, UUID and CDI names."""
+    shares: int
+    used: int
+    """Shares its sandboxes (warm ones too) hold."""
+
+    @classmethod
+    def from_stats(cls, entry: dict[str, Any]) -> GpuLoad:
+        names = {str(entry["id"]), str(entry.get("index", "")), *map(str, entry.get("names") or ())} - {""}
+        return cls(id=str(entry["id"]), index=int(entry.get("index", 0)), names=frozenset(names),
+                   shares=int(entry.get("shares", 1)), used=int(entry.get("used", 0)))
+
+
+def gpu_choice(gpus: tuple[GpuLoad, ...], asked: str, exclusive: bool) -> list[str] | None:
+    """The GPUs a node with ``gpus`` would give a create asking ``asked`` (``Limits.gpus``' written form)
+    now, or None: the engine's own rule (``engine.gpus.Gpus.choose``) over the node's reported shares."""
+    fits = [gpu for gpu in gpus if gpu.used + (gpu.shares if exclusive else 1) <= gpu.shares]
+    if asked == "all":
+        wanted = list(gpus)
+    elif asked.startswith("device="):
+        wanted = [gpu for name in asked.removeprefix("device=").split(",") for gpu in gpus if name in gpu.names]
+    else:
+        fits.sort(key=lambda gpu: (gpu.used, gpu.index))
+        wanted = fits[:int(asked)] if len(fits) >= int(asked) else []
+    if not wanted or any(gpu not in fits for gpu in wanted):
+        return None
+    return [gpu.id for gpu in wanted]
+
+
+def could_ever_hold(gpus: tuple[GpuLoad, ...], asked: str) -> bool:
+    """Whether a node with ``gpus`` could give ``asked`` once its sandboxes are gone."""
+    if not gpus:
+        return False
+    if asked.startswith("device="):
+        return all(any(name in gpu.names for gpu in gpus) for name in asked.removeprefix("device=").split(","))
+    return asked == "all" or int(asked) <= len(gpus)
 
 
 @dataclass
@@ -49,6 +101,12 @@ class NodeLoad:
     """Ids and names of the images it holds."""
     snapshots: frozenset[str] = frozenset()
     """Ids and names of the snapshots it holds."""
+    gpus: tuple[GpuLoad, ...] = ()
+    """Its GPUs and their shares (stats' ``host.gpu_inventory``): the node's own discovery, the one word on them."""
+    inflight_gpus: tuple[tuple[str, bool], ...] = ()
+    """The ``(gpus, gpu_exclusive)`` of this client's creates in flight there."""
+    ray_gpus: float = 0.0
+    """The GPUs Ray counts on the node: a hint for errors only (Ray may count GPUs fanfold cannot use)."""
     alive: bool = True
 
     @classmethod
@@ -64,6 +122,7 @@ class NodeLoad:
             memory_available_mb=host.get("memory_available_mb", 0), creating=queue.get("creating", 0),
             max_creating=queue.get("max_creating", 4), waiting=queue.get("waiting", 0),
             images=frozenset(images), snapshots=frozenset(snapshots), alive=stats is not None,
+            gpus=tuple(GpuLoad.from_stats(entry) for entry in host.get("gpu_inventory") or ()),
         )
 
     def sent(self, memory_mb: float) -> NodeLoad:
@@ -87,6 +146,23 @@ class NodeLoad:
     def holds(self, source: str | None) -> bool:
         return source is not None and (source in self.images or source in self.snapshots)
 
+    def gpus_now(self) -> tuple[GpuLoad, ...]:
+        """Its GPUs with the shares this client's creates in flight there will take (as the engine would pick)."""
+        gpus = {gpu.id: gpu for gpu in self.gpus}
+        for asked, exclusive in self.inflight_gpus:
+            for gpu_id in gpu_choice(tuple(gpus.values()), asked, exclusive) or ():
+                gpu = gpus[gpu_id]
+                gpus[gpu_id] = replace(gpu, used=gpu.used + (gpu.shares if exclusive else 1))
+        return tuple(gpus.values())
+
+    def gpu_free(self) -> int:
+        """Shares free over all its GPUs, creates in flight counted."""
+        return sum(max(gpu.shares - gpu.used, 0) for gpu in self.gpus_now())
+
+    def gives_gpus(self, asked: str, exclusive: bool) -> bool:
+        """Whether it has the GPU shares for ``asked`` free now."""
+        return gpu_choice(self.gpus_now(), asked, exclusive) is not None
+
 
 def _left(capacity: float, used: float) -> float:
     return (capacity - used) / capacity if capacity > 0 else -1.0
@@ -94,32 +170,72 @@ def _left(capacity: float, used: float) -> float:
 
 def rank(
     nodes: Iterable[NodeLoad], *, memory_mb: float, cpus: float, source: str | None,
-    reserve_mb: float = 256, rng: random.Random | None = None,
+    gpus: str | None = None, gpu_exclusive: bool = False, reserve_mb: float = 256,
+    rng: random.Random | None = None,
 ) -> list[NodeLoad]:
     """Alive nodes, best first, to try a create on in turn (the next after a ``CapacityExceeded``).
 
     Nodes the create fits come first: the first of them drawn by power of two choices among those
     within ``CHOICE_MARGIN`` of the best score, the others by score (headroom, plus ``LOCALITY_BONUS``
-    on a node holding ``source``). Nodes it does not fit follow, least full first, so that when all
-    are full the create queues on the emptiest instead of failing.
+    on a node holding ``source``, less ``GPU_NODE_PENALTY`` on a node with GPUs when it needs none).
+    Nodes it does not fit follow, least full first, so that when all are full the create queues on
+    the emptiest instead of failing.
+
+    With ``gpus`` only nodes that could ever give them are listed (none: no node could); it fits
+    where the shares are free now, and the most free shares rank first, then the score; when every
+    GPU is taken, it queues on the node with the most shares free.
     """
     rng = rng or random.Random()
     alive = [node for node in nodes if node.alive]
-    fitting = [node for node in alive if node.fits(memory_mb, reserve_mb)]
-    full = [node for node in alive if not node.fits(memory_mb, reserve_mb)]
+    if gpus is not None:
+        alive = [node for node in alive if could_ever_hold(node.gpus, gpus)]
+
+    def gives(node: NodeLoad) -> bool:
+        return gpus is None or node.gives_gpus(gpus, gpu_exclusive)
+
+    fitting = [node for node in alive if node.fits(memory_mb, reserve_mb) and gives(node)]
+    full = [node for node in alive if not (node.fits(memory_mb, reserve_mb) and gives(node))]
 
     def score(node: NodeLoad) -> float:
-        return node.headroom(memory_mb, cpus) + (LOCALITY_BONUS if node.holds(source) else 0.0)
+        penalty = GPU_NODE_PENALTY if gpus is None and node.gpus else 0.0
+        return node.headroom(memory_mb, cpus) + (LOCALITY_BONUS if node.holds(source) else 0.0) - penalty
 
-    fitting.sort(key=score, reverse=True)
-    full.sort(key=lambda node: node.headroom(memory_mb, cpus), reverse=True)
+    def key(node: NodeLoad) -> tuple[int, float]:  # the GPU shares free lead, where the create asks for GPUs
+        return (0 if gpus is None else node.gpu_free(), score(node))
+
+    fitting.sort(key=key, reverse=True)
+    full.sort(key=lambda node: (gives(node), 0 if gpus is None else node.gpu_free(), node.headroom(memory_mb, cpus)),
+              reverse=True)
     if len(fitting) > 1:
-        best = score(fitting[0])
-        drawn = [node for node in fitting if score(node) >= best - CHOICE_MARGIN]
+        most_free, best = key(fitting[0])
+        drawn = [node for node in fitting if key(node)[0] == most_free and score(node) >= best - CHOICE_MARGIN]
         first = _better_of_two(drawn, score, rng)
         fitting.remove(first)
         fitting.insert(0, first)
     return fitting + full
+
+
+def no_gpu_node(nodes: Iterable[NodeLoad], gpus: str) -> str:
+    """Why no alive node could ever give ``gpus``, for an InvalidRequest (Ray's GPU count as a hint)."""
+    alive = [node for node in nodes if node.alive]
+    with_gpus = [node for node in alive if node.gpus]
+    if not with_gpus:
+        why = f"no node of the cluster has a GPU ({len(alive)} node{'' if len(alive) == 1 else 's'} answering)"
+        hinted = [node.tag for node in alive if node.ray_gpus > 0]
+        if hinted:
+            why += (f"; Ray counts GPUs on {', '.join(hinted)}, where fanfold finds no NVIDIA device node or CDI"
+                    " spec: check the driver there (FANFOLD_GPU_DEV_DIR, FANFOLD_GPU_CDI_DIRS)")
+        return f"limit gpus={gpus}: {why}; create the sandbox without gpus, or add a node with GPUs"
+    if gpus.isdigit():
+        most = max(with_gpus, key=lambda node: len(node.gpus))
+        return (f"limit gpus={gpus}: no node of the cluster has {gpus} GPUs (the most: {len(most.gpus)} on node"
+                f" {most.tag}); ask for at most {len(most.gpus)}")
+    listed = "; ".join(f"{node.tag}: {', '.join(_gpu_name(gpu) for gpu in node.gpus)}" for node in with_gpus)
+    return f"limit gpus={gpus}: no node of the cluster has all those GPUs (nodes with GPUs: {listed})"
+
+
+def _gpu_name(gpu: GpuLoad) -> str:
+    return gpu.id if gpu.id == str(gpu.index) else f"{gpu.index} ({gpu.id})"
 
 
 def _better_of_two(nodes: list[NodeLoad], score: Callable[[NodeLoad], float], rng: random.Random) -> NodeLoad:
@@ -129,16 +245,21 @@ def _better_of_two(nodes: list[NodeLoad], score: Callable[[NodeLoad], float], rn
     return other if score(other) > score(one) else one
 
 
-def split_pool(size: int, nodes: Iterable[NodeLoad]) -> dict[str, int]:
+def split_pool(size: int, nodes: Iterable[NodeLoad], *, gpus: str | None = None) -> dict[str, int]:
     """A cluster-wide warm pool of ``size`` split over the alive nodes in proportion to their memory
-    (largest remainders), at least 1 each when ``size`` reaches the node count; dead nodes get 0."""
+    (largest remainders), at least 1 each when ``size`` reaches the node count; dead nodes get 0.
+    A pool with ``gpus`` goes only to nodes that could give them, in proportion to their GPU shares."""
     nodes = list(nodes)
-    alive = [node for node in nodes if node.alive]
+    alive = [node for node in nodes if node.alive and (gpus is None or could_ever_hold(node.gpus, gpus))]
     split = {node.tag: 0 for node in nodes}
     if size <= 0 or not alive:
         return split
-    total = sum(max(node.memory_mb, 0) for node in alive)
-    shares = [size * (max(node.memory_mb, 0) / total if total > 0 else 1 / len(alive)) for node in alive]
+
+    def weight(node: NodeLoad) -> float:
+        return max(node.memory_mb, 0) if gpus is None else sum(gpu.shares for gpu in node.gpus)
+
+    total = sum(weight(node) for node in alive)
+    shares = [size * (weight(node) / total if total > 0 else 1 / len(alive)) for node in alive]
     counts = [int(share) for share in shares]
     by_remainder = sorted(range(len(alive)), key=lambda i: shares[i] - counts[i], reverse=True)
     for i in by_remainder[: size - sum(counts)]:

@@ -3,8 +3,9 @@
 Ray only finds the nodes (the controller's list); each call goes over HTTP straight to the node's
 ``fanfold serve`` (one ``HttpTransport`` per node, each with its own lease). Ids carry their
 node's tag (``fanfold.ids``), so a call on a sandbox or snapshot goes to the node holding it;
-creates are placed by headroom with affinity to the nodes holding the image or snapshot
-(``placement.rank``); listings and figures are gathered from every node and merged.
+creates are placed by headroom with affinity to the nodes holding the image or snapshot, and a
+create with ``gpus`` on the nodes whose own stats list the GPU shares for it (``placement.rank``);
+listings and figures are gathered from every node and merged.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..refs import BASES
 from . import node as nodemod
 from .joining import first_line, join
 from .merge import merge_stats
-from .placement import NodeLoad, rank, split_pool
+from .placement import NodeLoad, no_gpu_node, rank, split_pool
 
 if TYPE_CHECKING:
     from ..engine.api import OnOutput
@@ -59,24 +60,31 @@ class Node:
     memory_mb: float
     cpus: float
     http: HttpTransport
+    ray_gpus: float = 0.0
     alive: bool = True
     stats: dict[str, Any] = field(default_factory=dict)
     images: frozenset[str] = frozenset()
     snapshots: frozenset[str] = frozenset()
     inflight: int = 0
     inflight_memory_mb: float = 0.0
+    inflight_gpus: list[tuple[str, bool]] = field(default_factory=list)
 
-    def commit(self, memory_mb: float, cpus: float) -> None:
-        """Count a sandbox made or destroyed (negative) here in its last stats, until they are read again."""
+    def commit(self, limits: Limits, gpu_ids: list[str], sign: int = 1) -> None:
+        """Count a sandbox made (``sign`` 1) or destroyed (-1) here in its last stats, until they are read again."""
         host = self.stats.setdefault("host", {})
-        host["memory_committed_mb"] = max(host.get("memory_committed_mb", 0) + memory_mb, 0)
-        host["cpus_committed"] = max(host.get("cpus_committed", 0.0) + cpus, 0.0)
+        host["memory_committed_mb"] = max(host.get("memory_committed_mb", 0) + sign * limits.memory_mb, 0)
+        host["cpus_committed"] = max(host.get("cpus_committed", 0.0) + sign * limits.cpus, 0.0)
+        for gpu in host.get("gpu_inventory") or ():
+            if gpu["id"] in gpu_ids:
+                take = gpu["shares"] if limits.gpu_exclusive else 1
+                gpu["used"] = max(gpu["used"] + sign * take, 0)
 
     def load(self) -> NodeLoad:
         return replace(
             NodeLoad.from_stats(self.tag, self.stats, memory_mb=self.memory_mb, cpus=self.cpus,
                                 images=self.images | frozenset(BASES), snapshots=self.snapshots),
             alive=self.alive, inflight=self.inflight, inflight_memory_mb=self.inflight_memory_mb,
+            inflight_gpus=tuple(self.inflight_gpus), ray_gpus=self.ray_gpus,
         )
 
 
@@ -104,8 +112,8 @@ class RayTransport:
         self._departed: set[str] = set()
         """Tags of nodes given up: calls on their ids fail at once, without a refresh each."""
         self._refreshed_at = 0.0
-        self._made: dict[str, Limits] = {}
-        """The limits of the sandboxes this transport made, counted on their node until killed."""
+        self._made: dict[str, tuple[Limits, list[str]]] = {}
+        """The limits and GPUs of the sandboxes this transport made, counted on their node until killed."""
 
     # -- nodes ------------------------------------------------------------------------------
 
@@ -187,7 +195,8 @@ class RayTransport:
             log.warning("fanfold: node %s at %s does not answer yet: %s", info["tag"], info["url"], err)
             return
         self.nodes[info["tag"]] = Node(tag=info["tag"], node_id=info["node_id"], url=info["url"],
-                                       memory_mb=info["memory_mb"], cpus=info["cpus"], http=http)
+                                       memory_mb=info["memory_mb"], cpus=info["cpus"], http=http,
+                                       ray_gpus=info.get("ray_gpus", 0.0))
 
     def _drop(self, tag: str) -> None:
         """Give up a node whose server is gone or replaced: calls in flight there fail at once (retryable)."""
@@ -251,9 +260,26 @@ class RayTransport:
 
     # -- images -----------------------------------------------------------------------------
 
-    def _best(self, source: str | None = None, memory_mb: float = 0.0, cpus: float = 0.0) -> list[Node]:
-        order = rank([node.load() for node in self._alive()], memory_mb=memory_mb, cpus=cpus, source=source)
+    def _best(self, source: str | None = None, limits: Limits | None = None) -> list[Node]:
+        """Nodes to place on, best first; with ``limits.gpus``, only those that could give them."""
+        loads = [node.load() for node in self._alive()]
+        if limits is None:  # a build or pull: the roomiest node
+            order = rank(loads, memory_mb=0.0, cpus=0.0, source=source)
+        else:
+            order = rank(loads, memory_mb=limits.memory_mb, cpus=limits.cpus, source=source, gpus=limits.gpus,
+                         gpu_exclusive=limits.gpu_exclusive)
         return [self.nodes[load.tag] for load in order]
+
+    async def _placeable(self, source: str | None, limits: Limits) -> list[Node]:
+        """``_best`` for a create or pool; with GPUs, InvalidRequest when no node could give them (after a
+        refresh, for a GPU node that joined since)."""
+        nodes = self._best(source, limits)
+        if not nodes and limits.gpus is not None:
+            await self.refresh()
+            nodes = self._best(source, limits)
+        if not nodes and limits.gpus is not None:
+            raise InvalidRequest(no_gpu_node([node.load() for node in self.nodes.values()], limits.gpus or ""))
+        return nodes
 
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
                     tag: str | None = None) -> Image:
@@ -314,14 +340,16 @@ class RayTransport:
         source, limits = params.image, params.limits or Limits()
         candidates = await self._candidates(source, limits)
         last: FanfoldError | None = None
+        asks_gpus = [(limits.gpus, limits.gpu_exclusive)] if limits.gpus is not None else []
         for node in candidates[:3]:
             node.inflight += 1
             node.inflight_memory_mb += limits.memory_mb
+            node.inflight_gpus += asks_gpus
             try:
                 await self._bring(source, node)
                 info = await self._on(node, node.http.create(params))
-                node.commit(limits.memory_mb, limits.cpus)  # placement sees it before the next stats read
-                self._made[info.id] = limits
+                node.commit(info.limits, info.gpu_ids)  # placement sees it before the next stats read
+                self._made[info.id] = (info.limits, info.gpu_ids)
                 return info
             except CapacityExceeded as err:  # its queue is full: the next candidate may have room
                 last = err
@@ -332,18 +360,20 @@ class RayTransport:
             finally:
                 node.inflight -= 1
                 node.inflight_memory_mb -= limits.memory_mb
+                for ask in asks_gpus:
+                    node.inflight_gpus.remove(ask)
         assert last is not None
         raise last
 
     async def _candidates(self, source: str, limits: Limits) -> list[Node]:
         """Nodes to try, best first: any node for a source every node can get, else only its holders."""
-        nodes = self._best(source, limits.memory_mb, limits.cpus)
+        nodes = await self._placeable(source, limits)
         if self._anywhere(source):
             return nodes
         holders = [node for node in nodes if source in node.images]
         if not holders:
             await self.refresh()
-            nodes = self._best(source, limits.memory_mb, limits.cpus)
+            nodes = await self._placeable(source, limits)
             holders = [node for node in nodes if source in node.images]
         return holders or nodes  # no holder: let a node say what is wrong with the name
 
@@ -412,10 +442,13 @@ class RayTransport:
 
     async def set_pool(self, image: str | Image, size: int | None, *, limits: Limits | None = None,
                        wait: float | None = None) -> PoolInfo:
-        """A cluster-wide pool: ``size`` spread over the nodes by memory (``None``: each node follows its demand)."""
+        """A cluster-wide pool: ``size`` spread over the nodes by memory, a pool with GPUs over the nodes that
+        could give them by their GPU shares (``None``: each node follows its demand)."""
         source = image.id if isinstance(image, Image) else image
-        nodes = self._alive()
-        shares = {n.tag: None for n in nodes} if size is None else split_pool(size, [n.load() for n in nodes])
+        gpus = limits.gpus if limits is not None else None
+        nodes = self._alive() if limits is None or gpus is None else await self._placeable(source, limits)
+        loads = [n.load() for n in nodes]
+        shares = {n.tag: None for n in nodes} if size is None else split_pool(size, loads, gpus=gpus)
         for node in nodes:
             if shares.get(node.tag):
                 await self._bring(source, node)
@@ -461,8 +494,8 @@ class RayTransport:
     async def kill(self, sandbox_id: str) -> None:
         node = await self._node_of(sandbox_id, SandboxNotFound)
         await self._on(node, node.http.kill(sandbox_id))
-        if (limits := self._made.pop(sandbox_id, None)) is not None:
-            node.commit(-limits.memory_mb, -limits.cpus)
+        if (made := self._made.pop(sandbox_id, None)) is not None:
+            node.commit(*made, sign=-1)
 
     # -- checkpoints: on the sandbox's node ------------------------------------------------
 

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..host import nvml
 from . import admission, gpu_figures
 from . import db as dbmod
+from .gpus import Gpus
 from .lifecycle import Lifecycle
 from .pools import Pools
 
@@ -56,7 +57,7 @@ class Figures:
                      # the limits its sandboxes (pooled too) may take: a cluster places creates by what is left
                      "memory_committed_mb": sum(limits.memory_mb for limits in live),
                      "cpus_committed": round(sum(limits.cpus for limits in live), 3),
-                     "nvml": gpus.error or "ok"},
+                     "nvml": gpus.error or "ok", **gpu_inventory(self.life.gpus)},
             "gpus": gpu_figures.panel(gpus, every),
             **self.life.telemetry.summary(),
             "network": self.life.network.totals(),
@@ -90,6 +91,14 @@ class Figures:
         gpus = nvml.latest()
         yield from gpu_figures.gauges(gpus, nvml.by_sandbox(gpus, self.life.config.cgroup_parent),
                                       self.life.db.rows(), tenant)
+
+
+def gpu_inventory(gpus: Gpus) -> dict[str, Any]:
+    """The host's GPUs and the shares its sandboxes hold of each (a cluster places GPU creates by them)."""
+    used = gpus.used()
+    return {"gpu_shares": gpus.config.gpu_shares, "gpu_inventory": [
+        {"id": gpu.id, "index": gpu.index, "names": list(gpu.names), "model": gpu.model,
+         "shares": gpus.config.gpu_shares, "used": used[gpu.id]} for gpu in gpus.host().gpus]}
 
 
 NETWORK_COUNTERS = (
