@@ -16,6 +16,9 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
+from ..engine.gpus import Slots as GpuLoad
+from ..engine.gpus import pick
+
 LOCALITY_BONUS = 0.3
 """Headroom (as a fraction of a node) that holding the create's image or snapshot is worth: a node
 with it wins over one with up to this much more room, since a pull or build costs seconds."""
@@ -29,39 +32,11 @@ GPUs unless those have this much less room, keeping GPU nodes' memory and slots 
 they can take (Ray's scheduler keeps CPU tasks off GPU nodes the same way)."""
 
 
-@dataclass(frozen=True)
-class GpuLoad:
+def gpu_load(entry: dict[str, Any]) -> GpuLoad:
     """One GPU of a node as its stats list it (``host.gpu_inventory``)."""
-
-    id: str
-    index: int
-    names: frozenset[str]
-    """Every name that picks it in ``gpus=device=...``: its id, index, UUID and CDI names."""
-    shares: int
-    used: int
-    """Shares its sandboxes (warm ones too) hold."""
-
-    @classmethod
-    def from_stats(cls, entry: dict[str, Any]) -> GpuLoad:
-        names = {str(entry["id"]), str(entry.get("index", "")), *map(str, entry.get("names") or ())} - {""}
-        return cls(id=str(entry["id"]), index=int(entry.get("index", 0)), names=frozenset(names),
+    names = {str(entry["id"]), str(entry.get("index", "")), *map(str, entry.get("names") or ())} - {""}
+    return GpuLoad(id=str(entry["id"]), index=int(entry.get("index", 0)), names=frozenset(names),
                    shares=int(entry.get("shares", 1)), used=int(entry.get("used", 0)))
-
-
-def gpu_choice(gpus: tuple[GpuLoad, ...], asked: str, exclusive: bool) -> list[str] | None:
-    """The GPUs a node with ``gpus`` would give a create asking ``asked`` (``Limits.gpus``' written form)
-    now, or None: the engine's own rule (``engine.gpus.Gpus.choose``) over the node's reported shares."""
-    fits = [gpu for gpu in gpus if gpu.used + (gpu.shares if exclusive else 1) <= gpu.shares]
-    if asked == "all":
-        wanted = list(gpus)
-    elif asked.startswith("device="):
-        wanted = [gpu for name in asked.removeprefix("device=").split(",") for gpu in gpus if name in gpu.names]
-    else:
-        fits.sort(key=lambda gpu: (gpu.used, gpu.index))
-        wanted = fits[:int(asked)] if len(fits) >= int(asked) else []
-    if not wanted or any(gpu not in fits for gpu in wanted):
-        return None
-    return [gpu.id for gpu in wanted]
 
 
 def could_ever_hold(gpus: tuple[GpuLoad, ...], asked: str) -> bool:
@@ -122,7 +97,7 @@ class NodeLoad:
             memory_available_mb=host.get("memory_available_mb", 0), creating=queue.get("creating", 0),
             max_creating=queue.get("max_creating", 4), waiting=queue.get("waiting", 0),
             images=frozenset(images), snapshots=frozenset(snapshots), alive=stats is not None,
-            gpus=tuple(GpuLoad.from_stats(entry) for entry in host.get("gpu_inventory") or ()),
+            gpus=tuple(gpu_load(entry) for entry in host.get("gpu_inventory") or ()),
         )
 
     def sent(self, memory_mb: float) -> NodeLoad:
@@ -150,7 +125,7 @@ class NodeLoad:
         """Its GPUs with the shares this client's creates in flight there will take (as the engine would pick)."""
         gpus = {gpu.id: gpu for gpu in self.gpus}
         for asked, exclusive in self.inflight_gpus:
-            for gpu_id in gpu_choice(tuple(gpus.values()), asked, exclusive) or ():
+            for gpu_id in pick(tuple(gpus.values()), asked, exclusive) or ():
                 gpu = gpus[gpu_id]
                 gpus[gpu_id] = replace(gpu, used=gpu.used + (gpu.shares if exclusive else 1))
         return tuple(gpus.values())
@@ -161,7 +136,7 @@ class NodeLoad:
 
     def gives_gpus(self, asked: str, exclusive: bool) -> bool:
         """Whether it has the GPU shares for ``asked`` free now."""
-        return gpu_choice(self.gpus_now(), asked, exclusive) is not None
+        return pick(self.gpus_now(), asked, exclusive) is not None
 
 
 def _left(capacity: float, used: float) -> float:

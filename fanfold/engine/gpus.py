@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 from ..config import EngineConfig
 from ..errors import CapacityExceeded, InvalidRequest
@@ -25,6 +26,34 @@ from . import db as dbmod
 
 MPS_PATH = "/run/nvidia-mps"
 """Where a shared GPU sandbox finds the MPS daemon's pipe directory."""
+
+
+@dataclass(frozen=True)
+class Slots:
+    """One GPU's shares: how many it has and how many its sandboxes (warm ones too) hold."""
+
+    id: str
+    index: int
+    names: frozenset[str]
+    """Every name that picks it in ``gpus=device=...``: its index, UUID and CDI names."""
+    shares: int
+    used: int
+
+
+def pick(gpus: Sequence[Slots], asked: str, exclusive: bool) -> list[str] | None:
+    """The ids of the GPUs a sandbox asking ``asked`` (``Limits.gpus``' written form) gets now, or None when
+    their shares are taken: ``exclusive`` takes all of a GPU's; a count goes to those with the most free."""
+    fits = [gpu for gpu in gpus if gpu.used + (gpu.shares if exclusive else 1) <= gpu.shares]
+    if asked == "all":
+        wanted = list(gpus)
+    elif asked.startswith("device="):
+        wanted = [gpu for name in asked.removeprefix("device=").split(",") for gpu in gpus if name in gpu.names]
+    else:
+        fits.sort(key=lambda gpu: (gpu.used - gpu.shares, gpu.index))
+        wanted = fits[:int(asked)] if len(fits) >= int(asked) else []
+    if not wanted or any(gpu not in fits for gpu in wanted):
+        return None
+    return [gpu.id for gpu in wanted]
 
 
 class Gpus:
@@ -95,20 +124,9 @@ class Gpus:
 
     def choose(self, limits: Limits, used: Counter[str]) -> list[str] | None:
         """The GPUs a sandbox with ``limits`` gets given the shares ``used``, or None when they are taken."""
-        host, shares = self.host(), self.config.gpu_shares
-        need = shares if limits.gpu_exclusive else 1
-        fits = [gpu for gpu in host.gpus if used[gpu.id] + need <= shares]
-        asked = limits.gpus or ""
-        if asked == "all":
-            wanted = list(host.gpus)
-        elif asked.startswith("device="):
-            wanted = [gpu for name in asked.removeprefix("device=").split(",") if (gpu := host.find(name))]
-        else:
-            fits.sort(key=lambda gpu: (used[gpu.id], gpu.index))
-            wanted = fits[:int(asked)] if len(fits) >= int(asked) else []
-        if not wanted or any(gpu not in fits for gpu in wanted):
-            return None
-        return [gpu.id for gpu in wanted]
+        slots = [Slots(gpu.id, gpu.index, frozenset(gpu.names), self.config.gpu_shares, used[gpu.id])
+                 for gpu in self.host().gpus]
+        return pick(slots, limits.gpus or "", limits.gpu_exclusive)
 
     def shortage(self, limits: Limits) -> str | None:
         """What this host lacks to give ``limits.gpus`` now, or None."""
