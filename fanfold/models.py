@@ -113,7 +113,8 @@ class Limits:
     """Most MiB the sandbox may write to its filesystem."""
     gpus: str | int | None = None
     """GPUs it gets: ``all``, a count (``2``), or ``device=`` and GPU indexes or UUIDs (``device=0,GPU-9f3c...``);
-    None: none. The engine picks which GPUs; the sandbox record's ``gpu_ids`` says."""
+    ``none`` (or 0): none; unset (None): the image's own (``EnvSpec.gpus``), for most images none. The engine
+    picks which GPUs; the sandbox record's ``gpu_ids`` says."""
     gpu_exclusive: bool = False
     """Hold its GPUs alone; by default a GPU is shared, time-sliced, by up to the host's ``gpu_shares`` sandboxes."""
 
@@ -125,15 +126,20 @@ class Limits:
 
 
 MAX_GPUS = 1024
+NO_GPUS = "none"
+"""``Limits.gpus`` saying "no GPU" outright, where None leaves it to the image: the engine turns it into None
+as it resolves a create's limits, so what runs never holds it."""
 
 
 def gpu_request(value: Any) -> str | None:
-    """A ``gpus`` value in its one written form: ``all``, a count (``"2"``), ``device=ID,...``, or None.
+    """A ``gpus`` value in its one written form: ``all``, a count (``"2"``), ``device=ID,...``, ``none``, or None.
 
     Takes what Docker's ``--gpus`` does (``all``, ``2``, ``device=0,1``, ``"device=GPU-..."``), an int, a
-    list of indexes or UUIDs, and ``0``/``none``/``""`` for none."""
-    if value is None or isinstance(value, bool) and not value:
+    list of indexes or UUIDs, ``0``/``none``/False for none outright, and None/``""`` for unset."""
+    if value is None:
         return None
+    if value is False:
+        return NO_GPUS
     if isinstance(value, (list, tuple)):
         value = "device=" + ",".join(str(item) for item in value)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -141,8 +147,10 @@ def gpu_request(value: Any) -> str | None:
     if not isinstance(value, str):
         raise InvalidRequest(f"limit gpus must be all, a count or device=ID,..., got {value!r}")
     text = value.strip().strip('"').strip()
-    if text in ("", "0", "none"):
+    if text == "":
         return None
+    if text in ("0", NO_GPUS):
+        return NO_GPUS
     if text == "all":
         return text
     if text.isdigit():

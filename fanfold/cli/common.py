@@ -76,6 +76,8 @@ def model_option(cls: type, name: str, **extra: Any) -> Callable[[Any], Any]:
     default = None if spec.default is MISSING else spec.default
     options: dict[str, Any] = {"type": {"int": int, "float": float}.get(kind), "default": default,
                                "show_default": default is not None, "help": help_text}
+    if kind == "bool":  # a switch, off unless given (no --x/--no-x pair: the model's default is off)
+        options.update(is_flag=True, type=None, show_default=False)
     return click.option(f"--{name.replace('_', '-')}", **{**options, **extra})
 
 
@@ -84,12 +86,14 @@ def _number(value: float) -> str:
 
 
 def _resource_options(fn):  # type: ignore[no-untyped-def]
+    """An option per ``Limits`` field; the command takes them as ``**limits`` and hands them on whole."""
     from dataclasses import fields
 
     from ..models import Limits
 
     for spec in reversed(fields(Limits)):
-        fn = model_option(Limits, spec.name)(fn)
+        extra = {"metavar": "all|N|device=ID,...|none"} if spec.name == "gpus" else {}
+        fn = model_option(Limits, spec.name, **extra)(fn)
     return fn
 
 

@@ -164,6 +164,7 @@ def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
         ("volumes", " ".join(image.volumes) + " (directories of the sandbox's own disk)" if image.volumes else "-"),
         ("healthcheck", _healthcheck(image)),
         ("services", "\n".join(f"{name} ({mode}): {cmd}" for name, cmd, mode in image.services) or "-"),
+        ("gpus", _gpus(image)),
         ("shared", "yes" if image.shared else "no"),
     ]
     table = Table(Column("field", style="bold", no_wrap=True), Column("value"), box=None, show_header=False)
@@ -178,6 +179,17 @@ def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
     out = _stdout_console()
     out.print(table, highlight=False)
     out.print(layers, highlight=False)
+
+
+def _gpus(image: Image) -> str:
+    """The GPUs its sandboxes get unless their create names others (``EnvSpec.gpus``)."""
+    if image.gpus in (None, "none"):
+        return "-"
+    try:
+        alone = " (exclusive)" if image.gpu_exclusive else ""
+    except ValueError as err:
+        alone = f" ({err})"
+    return f"{image.gpus}{alone}, unless a create names its own"
 
 
 @images.command()

@@ -88,8 +88,7 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @network_options
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, seccomp, entrypoint,  # type: ignore[no-untyped-def]
-        network, cmd) -> None:
+def run(ctx, image, env, timeout, cwd, user, seccomp, entrypoint, network, cmd, **limits) -> None:  # type: ignore[no-untyped-def]
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
     As `docker run` does: CMD goes after the image's entrypoint, as its arguments, in place of the
@@ -97,8 +96,7 @@ def run(ctx, image, cpus, memory_mb, pids, disk_mb, env, timeout, cwd, user, sec
     a file. Ctrl-C kills it and the sandbox (exit 130).
     """
     with _fleet(ctx) as fleet:
-        with fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
-                          env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
+        with fleet.create(image, **limits, env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
                           network=network or "none") as sandbox:
             argv = _command(fleet, sandbox.info.image_id, image, entrypoint, cmd)
             result = _exec(sandbox, argv, timeout=timeout, cwd=cwd)
@@ -135,15 +133,14 @@ def _command(fleet: Fleet, image_id: str, asked: str, entrypoint: str | None, cm
 @_SECCOMP
 @network_options
 @click.pass_context
-def create(ctx, image, cpus, memory_mb, pids, disk_mb, env, deadline, labels,  # type: ignore[no-untyped-def]
-           persistence, priority, idle_timeout, user, seccomp, network) -> None:
+def create(ctx, image, env, deadline, labels, persistence, priority, idle_timeout, user, seccomp,  # type: ignore[no-untyped-def]
+           network, **limits) -> None:
     """Create a sandbox that outlives this command; print its id.
 
     --image also takes a snapshot id or name, to start from a snapshot.
     """
     with _fleet(ctx) as fleet:
-        sandbox = fleet.create(image, cpus=cpus, memory_mb=memory_mb, pids=pids, disk_mb=disk_mb,
-                               env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
+        sandbox = fleet.create(image, **limits, env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
                                detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
                                user=user, seccomp=_profile_path(seccomp), network=network or "none")
     click.echo(sandbox.id)
@@ -177,20 +174,29 @@ def ls(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([info.to_dict() for info in infos]))
         return
-    header = ("ID", "STATE", "IMAGE", "CPUS", "MEM MB", "TENANT", "LABELS")
+    header: tuple[str, ...] = ("ID", "STATE", "IMAGE", "CPUS", "MEM MB", "TENANT", "LABELS")
     rows = [(info.id, info.state, info.image_id, str(info.limits.cpus), str(info.limits.memory_mb),
              info.tenant or HOST_TENANT, ",".join(f"{k}={v}" for k, v in info.labels.items())) for info in infos]
+    if any(info.gpu_ids for info in infos):  # last, so that the other columns keep their places for cut
+        header += ("GPUS",)
+        rows = [(*row, _gpus(info)) for row, info in zip(rows, infos)]
     if not sys.stdout.isatty():  # a pipe or a file: whole ids, one sandbox a line, for cut and awk
         for row in (header, *rows):
             click.echo("\t".join(row))
         return
     from rich.table import Column, Table
 
-    table = Table(Column("ID", no_wrap=True), "STATE", Column("IMAGE", no_wrap=True), "CPUS", "MEM MB", "TENANT",
-                  "LABELS")
+    table = Table(*(Column(name, no_wrap=name in ("ID", "IMAGE")) for name in header))
     for row in rows:
         table.add_row(*row)
     _stdout_console().print(table)
+
+
+def _gpus(info: SandboxInfo) -> str:
+    """The GPUs a sandbox holds, and whether alone: ``GPU-1f...,GPU-2a... (exclusive)``; ``-`` for none."""
+    if not info.gpu_ids:
+        return "-"
+    return ",".join(info.gpu_ids) + (" (exclusive)" if info.limits.gpu_exclusive else "")
 
 
 @click.command()

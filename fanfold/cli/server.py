@@ -151,7 +151,7 @@ def _pool_sizes(items: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
 @click.option("--wait", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
               help="Return only once the pool is full.")
 @click.pass_context
-def pool(ctx, image, size, cpus, memory_mb, pids, disk_mb, wait) -> None:  # type: ignore[no-untyped-def]
+def pool(ctx, image, size, wait, **limits) -> None:  # type: ignore[no-untyped-def]
     """Keep sandboxes of IMAGE warm on a server, for creates with the same limits (needs --url).
 
     A create served from the pool takes about a millisecond; the pool refills behind it.
@@ -161,8 +161,7 @@ def pool(ctx, image, size, cpus, memory_mb, pids, disk_mb, wait) -> None:  # typ
     if size != "auto" and not (size.isdigit()):
         raise click.BadParameter(f"{size!r} is not a whole number or 'auto'", param_hint="--size")
     with _fleet(ctx) as fleet:
-        info = fleet.pool(image, None if size == "auto" else int(size), cpus=cpus, memory_mb=memory_mb, pids=pids,
-                          disk_mb=disk_mb, wait=wait)
+        info = fleet.pool(image, None if size == "auto" else int(size), **limits, wait=wait)
     click.echo(f"{info.source}  ready={info.ready}/{info.target}  size={'auto' if info.size is None else info.size}")
 
 

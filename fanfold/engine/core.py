@@ -51,7 +51,7 @@ from .quotas import Quotas
 from .reaper import Reaper
 from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
-from .sources import Sources
+from .sources import Sources, check_gpus
 from .telemetry import Telemetry
 from .transfer import Transfers
 
@@ -269,7 +269,7 @@ class Engine:
         source, img, limits = await self.sources.source_limits(await self._scoped(params.image, tenant),
                                                                params.limits, tenant)
         check_fits_host(limits)
-        self.life.gpus.check(limits)
+        check_gpus(self.life.gpus.check, limits, params.limits, img)
         deadline, persistence = params.deadline, params.persistence
         if deadline is None and persistence != "persistent":
             deadline = self.config.default_deadline_s
@@ -581,9 +581,10 @@ class Engine:
         if limits is not None and not isinstance(limits, Limits):
             raise InvalidRequest("limits must be a fanfold.Limits")
         ref = image.id if isinstance(image, SnapshotInfo) else image
-        source, _, limits = await self.sources.source_limits(await self._scoped(ref, tenant), limits, tenant)
+        asked = limits
+        source, img, limits = await self.sources.source_limits(await self._scoped(ref, tenant), limits, tenant)
         check_fits_host(limits)
-        self.life.gpus.check(limits)
+        check_gpus(self.life.gpus.check, limits, asked, img)
         need = self.config.pool_auto_max if size is None else size
         self.quotas.check_pools(tenant, self.pools.planned(tenant, but=(source, limits)), need, limits)
         pool = self.pools.configure(source, limits, size, tenant)

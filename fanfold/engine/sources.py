@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from ..errors import ImageNotFound, InvalidRequest, SnapshotNotFound
 from ..images import Image, LayerStore
 from ..images.builder import DEFAULT_PATH, Builder, Network, OnStep
-from ..models import Limits, SnapshotInfo
-from ..spec import BASES, EnvSpec
+from ..models import NO_GPUS, Limits, SnapshotInfo
+from ..spec import BASES, GPUS_LABEL, EnvSpec
 from . import db as dbmod
 from .snapshots import PREFIX as SNAPSHOT_PREFIX
 from .snapshots import SnapshotStore
@@ -93,7 +93,8 @@ class Sources:
     async def source_limits(self, ref: str | Image | SnapshotInfo, limits: Limits | None,
                             tenant: str = "") -> tuple[str, Image, Limits]:
         """What a sandbox (of ``tenant``) is made from (source id, root image), and the limits it gets:
-        a memory snapshot's processes keep the limits they were dumped with."""
+        a memory snapshot's processes keep the limits they were dumped with; else the image's GPUs
+        (``image_gpus``) unless ``limits`` name some."""
         source, img, snapshot = await self.source(ref, tenant)
         if snapshot is not None and snapshot.memory:
             taken_by = self.snaps.memory_tier(snapshot.id)
@@ -102,12 +103,12 @@ class Sources:
                     f"snapshot {snapshot.id} holds the memory of a sandbox of the {taken_by} backend, which this"
                     f" engine's {self.tier} backend cannot restore: create from it with an engine of that backend"
                     " (FANFOLD_RUNTIME), or take a disk snapshot (memory=False), which any backend starts from")
-            if limits is not None and limits.gpus is not None:
+            if limits is not None and limits.gpus not in (None, NO_GPUS):
                 raise InvalidRequest(
                     f"snapshot {snapshot.id} holds processes' memory, which cannot be given a GPU as they are restored:"
                     " create a GPU sandbox from an image or a disk snapshot (memory=False)")
             return source, img, limits_of(snapshot, limits)
-        return source, img, limits or Limits()
+        return source, img, image_gpus(limits, img) or Limits()
 
     def start_point(self, source: str) -> tuple[Image, Path | None]:
         """The image (with the snapshot's layers, for a snapshot) and memory images a source starts from."""
@@ -134,3 +135,32 @@ def limits_of(snapshot: SnapshotInfo, asked: Limits | None) -> Limits:
     """A memory snapshot's processes keep the cpu, memory and pids limits they were dumped with."""
     base = snapshot.limits or Limits()
     return base if asked is None else Limits(cpus=base.cpus, memory_mb=base.memory_mb, pids=base.pids, disk_mb=asked.disk_mb)
+
+
+def image_gpus(limits: Limits | None, img: Image) -> Limits | None:
+    """``limits`` with the GPUs ``img`` asks for (``EnvSpec.gpus``, its ``fanfold.gpus`` label) where they name
+    none: a create's own ``gpus`` and ``gpu_exclusive`` replace the image's, and ``gpus="none"`` is none."""
+    asked = None if limits is None else limits.gpus
+    if asked == NO_GPUS:
+        return dataclasses.replace(limits, gpus=None)  # type: ignore[type-var]
+    if asked is not None or img.gpus is None:
+        return limits
+    try:
+        default = Limits(gpus=img.gpus, gpu_exclusive=img.gpu_exclusive)
+    except (InvalidRequest, ValueError) as err:
+        raise InvalidRequest(f"image {img.id}'s GPU labels ({GPUS_LABEL}={img.gpus}): {err}; a create's own gpus="
+                             " overrides them") from None
+    if default.gpus in (None, NO_GPUS):
+        return limits
+    return dataclasses.replace(limits or Limits(), gpus=default.gpus, gpu_exclusive=default.gpu_exclusive)
+
+
+def check_gpus(check: Callable[[Limits], None], limits: Limits, asked: Limits | None, img: Image) -> None:
+    """``check`` (``Gpus.check``) ``limits``; where their GPUs are the image's default, its error says so."""
+    try:
+        check(limits)
+    except InvalidRequest as err:
+        if limits.gpus is None or (asked is not None and asked.gpus is not None):
+            raise
+        raise InvalidRequest(f"image {img.id} asks for GPUs (label {GPUS_LABEL}={img.gpus}): {err}"
+                             " (gpus=none makes a sandbox of it without)") from None

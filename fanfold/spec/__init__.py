@@ -8,14 +8,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
-from ..errors import InvalidSpec
+from ..errors import InvalidRequest, InvalidSpec
+from ..models import gpu_request
 from ..refs import BASES, is_image_id, is_image_ref
 from . import words
 
-__all__ = ["BASES", "EnvSpec", "Step", "check_user", "is_image_id", "is_image_ref", "is_repo_url", "sandbox_path"]
+__all__ = ["BASES", "EnvSpec", "GPUS_LABEL", "GPU_EXCLUSIVE_LABEL", "Step", "check_user", "is_image_id", "is_image_ref",
+           "is_repo_url", "sandbox_path"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+GPUS_LABEL = "fanfold.gpus"
+"""The image label naming the GPUs its sandboxes get unless their create names others (``EnvSpec.gpus``)."""
+GPU_EXCLUSIVE_LABEL = "fanfold.gpu_exclusive"
+"""The image label saying those GPUs are held alone (``true``) or shared (``false``, the default)."""
 
 
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
@@ -230,7 +237,18 @@ class EnvSpec:
         for key, value in labels.items():
             if not key or not isinstance(value, str) or "\0" in key + value:
                 raise InvalidSpec(f"bad label {key}={value!r}: a non-empty key and a string value")
+        _check_gpu_labels(labels)
         return self._add("label", labels=tuple(sorted(labels.items())))
+
+    def gpus(self, gpus: str | int | None = "all", *, exclusive: bool = False) -> EnvSpec:
+        """Give the image's sandboxes GPUs unless their create names its own ``gpus`` (``gpus="none"``: none):
+        ``all``, a count, or ``device=ID,...``, as ``Limits.gpus`` takes; ``exclusive`` holds them alone.
+        None drops a default the base image set. Recorded as the labels ``fanfold.gpus`` and
+        ``fanfold.gpu_exclusive``, which a Dockerfile's ``LABEL`` sets as well; build steps get no GPU."""
+        value = _gpus_value(gpus, "gpus") or "none"
+        if not isinstance(exclusive, bool):
+            raise InvalidSpec(f"gpus(exclusive=) is True or False, got {exclusive!r}")
+        return self.label(**{GPUS_LABEL: value, GPU_EXCLUSIVE_LABEL: "true" if exclusive else "false"})
 
     def volume(self, *paths: str) -> EnvSpec:
         """Note paths the image keeps data in, as Docker's VOLUME does. fanfold records them (``inspect``
@@ -263,12 +281,15 @@ class EnvSpec:
 
     @classmethod
     def from_dockerfile(cls, path: str | Path, *, context: str | Path | None = None,
-                        build_args: dict[str, str] | None = None, target: str | None = None) -> EnvSpec:
+                        build_args: dict[str, str] | None = None, target: str | None = None,
+                        gpus: str | int | None = None) -> EnvSpec:
         """The spec a Dockerfile describes (its last stage, or the stage ``target``): COPY sources come
-        from ``context`` (default: the Dockerfile's directory), ``build_args`` override ARG defaults."""
+        from ``context`` (default: the Dockerfile's directory), ``build_args`` override ARG defaults.
+        ``gpus`` gives its sandboxes GPUs (``EnvSpec.gpus``), as ``LABEL fanfold.gpus=...`` in it does."""
         from .dockerfile import from_dockerfile  # buildkit's parser loads only for a Dockerfile
 
-        return from_dockerfile(path, cls, context=context, build_args=build_args, target=target)
+        spec = from_dockerfile(path, cls, context=context, build_args=build_args, target=target)
+        return spec if gpus is None else spec.gpus(gpus)
 
     def with_context(self, context: str | Path) -> EnvSpec:
         return replace(self, context=Path(context).absolute())
@@ -278,6 +299,21 @@ def _argv(argv: tuple[str, ...], what: str) -> tuple[str, ...]:
     if not all(isinstance(a, str) and "\0" not in a for a in argv):
         raise InvalidSpec(f"{what} takes strings (an argv), got {argv!r}")
     return tuple(argv)
+
+
+def _gpus_value(value: Any, what: str) -> str | None:
+    try:
+        return gpu_request(value)
+    except InvalidRequest as err:
+        raise InvalidSpec(str(err).replace("limit gpus", what)) from None
+
+
+def _check_gpu_labels(labels: Mapping[str, str]) -> None:
+    """The GPU labels (``EnvSpec.gpus``) hold what a create would take: a bad one fails the spec, not a create."""
+    if GPUS_LABEL in labels:
+        _gpus_value(labels[GPUS_LABEL], f"label {GPUS_LABEL}")
+    if labels.get(GPU_EXCLUSIVE_LABEL, "false").lower() not in ("true", "false"):
+        raise InvalidSpec(f"label {GPU_EXCLUSIVE_LABEL}={labels[GPU_EXCLUSIVE_LABEL]!r} must be true or false")
 
 
 def _chown(chown: str | None) -> dict[str, str]:

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from ..errors import ImageNotFound
 from ..host import disk, mounts
-from ..spec import BASES
+from ..spec import BASES, GPU_EXCLUSIVE_LABEL, GPUS_LABEL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +84,19 @@ class Image:
     """The references that name it now (filled in by listings; not part of the stored record)."""
     shared: bool = False
     """Published by the host's tenant to every tenant of a server (filled in by listings, not stored)."""
+
+    @property
+    def gpus(self) -> str | None:
+        """The GPUs its sandboxes get when their create names none (its ``fanfold.gpus`` label, as written)."""
+        return dict(self.labels).get(GPUS_LABEL)
+
+    @property
+    def gpu_exclusive(self) -> bool:
+        """Whether those GPUs are held alone (its ``fanfold.gpu_exclusive`` label); ValueError unless true or false."""
+        value = dict(self.labels).get(GPU_EXCLUSIVE_LABEL, "false")
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"{GPU_EXCLUSIVE_LABEL}={value!r} is not true or false")
+        return value.lower() == "true"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

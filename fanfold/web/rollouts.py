@@ -34,8 +34,9 @@ from fastapi.routing import APIRoute
 from ..engine import Engine
 from ..engine.admission import check_fits_host
 from ..engine.api import MAX_LEASE_TTL_S
+from ..engine.sources import check_gpus, image_gpus
 from ..errors import InvalidRequest, LeaseNotFound, NotFound, SandboxGone, SandboxNotFound, SnapshotNotFound, ToolError
-from ..models import CreateParams, Limits
+from ..models import NO_GPUS, CreateParams, Limits
 from ..spec import BASES
 from ..tools import TOOLS, function_call_output, parse_arguments, run_checked
 from ..wire import error_to_json
@@ -368,10 +369,16 @@ async def check_rollout(request: Request, body: RolloutRequest, caller: str) -> 
     engine = app_rollouts(request).engine
     if body.snapshot is not None and engine.resolve_snapshot(body.snapshot, tenant=caller) is None:
         raise SnapshotNotFound(f"no snapshot {body.snapshot!r}")
+    img = None
     if body.image not in (None, *BASES) and engine.resolve_snapshot(body.image, tenant=caller) is None:
-        await engine.image(body.image, tenant=caller)  # ImageNotFound; a pull is the caller's, as its create's
-    if body.limits is not None:  # limits the host cannot hold
-        check_fits_host(Limits(**body.limits.model_dump()))
+        img = await engine.image(body.image, tenant=caller)  # ImageNotFound; a pull is the caller's, as its create's
+    asked = None if body.limits is None else Limits(**body.limits.model_dump())
+    if asked is not None:  # limits the host cannot hold
+        check_fits_host(asked)
+    if img is not None:  # GPUs it cannot give, the image's own included
+        check_gpus(engine.life.gpus.check, image_gpus(asked, img) or Limits(), asked, img)
+    elif asked is not None and asked.gpus not in (None, NO_GPUS):
+        engine.life.gpus.check(asked)
 
 
 @router.post("/rollouts", status_code=201, response_model=RolloutBody,

@@ -13,7 +13,7 @@ import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StringConstraints, create_model, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, create_model, field_validator, model_validator,
 )
 
 from ..engine.api import MAX_FORK, MAX_POOL
@@ -50,8 +50,16 @@ def fields_of(cls: type, *, skip: tuple[str, ...] = (), **types: Any) -> dict[st
         if spec.name in docs:
             default["description"] = docs[spec.name]
         # The engine takes true or false only, never "yes" or 1.
-        made[spec.name] = (StrictBool if hint is bool else hint, Field(**default, **spec.metadata))
+        made[spec.name] = (StrictBool if hint is bool else _strict_ints(hint), Field(**default, **spec.metadata))
     return made
+
+
+def _strict_ints(hint: Any) -> Any:
+    """In a union with str (``Limits.gpus``), an int taken strictly: true is not a count of 1."""
+    args = typing.get_args(hint)
+    if int in args and str in args:
+        return functools.reduce(lambda a, b: a | b, [StrictInt if arg is int else arg for arg in args])
+    return hint
 
 
 def model_of(cls: type, *, name: str = "", base: type[BaseModel] = BaseModel, skip: tuple[str, ...] = (),
