@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .errors import InvalidRequest
+from .gpu_request import MAX_GPUS, NO_GPUS  # noqa: F401 (named here too: the values Limits.gpus takes)
+from .gpu_request import parse as parse_gpus
 
 MIB = 1024 * 1024
 DAY_S = 86_400
@@ -125,54 +127,13 @@ class Limits:
             raise InvalidRequest(f"limit gpu_exclusive is true or false, got {self.gpu_exclusive!r}")
 
 
-MAX_GPUS = 1024
-NO_GPUS = "none"
-"""``Limits.gpus`` saying "no GPU" outright, where None leaves it to the image: the engine turns it into None
-as it resolves a create's limits, so what runs never holds it."""
-
-
 def gpu_request(value: Any) -> str | None:
-    """A ``gpus`` value in its one written form: ``all``, a count (``"2"``), ``device=ID,...``, ``none``, or None.
-
-    Takes what Docker's ``--gpus`` does (``all``, ``2``, ``device=0,1``, ``"device=GPU-..."``), an int, a
-    list of indexes or UUIDs, ``0``/``none``/False for none outright, and None/``""`` for unset."""
-    if value is None:
-        return None
-    if value is False:
-        return NO_GPUS
-    if isinstance(value, (list, tuple)):
-        value = "device=" + ",".join(str(item) for item in value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = str(value)
-    if not isinstance(value, str):
-        raise InvalidRequest(f"limit gpus must be all, a count or device=ID,..., got {value!r}")
-    text = value.strip().strip('"').strip()
-    if text == "":
-        return None
-    if text in ("0", NO_GPUS):
-        return NO_GPUS
-    if text == "all":
-        return text
-    if text.isdigit():
-        if int(text) > MAX_GPUS:
-            raise InvalidRequest(f"limit gpus={text} is out of range: ask for at most {MAX_GPUS}")
-        return str(int(text))
-    ids = text.removeprefix("device=").split(",")
-    if not text.startswith("device=") and not all(_gpu_id(i) for i in ids):
-        raise InvalidRequest(f"limit gpus={value!r} is not a GPU request: use all, a count (2),"
-                             " or device= and GPU indexes or UUIDs (device=0,1)")
-    ids = [i.strip() for i in ids]
-    bad = [i for i in ids if not _gpu_id(i)]
-    if bad or len(ids) > MAX_GPUS or len(set(ids)) != len(ids):
-        why = f"{bad[0]!r} is not a GPU index or UUID" if bad else "each GPU may be named once"
-        raise InvalidRequest(f"limit gpus={value!r}: {why} (device=0,1 or device=GPU-<uuid>)")
-    return "device=" + ",".join(ids)
-
-
-def _gpu_id(text: str) -> bool:
-    text = text.strip()
-    return text.isdigit() or (4 <= len(text) <= 96 and text[:4] in ("GPU-", "MIG-")
-                              and all(c.isalnum() or c in "-/" for c in text))
+    """A ``gpus`` value in its one written form (``fanfold.gpu_request.parse``); InvalidRequest when it is no
+    GPU request."""
+    try:
+        return parse_gpus(value, what="limit gpus")
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -133,7 +133,7 @@ LAYERS: list[set[str]] = [
     {"store", "net"},                # layers and images on disk; sandbox networks and the egress proxy
     {"host", "transport", "_agent", "tools"},
     {"spec", "models", "config", "_extras"},
-    {"refs", "ids", "errors", "__version__"},
+    {"refs", "ids", "errors", "gpu_request", "__version__"},
 ]
 
 

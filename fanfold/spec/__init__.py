@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
-from ..errors import InvalidRequest, InvalidSpec
-from ..models import gpu_request
+from ..errors import InvalidSpec
+from ..gpu_request import parse as parse_gpus
 from ..refs import BASES, is_image_id, is_image_ref
 from . import words
 
@@ -303,9 +303,9 @@ def _argv(argv: tuple[str, ...], what: str) -> tuple[str, ...]:
 
 def _gpus_value(value: Any, what: str) -> str | None:
     try:
-        return gpu_request(value)
-    except InvalidRequest as err:
-        raise InvalidSpec(str(err).replace("limit gpus", what)) from None
+        return parse_gpus(value, what=what)
+    except ValueError as err:
+        raise InvalidSpec(str(err)) from None
 
 
 def _check_gpu_labels(labels: Mapping[str, str]) -> None:
