@@ -88,7 +88,8 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @network_options
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, env, timeout, cwd, user, seccomp, entrypoint, network, cmd, **limits) -> None:  # type: ignore[no-untyped-def]
+def run(ctx, image, env, timeout, cwd, user, seccomp, entrypoint, network, cmd,  # type: ignore[no-untyped-def]
+        **limits) -> None:
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
     As `docker run` does: CMD goes after the image's entrypoint, as its arguments, in place of the
@@ -133,15 +134,15 @@ def _command(fleet: Fleet, image_id: str, asked: str, entrypoint: str | None, cm
 @_SECCOMP
 @network_options
 @click.pass_context
-def create(ctx, image, env, deadline, labels, persistence, priority, idle_timeout, user, seccomp,  # type: ignore[no-untyped-def]
-           network, **limits) -> None:
+def create(ctx, image, env, deadline, labels, persistence, priority,  # type: ignore[no-untyped-def]
+           idle_timeout, user, seccomp, network, **limits) -> None:
     """Create a sandbox that outlives this command; print its id.
 
     --image also takes a snapshot id or name, to start from a snapshot.
     """
     with _fleet(ctx) as fleet:
-        sandbox = fleet.create(image, **limits, env=_pairs(env, "--env"), labels=_pairs(labels, "--label"), deadline=deadline,
-                               detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
+        sandbox = fleet.create(image, **limits, env=_pairs(env, "--env"), labels=_pairs(labels, "--label"),
+                               deadline=deadline, detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
                                user=user, seccomp=_profile_path(seccomp), network=network or "none")
     click.echo(sandbox.id)
 

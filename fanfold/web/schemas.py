@@ -13,7 +13,8 @@ import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, create_model, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, create_model, field_validator,
+    model_validator,
 )
 
 from ..engine.api import MAX_FORK, MAX_POOL
