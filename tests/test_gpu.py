@@ -86,7 +86,8 @@ async def sh(sandbox, script: str) -> str:
 # -- the request ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("given, written", [
-    (None, None), (0, None), ("none", None), (2, "2"), ("2", "2"), ("all", "all"), ("device=0,1", "device=0,1"),
+    (None, None), ("", None), (0, "none"), ("none", "none"), (2, "2"), ("2", "2"), ("all", "all"),
+    ("device=0,1", "device=0,1"),
     ([0, UUIDS[0]], f"device=0,{UUIDS[0]}"), (UUIDS[1], f"device={UUIDS[1]}"), ('"device=1"', "device=1"),
 ])
 def test_a_gpu_request_has_one_written_form(given, written):

@@ -142,8 +142,9 @@ def create(ctx, image, env, deadline, labels, persistence, priority,  # type: ig
     """
     with _fleet(ctx) as fleet:
         sandbox = fleet.create(image, **limits, env=_pairs(env, "--env"), labels=_pairs(labels, "--label"),
-                               deadline=deadline, detached=True, persistence=persistence, priority=priority, idle_timeout=idle_timeout,
-                               user=user, seccomp=_profile_path(seccomp), network=network or "none")
+                               deadline=deadline, detached=True, persistence=persistence, priority=priority,
+                               idle_timeout=idle_timeout, user=user, seccomp=_profile_path(seccomp),
+                               network=network or "none")
     click.echo(sandbox.id)
 
 
