@@ -35,9 +35,9 @@ def gpu_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("nvidia0", "nvidiactl", "nvidia-uvm"):
         os.mknod(root / "dev" / name, 0o20666, os.makedev(1, 3))
         os.chmod(root / "dev" / name, 0o666)
-    info = root / "proc/gpus/0000:00:1e.0/information"  # the driver's, by the node's minor number (/dev/null's 3)
+    info = root / "proc/gpus/0000:00:1e.0/information"  # the driver's: nvidia0 is minor 0
     info.parent.mkdir(parents=True)
-    info.write_text(f"Model: \t\t Fake\nGPU UUID: \t {FAKE_UUID}\nDevice Minor: \t 3\n")
+    info.write_text(f"Model: \t\t Fake\nGPU UUID: \t {FAKE_UUID}\nDevice Minor: \t 0\n")
     smi = root / "nvidia/bin/nvidia-smi"
     smi.write_text(f"#!/bin/sh\necho '{FAKE_LINE}'\n")
     smi.chmod(0o755)
