@@ -55,3 +55,8 @@ def _gpu_id(text: str) -> bool:
     text = text.strip()
     return text.isdigit() or (4 <= len(text) <= 96 and text[:4] in ("GPU-", "MIG-")
                               and all(c.isalnum() or c in "-/" for c in text))
+
+
+def wanted(value: str | None) -> str | None:
+    """What a written ``gpus`` asks of a host: None for no GPU, whether unset or ``none``."""
+    return None if value == NO_GPUS else value

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 from .. import ids
 from ..client import LEASE_TTL_S, HttpTransport
 from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, NotFound, SandboxNotFound, SnapshotNotFound
+from ..gpu_request import wanted as wanted_gpus
 from ..images import Image
 from ..models import CreateParams, ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
 from ..refs import BASES
@@ -266,19 +267,19 @@ class RayTransport:
         if limits is None:  # a build or pull: the roomiest node
             order = rank(loads, memory_mb=0.0, cpus=0.0, source=source)
         else:
-            order = rank(loads, memory_mb=limits.memory_mb, cpus=limits.cpus, source=source, gpus=limits.gpus,
-                         gpu_exclusive=limits.gpu_exclusive)
+            order = rank(loads, memory_mb=limits.memory_mb, cpus=limits.cpus, source=source,
+                         gpus=wanted_gpus(limits.gpus), gpu_exclusive=limits.gpu_exclusive)
         return [self.nodes[load.tag] for load in order]
 
     async def _placeable(self, source: str | None, limits: Limits) -> list[Node]:
         """``_best`` for a create or pool; with GPUs, InvalidRequest when no node could give them (after a
         refresh, for a GPU node that joined since)."""
-        nodes = self._best(source, limits)
-        if not nodes and limits.gpus is not None:
+        nodes, gpus = self._best(source, limits), wanted_gpus(limits.gpus)
+        if not nodes and gpus is not None:
             await self.refresh()
             nodes = self._best(source, limits)
-        if not nodes and limits.gpus is not None:
-            raise InvalidRequest(no_gpu_node([node.load() for node in self.nodes.values()], limits.gpus or ""))
+        if not nodes and gpus is not None:
+            raise InvalidRequest(no_gpu_node([node.load() for node in self.nodes.values()], gpus))
         return nodes
 
     async def build(self, spec: EnvSpec, on_step: OnStep | None = None, *, network: Network = "isolated",
@@ -340,7 +341,8 @@ class RayTransport:
         source, limits = params.image, params.limits or Limits()
         candidates = await self._candidates(source, limits)
         last: FanfoldError | None = None
-        asks_gpus = [(limits.gpus, limits.gpu_exclusive)] if limits.gpus is not None else []
+        gpus = wanted_gpus(limits.gpus)
+        asks_gpus = [(gpus, limits.gpu_exclusive)] if gpus is not None else []
         for node in candidates[:3]:
             node.inflight += 1
             node.inflight_memory_mb += limits.memory_mb
@@ -445,7 +447,7 @@ class RayTransport:
         """A cluster-wide pool: ``size`` spread over the nodes by memory, a pool with GPUs over the nodes that
         could give them by their GPU shares (``None``: each node follows its demand)."""
         source = image.id if isinstance(image, Image) else image
-        gpus = limits.gpus if limits is not None else None
+        gpus = wanted_gpus(limits.gpus) if limits is not None else None
         nodes = self._alive() if limits is None or gpus is None else await self._placeable(source, limits)
         loads = [n.load() for n in nodes]
         shares = {n.tag: None for n in nodes} if size is None else split_pool(size, loads, gpus=gpus)
