@@ -107,6 +107,16 @@ async def test_through_a_server_with_a_tenants_token(server, tmp_path):
         assert sandbox_id not in [info.id for info in await remote.list()]
 
 
+async def test_a_server_fleet_without_the_token_for_its_port_route_says_so(server, monkeypatch):
+    monkeypatch.delenv("FANFOLD_TOKEN", raising=False)
+    async with AsyncFleet(server.tcp_url, token=server.tokens["alice"]) as fleet:
+        deployment = FanfoldDeployment(fleet=fleet, labels={"case": "no-token"})  # token= forgotten
+        with pytest.raises(SwerexStartFailed, match=r"refused the runtime's requests to the sandbox's port \(401\): "
+                                                    "give FanfoldDeployment the fleet's token"):
+            await deployment.start()
+        assert await fleet.list(labels={"case": "no-token"}) == []
+
+
 async def deployment_alive(deployment: FanfoldDeployment) -> bool:
     try:
         return bool(await deployment.is_alive())

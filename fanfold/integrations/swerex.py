@@ -201,7 +201,10 @@ class FanfoldDeployment(AbstractDeployment):
         # SWE-ReX's own __del__ runs stop() on whatever loop is current; the sandbox belongs to the
         # fleet's, and the fleet destroys it when closed or when the process ends.
         if getattr(self, "sandbox", None) is not None:
-            self.logger.warning("FanfoldDeployment dropped without stop(): its fleet destroys the sandbox on close")
+            try:
+                self.logger.warning("FanfoldDeployment dropped without stop(): its fleet destroys the sandbox")
+            except Exception:  # logging already torn down at interpreter exit
+                pass
 
     # -- start's parts --------------------------------------------------------------------------
 
@@ -267,6 +270,9 @@ class FanfoldDeployment(AbstractDeployment):
             answer = await self._runtime.is_alive(timeout=probe)
             if answer.is_alive:
                 return
+            if answer.message.startswith("Status code 401 "):  # the server's port route, not swerex-remote
+                raise SwerexStartFailed("the fanfold server refused the runtime's requests to the sandbox's port "
+                                        "(401): give FanfoldDeployment the fleet's token (token= or FANFOLD_TOKEN)")
             if not await self._running(pid):
                 raise SwerexStartFailed(f"swerex-remote exited in sandbox {self.sandbox.id} before it answered; "
                                         f"its output:\n{await self._log_tail()}")
