@@ -131,6 +131,7 @@ async def test_an_image_built_ahead_on_a_caller_owned_fleet_that_stays_open(conf
         await deployment.start()
         assert deployment.sandbox.info.image_id == image.id
         sandbox_id = deployment.sandbox.id
+        await (await fleet.get(sandbox_id)).kill()  # gone before stop(), as at its deadline
         await deployment.stop()
         assert sandbox_id not in [info.id for info in await fleet.list()]
         async with await fleet.create("host") as sandbox:
