@@ -35,6 +35,19 @@ VENV="${FANFOLD_VENV:-.venv}"
 STAMP="$VENV/.fanfold-installed"
 
 # The probes (missing_packages is apt.sh's): each says what is missing and never fails because a tool is absent.
+HARBOR_VENV="${FANFOLD_HARBOR_VENV:-.venv-harbor}"
+HARBOR_STAMP="$HARBOR_VENV/.fanfold-installed"
+harbor_venv_current() { [[ -x "$HARBOR_VENV/bin/python" && -f "$HARBOR_STAMP" && ! pyproject.toml -nt "$HARBOR_STAMP" ]]; }
+# The first Python >= 3.12 of FANFOLD_HARBOR_PYTHON, PATH and pyenv's versions (newest first); fails if none.
+find_harbor_python() {
+    local candidate
+    for candidate in "${FANFOLD_HARBOR_PYTHON:-}" python3.13 python3.12 \
+                     $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python 2>/dev/null | sort -rV); do
+        [[ -n "$candidate" ]] && command -v "$candidate" >/dev/null 2>&1 || continue
+        "$candidate" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v "$candidate"; return 0; }
+    done
+    return 1
+}
 venv_current() { [[ -x "$VENV/bin/python" && -f "$STAMP" && ! pyproject.toml -nt "$STAMP" ]]; }
 
 if (( check )); then
@@ -42,6 +55,9 @@ if (( check )); then
     mapfile -t missing < <(missing_packages "${PACKAGES[@]}")
     if (( ${#missing[@]} )); then echo "setup: missing packages: ${missing[*]}"; status=1; fi
     venv_current || { echo "setup: missing: the virtual environment $VENV with fanfold"; status=1; }
+    if find_harbor_python >/dev/null && ! harbor_venv_current; then
+        echo "setup: missing: Harbor's virtual environment $HARBOR_VENV"; status=1
+    fi
     bash scripts/criu.sh --check --install-only || status=1  # installed, not run against this kernel
     bash scripts/runsc.sh --check || status=1
     (( status )) || echo "setup: everything is installed"
@@ -59,6 +75,19 @@ if ! venv_current; then
     echo "setup: installing fanfold and its extras into $VENV"
     "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[all,test]'  # every extra: demo and tests use them
     touch "$STAMP"
+fi
+
+# Harbor (fanfold.integrations.harbor) needs Python >= 3.12: its own virtual environment, made with the
+# first such Python found (FANFOLD_HARBOR_PYTHON, python3.13/python3.12 on PATH, pyenv's); none: skipped.
+if harbor_python=$(find_harbor_python); then
+    if ! harbor_venv_current; then
+        [[ -x "$HARBOR_VENV/bin/python" ]] || "$harbor_python" -m venv "$HARBOR_VENV"
+        echo "setup: installing Harbor and fanfold into $HARBOR_VENV ($("$harbor_python" --version))"
+        "$HARBOR_VENV/bin/pip" install -q --disable-pip-version-check -e '.[harbor,server,net]'
+        touch "$HARBOR_STAMP"
+    fi
+else
+    echo "setup: no Python >= 3.12 here (pyenv or python3.12/python3.13 on PATH): Harbor's environment and its tests are skipped"
 fi
 
 # CRIU >= 4.1 for memory snapshots, fork and suspend (Debian 12's 3.17 fails `criu check`).

@@ -77,6 +77,14 @@ async def probe(task_dir: Path, work: Path) -> dict:
         seen["after_stop"] = type(err).__name__
     await again.stop(delete=True)
     seen["refusals"] = refusals(task_dir, work)
+    broken = work / "broken-task" / "environment"
+    broken.mkdir(parents=True)
+    (broken / "Dockerfile").write_text("FROM host\nRUN exit 7\n")
+    try:
+        await make(work / "broken-task", work, "broken").start(force_build=False)
+        seen["broken_build"] = "started"
+    except Exception as err:
+        seen["broken_build"] = f"{type(err).__name__}: {err}"
     return seen
 
 

@@ -166,3 +166,7 @@ def test_what_fanfold_cannot_run_is_refused_with_the_reason(probed):
     assert "does not run Docker Compose tasks" in refused["compose"]
     assert "drop [environment].gpu_types" in refused["gpu_types"]
     assert "does not support Windows" in refused["windows"]
+
+
+def test_a_dockerfile_that_fails_to_build_is_harbors_build_failure(probed):
+    assert probed["broken_build"].startswith("SandboxBuildFailedError: fanfold cannot build"), probed["broken_build"]

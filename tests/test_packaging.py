@@ -107,3 +107,8 @@ def test_a_ray_fleet_without_the_ray_extra_names_it():
     assert done.stderr.splitlines()[-1] == ("fanfold._extras.MissingExtra: a fleet on a Ray cluster (ray://) needs ray, "
                                             "which is not installed: pip install 'fanfold[ray]'")
 
+
+
+def test_the_harbor_environment_without_harbor_names_the_extra():
+    done = python("import fanfold.integrations.harbor", blocked=OPTIONAL + ["harbor"])
+    assert done.returncode == 1 and "pip install 'fanfold[harbor]'" in done.stderr, done.stderr

@@ -28,16 +28,17 @@ from typing import Any
 from .._extras import MissingExtra
 
 try:
-    from harbor.environments.base import BaseEnvironment, ExecResult
+    from harbor.environments.base import BaseEnvironment, ExecResult, SandboxBuildFailedError
     from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
     from harbor.models.task.config import NetworkMode, NetworkPolicy
 except ModuleNotFoundError as exc:
     if exc.name is None or exc.name.partition(".")[0] != "harbor":
         raise  # an installed but broken package: let it show
-    raise MissingExtra("fanfold's Harbor environment needs Harbor (Python >= 3.12): pip install 'harbor>=0.25'") from None
+    raise MissingExtra("fanfold's Harbor environment needs Harbor, which is not installed: "
+                       "pip install 'fanfold[harbor]' (Harbor needs Python >= 3.12)") from None
 
 from ..client import AsyncFleet, AsyncSandbox
-from ..errors import ExecTimeout, FanfoldError, InvalidSpec
+from ..errors import BuildFailed, ExecTimeout, FanfoldError, InvalidSpec
 from ..models import Outcome
 from ..spec import EnvSpec
 
@@ -131,12 +132,11 @@ class FanfoldEnvironment(BaseEnvironment):
         tag = f"harbor-{_label(self.environment_name).lower()}:{self.environment_id[:12]}"
         if not force_build and any(tag in image.names for image in await self._fleet.images()):
             return tag
-        try:
+        try:  # Harbor's own error for a task that cannot build: it does not retry it
             spec = EnvSpec.from_dockerfile(dockerfile, context=self.environment_dir)
-        except InvalidSpec as err:
-            raise ValueError(f"fanfold cannot build {dockerfile}: {err}") from err
-        built = await self._fleet.build(spec, tag=tag)
-        return built.id
+            return (await self._fleet.build(spec, tag=tag)).id
+        except (InvalidSpec, BuildFailed) as err:
+            raise SandboxBuildFailedError(f"fanfold cannot build {dockerfile}: {err}") from err
 
     def _limits(self) -> dict[str, Any]:
         limits: dict[str, Any] = {}
@@ -230,7 +230,7 @@ class _SharedFleets:
 
     def __init__(self) -> None:
         self._fleets: dict[tuple[Any, ...], tuple[AsyncFleet, int]] = {}
-        self._lock: asyncio.Lock | None = None
+        self._locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}  # a lock serves one loop
 
     async def acquire(self, url: str | None, token: str | None) -> AsyncFleet:
         key = (url, token, asyncio.get_running_loop())
@@ -253,9 +253,10 @@ class _SharedFleets:
             await fleet.close()
 
     def _guard(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
+        loop = asyncio.get_running_loop()
+        for old in [held for held in self._locks if held.is_closed()]:
+            del self._locks[old]
+        return self._locks.setdefault(loop, asyncio.Lock())
 
 
 _fleets = _SharedFleets()
