@@ -40,6 +40,7 @@ async def probe(task_dir: Path, work: Path) -> dict:
     seen["exec"] = run.model_dump()
     seen["exec_cwd"] = (await env.exec("pwd", cwd="/tmp")).stdout
     seen["exec_user"] = (await env.exec("id -un", user="nobody")).stdout
+    seen["exec_uid"] = (await env.exec("id -u", user=65534)).stdout
     try:
         await env.exec("sleep 30", timeout_sec=1)
         seen["timeout"] = "returned"

@@ -55,19 +55,22 @@ TEST = ('#!/bin/bash\necho "proxy=${HTTPS_PROXY:-none}" > /logs/verifier/network
         'if grep -qx fixed /app/note.txt; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_task(root: Path, toml: str, solve: str, test: str) -> Path:
     """A terminal-bench-style task: an instruction, a Dockerfile on fanfold's offline base, tests, a solution."""
-    root = tmp_path_factory.mktemp("harbor") / "fix-note"
     for part in ("environment", "solution", "tests"):
         (root / part).mkdir(parents=True)
     (root / "instruction.md").write_text('Write the word "fixed" into /app/note.txt.\n')
-    (root / "task.toml").write_text(TASK_TOML)
+    (root / "task.toml").write_text(toml)
     (root / "environment" / "Dockerfile").write_text("FROM host\nWORKDIR /app\nRUN echo broken > /app/note.txt\n")
-    for path, text in ((root / "solution" / "solve.sh", SOLVE), (root / "tests" / "test.sh", TEST)):
+    for path, text in ((root / "solution" / "solve.sh", solve), (root / "tests" / "test.sh", test)):
         path.write_text(text)
         path.chmod(0o755)
     return root
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_task(tmp_path_factory.mktemp("harbor") / "fix-note", TASK_TOML, SOLVE, TEST)
 
 
 def harbor_env(**fanfold: str) -> dict[str, str]:
@@ -76,16 +79,16 @@ def harbor_env(**fanfold: str) -> dict[str, str]:
     return {**kept, "PYTHONPATH": str(ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True", **fanfold}
 
 
-def harbor_run(task: Path, agent: str, jobs: Path, env: dict[str, str]) -> Path:
-    """``harbor run`` of one trial; returns the trial's directory."""
+def harbor_run(task: Path, agent: str, jobs: Path, env: dict[str, str], trials: int = 1) -> Path:
+    """``harbor run`` of a task (or a folder of ``trials`` tasks, run at once); returns the trial's directory."""
     done = subprocess.run(
         [str(HARBOR_VENV / "bin" / "harbor"), "run", "-p", str(task), "-a", agent, "-e", IMPORT_PATH,
-         "-o", str(jobs), "--job-name", agent, "-n", "1", "-y", "-q"],
+         "-o", str(jobs), "--job-name", agent, "-n", str(trials), "-y", "-q"],
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    trials = [p for p in (jobs / agent).iterdir() if (p / "result.json").is_file()]
-    assert len(trials) == 1, done.stdout[-3000:]
-    return trials[0]
+    found = [p for p in (jobs / agent).iterdir() if (p / "result.json").is_file()]
+    assert len(found) == trials, done.stdout[-3000:]
+    return found[0] if trials == 1 else jobs / agent
 
 
 def trial_outcome(trial: Path) -> tuple[float | None, object]:
@@ -112,6 +115,35 @@ def test_harbor_run_with_the_nop_agent_gets_reward_0(task, config, tmp_path):
     assert trial_outcome(trial) == (0.0, None)
 
 
+def test_trials_run_at_once_share_one_embedded_engine(config, tmp_path):
+    for name in ("first", "second"):
+        write_task(tmp_path / "tasks" / name, TASK_TOML, SOLVE, TEST)
+    job = harbor_run(tmp_path / "tasks", "oracle", tmp_path / "jobs",
+                     harbor_env(FANFOLD_STATE_DIR=str(config.state_dir)), trials=2)
+    outcomes = [trial_outcome(trial) for trial in job.iterdir() if (trial / "result.json").is_file()]
+    assert outcomes == [(1.0, None), (1.0, None)]
+
+
+def test_a_task_that_asks_for_a_gpu_gets_one(config, tmp_path):
+    """On a synthetic GPU host (tests/test_gpu.py's): the task's ``gpus = 1`` reaches the sandbox."""
+    from test_gpu import make_host
+
+    host = tmp_path / "gpuhost"
+    host.mkdir()
+    if "nodev" in subprocess.run(["findmnt", "-no", "OPTIONS", "-T", str(host)], capture_output=True, text=True).stdout:
+        pytest.skip(f"{host} is on a nodev mount: device nodes there cannot be opened")
+    made = make_host(host)
+    gpu_env = {"FANFOLD_GPU_DEV_DIR": made["gpu_dev_dir"], "FANFOLD_GPU_PROC_DIR": made["gpu_proc_dir"],
+               "FANFOLD_GPU_CDI_DIRS": ",".join(made["gpu_cdi_dirs"]),
+               "FANFOLD_GPU_DRIVER_DIRS": ",".join(made["gpu_driver_dirs"])}
+    toml = TASK_TOML.replace("storage_mb = 2048\n", "storage_mb = 2048\ngpus = 1\n")
+    test = "#!/bin/bash\nnvidia-smi > /logs/verifier/gpu.txt\nif test -c /dev/nvidia0; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
+    task = write_task(tmp_path / "gpu-task", toml, "#!/bin/bash\ntrue\n", test)
+    trial = harbor_run(task, "oracle", tmp_path / "jobs", harbor_env(FANFOLD_STATE_DIR=str(config.state_dir), **gpu_env))
+    assert trial_outcome(trial) == (1.0, None)
+    assert (trial / "verifier" / "gpu.txt").read_text().startswith("GPU ")
+
+
 @pytest.fixture(scope="module")
 def probed(task, config, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """What tests/harbor_probe.py saw driving the environment through Harbor's factory (embedded)."""
@@ -135,6 +167,7 @@ def test_exec_maps_harbors_arguments_and_results(probed):
     assert probed["exec"] == {"stdout": "/app\nfrom-task 1\nroot\n", "stderr": "oops\n", "return_code": 3}
     assert probed["exec_cwd"] == "/tmp\n"
     assert probed["exec_user"] == "nobody\n"
+    assert probed["exec_uid"] == "65534\n"
     assert probed["timeout"] == "ExecTimeout"
 
 
