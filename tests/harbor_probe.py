@@ -51,7 +51,10 @@ async def probe(task_dir: Path, work: Path) -> dict:
     (source / "run.sh").write_text("#!/bin/sh\necho ran\n")
     (source / "run.sh").chmod(0o755)
     (source / "sub" / "data.bin").write_bytes(bytes(range(256)) * 64)
+    (source / "big.bin").write_bytes(b"x" * (9 << 20))  # past UPLOAD_IN_MEMORY: streamed, then its mode set
+    (source / "big.bin").chmod(0o640)
     await env.upload_dir(source, "/srv/in")
+    seen["big_file"] = (await env.exec("stat -c '%a %s' /srv/in/big.bin")).stdout
     seen["uploaded_runs"] = (await env.exec("/srv/in/run.sh && test -d /srv/in/sub/empty && echo dir")).stdout
     await env.upload_file(source / "run.sh", "/srv/one/run.sh")
     seen["is_file"] = await env.is_file("/srv/one/run.sh")

@@ -173,6 +173,7 @@ def test_exec_maps_harbors_arguments_and_results(probed):
 
 def test_files_go_in_and_out_with_their_modes_and_directories(probed):
     assert probed["uploaded_runs"] == "ran\ndir\n"
+    assert probed["big_file"] == f"640 {9 << 20}\n"
     assert probed["is_file"] is True
     assert probed["round_trip"] is True
     assert probed["downloaded_file"] == "#!/bin/sh\necho ran\n"
