@@ -124,6 +124,23 @@ def test_trials_run_at_once_share_one_embedded_engine(config, tmp_path):
     assert outcomes == [(1.0, None), (1.0, None)]
 
 
+def test_a_task_on_a_prebuilt_docker_image_pulls_it(registry, config, tmp_path, monkeypatch):
+    """``[environment].docker_image`` and no Dockerfile: the image comes from a registry (a loopback one)."""
+    import registry as images
+
+    monkeypatch.setattr(images, "RUNNABLE_TOOLS", images.RUNNABLE_TOOLS + ("bash", "chmod", "grep"))
+    tree = images.runnable_tree(tmp_path / "tree")
+    (tree / "app").mkdir()
+    (tree / "app" / "note.txt").write_text("broken\n")
+    ref = images.push_tree(registry, "harbor-task:v1", [tree],
+                           config={"Env": ["PATH=/usr/bin:/bin", "HOME=/root"], "WorkingDir": "/app"})
+    toml = TASK_TOML.replace("[environment]\n", f'[environment]\ndocker_image = "{ref}"\n')
+    task = write_task(tmp_path / "prebuilt", toml, SOLVE, TEST)
+    (task / "environment" / "Dockerfile").unlink()
+    env = harbor_env(FANFOLD_STATE_DIR=str(config.state_dir), FANFOLD_INSECURE_REGISTRIES=registry.host)
+    assert trial_outcome(harbor_run(task, "oracle", tmp_path / "jobs", env)) == (1.0, None)
+
+
 def test_a_task_that_asks_for_a_gpu_gets_one(config, tmp_path):
     """On a synthetic GPU host (tests/test_gpu.py's): the task's ``gpus = 1`` reaches the sandbox."""
     from test_gpu import make_host
@@ -137,9 +154,11 @@ def test_a_task_that_asks_for_a_gpu_gets_one(config, tmp_path):
                "FANFOLD_GPU_CDI_DIRS": ",".join(made["gpu_cdi_dirs"]),
                "FANFOLD_GPU_DRIVER_DIRS": ",".join(made["gpu_driver_dirs"])}
     toml = TASK_TOML.replace("storage_mb = 2048\n", "storage_mb = 2048\ngpus = 1\n")
-    test = "#!/bin/bash\nnvidia-smi > /logs/verifier/gpu.txt\nif test -c /dev/nvidia0; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
+    test = ("#!/bin/bash\nnvidia-smi > /logs/verifier/gpu.txt\n"
+            "if test -c /dev/nvidia0; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n")
     task = write_task(tmp_path / "gpu-task", toml, "#!/bin/bash\ntrue\n", test)
-    trial = harbor_run(task, "oracle", tmp_path / "jobs", harbor_env(FANFOLD_STATE_DIR=str(config.state_dir), **gpu_env))
+    env = harbor_env(FANFOLD_STATE_DIR=str(config.state_dir), **gpu_env)
+    trial = harbor_run(task, "oracle", tmp_path / "jobs", env)
     assert trial_outcome(trial) == (1.0, None)
     assert (trial / "verifier" / "gpu.txt").read_text().startswith("GPU ")
 
