@@ -90,17 +90,21 @@ def test_entry_info_parses_as_the_sdks():
     assert timestamp(0) == "1970-01-01T00:00:00.000000Z"
 
 
-async def test_a_watcher_that_falls_behind_is_dropped_and_told_why():
+async def test_output_waits_for_a_full_watcher_until_it_reads_or_leaves():
+    """The exec's on_output blocks (so the agent's stream is not read) while a watcher holds
+    MAX_BACKLOG_BYTES; a read makes room, and a watcher that leaves never holds the command up."""
     from fanfold._agent.client import ExecControl
-    from fanfold.integrations.e2b.processes import MAX_BACKLOG, Ended, Process
+    from fanfold.integrations.e2b.processes import MAX_BACKLOG_BYTES, Process
 
     process = Process(config={}, tag=None, control=ExecControl(keep_output=False))
-    slow, fast = process.watch(), process.watch()
-    for _ in range(MAX_BACKLOG + 5):
-        process.output("stdout", b"x")
-        while not fast.empty():
-            fast.get_nowait()
-    assert slow not in process.watchers and fast in process.watchers
-    items = [slow.get_nowait() for _ in range(slow.qsize())]
-    assert len(items) == MAX_BACKLOG + 1 and isinstance(items[-1], Ended)
-    assert items[-1].error is not None and items[-1].error.code == "resource_exhausted"
+    slow, gone = process.watch(), process.watch()
+    chunk = b"x" * 65536
+    for _ in range(MAX_BACKLOG_BYTES // 87384 + 1):
+        await asyncio.wait_for(process.output("stdout", chunk), 1)
+    blocked = asyncio.create_task(process.output("stdout", chunk))
+    await asyncio.sleep(0.05)
+    assert not blocked.done() and slow.size >= MAX_BACKLOG_BYTES
+    process.unwatch(gone)
+    slow.get_nowait()  # room again
+    await asyncio.wait_for(blocked, 1)
+    assert slow.size < MAX_BACKLOG_BYTES + 90_000 and gone not in process.watchers

@@ -26,10 +26,9 @@ from .connect import RpcError, b64, rpc_error
 log = logging.getLogger("fanfold.e2b")
 UNLIMITED_OUTPUT = 1 << 60
 """Output streams to watchers and is not kept, so the agent need not cut it."""
-MAX_BACKLOG = 1024
-"""Output chunks (up to 64 KiB each) a watcher may fall behind by before its stream is ended."""
-MAX_BACKLOG_BYTES = 16 * 1024 * 1024
-"""And bytes of output (as base64): every stalled watcher holds at most this much."""
+MAX_BACKLOG_BYTES = 4 * 1024 * 1024
+"""Bytes of output (as base64) a watcher's queue holds before the command waits for it to read: the
+command's output then waits in the agent's buffer and the pipe, and the command blocks on its writes."""
 END_GRACE_S = 2.0
 """How long ``end_all`` waits for SIGKILLed processes before it cancels their execs."""
 
@@ -47,11 +46,27 @@ Item = Event | Ended
 
 
 class Backlog(asyncio.Queue[Item]):
-    """A watcher's queue, which counts the output it holds."""
+    """A watcher's queue, which counts the output it holds; ``put_output`` waits while it holds
+    ``MAX_BACKLOG_BYTES`` or more, until the watcher reads or leaves."""
 
     def __init__(self) -> None:
         super().__init__()
         self.size = 0
+        self.left = False
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def put_output(self, item: Event) -> None:
+        while self.size >= MAX_BACKLOG_BYTES and not self.left:
+            self._room.clear()
+            await self._room.wait()
+        if not self.left:
+            self.put_nowait(item)
+
+    def leave(self) -> None:
+        """The watcher is gone: nothing waits on its queue any more."""
+        self.left = True
+        self._room.set()
 
     def _put(self, item: Item) -> None:
         self.size += _weight(item)
@@ -60,6 +75,8 @@ class Backlog(asyncio.Queue[Item]):
     def _get(self) -> Item:
         item = super()._get()
         self.size -= _weight(item)
+        if self.size < MAX_BACKLOG_BYTES:
+            self._room.set()
         return item
 
 
@@ -70,7 +87,8 @@ def _weight(item: Item) -> int:
 
 @dataclass(eq=False)
 class Process:
-    """One running command and who watches it."""
+    """One running command and who watches it. Its output waits for its slowest watcher: a client
+    that reads slowly slows the command down (backpressure) rather than losing output."""
 
     config: dict[str, Any]
     """Its ProcessConfig as the client sent it (cmd, args, envs, cwd), for ``List``."""
@@ -87,25 +105,20 @@ class Process:
 
     def unwatch(self, queue: Backlog) -> None:
         self.watchers.discard(queue)
+        queue.leave()
 
-    def output(self, stream: str, data: bytes) -> None:
-        self._publish({"data": {stream: b64(data)}})
+    async def output(self, stream: str, data: bytes) -> None:
+        """The exec's ``on_output``: the agent's stream is not read again until every watcher has room."""
+        item = {"data": {stream: b64(data)}}
+        for queue in list(self.watchers):
+            await queue.put_output(item)
 
     def finished(self, event: Event | None, error: RpcError | None) -> None:
         """What every watcher gets last: the end event (if any), then the stream's end."""
-        if event is not None:
-            self._publish(event)
-        self._publish(Ended(error))
-
-    def _publish(self, item: Item) -> None:
         for queue in list(self.watchers):
-            behind = queue.qsize() >= MAX_BACKLOG or queue.size >= MAX_BACKLOG_BYTES
-            if behind and not isinstance(item, Ended):
-                self.watchers.discard(queue)  # a client that does not read: its stream ends, the process runs on
-                queue.put_nowait(Ended(RpcError("resource_exhausted", "the client fell too far behind the"
-                                                " command's output; reconnect to follow it again")))
-                continue
-            queue.put_nowait(item)
+            if event is not None:
+                queue.put_nowait(event)
+            queue.put_nowait(Ended(error))
 
 
 class Processes:
