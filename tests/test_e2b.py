@@ -142,6 +142,22 @@ def test_a_slow_reader_gets_all_the_output_and_holds_the_command_back(sbx):
     assert result.stdout == "".join(chunks) and checks[0].isdigit(), checks
 
 
+def test_commands_and_files_run_as_user_by_default_and_as_root_when_asked(sbx):
+    """As on E2B's templates: a ``user`` (uid 1000, home /home/user) is the default; root still works."""
+    assert sbx.commands.run("whoami; id -u; echo $HOME; pwd").stdout.split() == ["user", "1000", "/home/user", "/"]
+    assert sbx.commands.run("whoami; echo $HOME", user="root").stdout.split() == ["root", "/root"]
+    assert sbx.commands.run("whoami", user="user").stdout == "user\n"
+    sbx.files.write("/home/user/deep/note.txt", "mine")
+    sbx.files.write("/tmp/by-root.txt", "root's", user="root")
+    owners = sbx.commands.run("stat -c %U /home/user /home/user/deep /home/user/deep/note.txt /tmp/by-root.txt")
+    assert owners.stdout.split() == ["user", "user", "user", "root"]
+    with pytest.raises(CommandExitException):
+        sbx.commands.run("touch /root/nope")
+    with pytest.raises(e2b.SandboxException, match="Permission denied"):
+        sbx.files.write("/root/nope/x.txt", "no")
+    assert "user" not in sbx.get_info().metadata
+
+
 def test_files(sbx):
     info = sbx.files.write("/tmp/e2b/a.txt", "alpha")
     assert (info.path, info.name) == ("/tmp/e2b/a.txt", "a.txt")
@@ -254,7 +270,7 @@ def test_fork_makes_running_copies(e2b_env):
 def test_without_bash_commands_run_under_sh(e2b_env):
     sandbox = Sandbox.create(timeout=300)
     try:
-        sandbox.files.rename("/usr/bin/bash", "/usr/bin/bash.gone")
+        sandbox.files.rename("/usr/bin/bash", "/usr/bin/bash.gone", user="root")
         assert sandbox.commands.run("echo $0").stdout.strip() == "/bin/sh"  # bash's would be /bin/bash
     finally:
         assert sandbox.kill()

@@ -18,6 +18,7 @@ is a 404. Errors are ``{"code": <status>, "message": ...}``. The mapping:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -35,6 +36,7 @@ from ...errors import FanfoldError, SandboxNotFound
 from ...models import CreateParams, SandboxInfo
 from ...web.deps import check_source
 from ...web.status import status_for
+from .account import DEFAULT_USER, USER_LABEL, make_account
 from .auth import tenant_of_key
 from .envd import ENVD_VERSION, e2b, engine
 
@@ -153,7 +155,7 @@ def detail(request: Request, info: SandboxInfo) -> dict[str, Any]:
         "startedAt": iso(info.created_at), "endAt": NEVER if info.deadline_at is None else iso(info.deadline_at),
         "cpuCount": max(1, math.ceil(info.limits.cpus)), "memoryMB": info.limits.memory_mb,
         "diskSizeMB": info.limits.disk_mb, "state": state_of(info),
-        "metadata": {k: v for k, v in info.labels.items() if k != TEMPLATE_LABEL},
+        "metadata": {k: v for k, v in info.labels.items() if k not in (TEMPLATE_LABEL, USER_LABEL)},
     }
 
 
@@ -184,10 +186,15 @@ async def create(body: NewSandbox, request: Request, tenant: str = Depends(calle
     """Start a sandbox; it is running when this answers."""
     image = DEFAULT_TEMPLATES.get(body.templateID, body.templateID)
     check_source(request, image, tenant)
-    labels = {**(body.metadata or {}), TEMPLATE_LABEL: body.templateID}
+    labels = {**(body.metadata or {}), TEMPLATE_LABEL: body.templateID, USER_LABEL: DEFAULT_USER}
     params = CreateParams(image=image, env=body.envVars or {}, labels=labels, deadline=body.timeout,
                           network=network_of(body))
     info = await engine(request).create(params, tenant=tenant)
+    try:
+        await make_account(engine(request), info.id)
+    except BaseException:
+        await asyncio.shield(engine(request).kill(info.id))
+        raise
     return created(request, info)
 
 

@@ -26,6 +26,7 @@ from fastapi.routing import APIRoute
 
 from ...engine import Engine
 from ...errors import FanfoldError, SandboxNotFound
+from .account import default_user
 from .auth import EnvdTokens
 from .connect import (
     STATUS, STREAM_JSON, RpcError, decode, end_of_stream, envelope, enum_value, error_json, field as message_field,
@@ -91,9 +92,10 @@ class Call:
     keepalive: float
 
 
-def call_of(request: Request) -> Call:
+async def call_of(request: Request) -> Call:
     """The call's sandbox, when its access token is right and it exists; else the answer a proxy in
-    front of envd gives for a sandbox that is not there (no hint of which check failed)."""
+    front of envd gives for a sandbox that is not there (no hint of which check failed). It runs as
+    the user the client names, else the sandbox's E2B default (``user``)."""
     sandbox_id = request.headers.get("e2b-sandbox-id", "")
     state = e2b(request)
     try:
@@ -102,7 +104,13 @@ def call_of(request: Request) -> Call:
         raise RpcError("unavailable", gone_message(sandbox_id)) from None
     if engine(request).tenant_of(sandbox_id) is None:
         raise RpcError("unavailable", gone_message(sandbox_id))
-    return Call(sandbox_id=sandbox_id, engine=engine(request), e2b=state, user=_basic_user(request),
+    user = _basic_user(request)
+    if user is None:
+        try:
+            user = default_user(await engine(request).get(sandbox_id))
+        except SandboxNotFound:
+            raise RpcError("unavailable", gone_message(sandbox_id)) from None
+    return Call(sandbox_id=sandbox_id, engine=engine(request), e2b=state, user=user,
                 timeout=_seconds(request.headers.get("connect-timeout-ms"), 1000),
                 keepalive=_seconds(request.headers.get("keepalive-ping-interval"), 1) or KEEPALIVE_S)
 
@@ -189,7 +197,7 @@ async def serve_rpc(request: Request, service: str, method: str, unary: dict[str
     if content_type not in ("application/json", STREAM_JSON):
         return JSONResponse(error_json(RpcError("unimplemented", f"content type {content_type!r}: fanfold's envd speaks"
                                                 " the Connect protocol's JSON codec only")), status_code=415)
-    call = call_of(request)
+    call = await call_of(request)
     body = await read_body(request)
     if method in streams and content_type == STREAM_JSON:
         return ConnectStream(await streams[method](call, stream_request(body)))
@@ -229,7 +237,7 @@ router = APIRouter(prefix="/envd", route_class=EnvdRoute, tags=["e2b"])
 @router.get("/health", status_code=204)
 async def health(request: Request) -> Response:
     """204 while the sandbox runs; 502 when it is paused (suspended), gone or not the token's."""
-    call = call_of(request)
+    call = await call_of(request)
     info = await call.engine.get(call.sandbox_id)
     if info.state not in ("running", "paused"):
         raise RpcError("unavailable", gone_message(call.sandbox_id))

@@ -2,7 +2,8 @@
 Remove) over Connect, and ``GET``/``POST /files`` for contents, in both upload encodings.
 
 Contents, listings and removal use the engine's file API (as the sandbox's root); ``MakeDir`` and
-``Move``, which it lacks, run ``mkdir``/``mv`` as argv lists (as the call's user). Stat reads the
+``Move``, which it lacks, run ``mkdir``/``mv`` as argv lists (as the call's user). An upload for a
+user other than root makes the file's missing parents as that user and hands the file to it. Stat reads the
 parent directory's listing, so an entry's ``owner`` and ``group`` are left empty. Watching
 (``WatchDir``, ``CreateWatcher``...) answers ``unimplemented``.
 """
@@ -10,6 +11,7 @@ parent directory's listing, so an entry's ``owner`` and ``group`` are left empty
 from __future__ import annotations
 
 import posixpath
+from dataclasses import replace
 import stat
 import zlib
 from typing import Any, AsyncIterator
@@ -46,16 +48,19 @@ MAX_MULTIPART = 256 * 1024 * 1024
 @router.get("/files")
 async def download(request: Request, path: str = Query(...)) -> Response:
     """A file's bytes, streamed."""
-    call = call_of(request)
+    call = await call_of(request)
     stream = await call.engine.open_file(call.sandbox_id, path)
     return StreamingResponse(stream, media_type="application/octet-stream", background=BackgroundTask(stream.aclose))
 
 
 @router.post("/files")
-async def upload(request: Request, path: str | None = Query(None)) -> Response:
+async def upload(request: Request, path: str | None = Query(None), username: str | None = Query(None)) -> Response:
     """Write files: a ``multipart/form-data`` body (parts named ``file``, each filename its path unless
-    ``path`` is given) or an ``application/octet-stream`` body (gzip allowed) for ``path``."""
-    call = call_of(request)
+    ``path`` is given) or an ``application/octet-stream`` body (gzip allowed) for ``path``; owned by
+    ``username`` (the SDK's ``user=``), else the sandbox's default user."""
+    call = await call_of(request)
+    if username:
+        call = replace(call, user=username)
     kind = request.headers.get("content-type", "").partition(";")[0].strip()
     written = []
     if kind == "multipart/form-data":
@@ -71,18 +76,41 @@ async def upload(request: Request, path: str | None = Query(None)) -> Response:
                 target = path if path and len(parts) == 1 else part.filename
                 if not target:
                     raise RpcError("invalid_argument", "a file part without a filename needs ?path=")
+                await _prepare(call, target)
                 await call.engine.write_stream(call.sandbox_id, target, _part_chunks(part))
+                await _hand_over(call, target)
                 written.append(target)
     elif kind == "application/octet-stream":
         if not path:
             raise RpcError("invalid_argument", "an octet-stream upload needs ?path=")
         gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
         chunks = _gunzip(request.stream()) if gzipped else request.stream()
+        await _prepare(call, path)
         await call.engine.write_stream(call.sandbox_id, path, chunks)
+        await _hand_over(call, path)
         written.append(path)
     else:
         raise RpcError("invalid_argument", f"upload files as multipart/form-data or application/octet-stream, not {kind!r}")
     return JSONResponse([{"name": posixpath.basename(p), "type": "file", "path": p} for p in written])
+
+
+def _as_root(call: Call) -> bool:
+    return call.user is None or call.user.partition(":")[0] in ("root", "0")
+
+
+async def _prepare(call: Call, path: str) -> None:
+    """For a user other than root, its missing parent directories, made as that user: where the user
+    may not write, the upload fails as envd's (which writes as the user) does."""
+    if not _as_root(call):
+        await _run_tool(call, ["mkdir", "-p", "--", posixpath.dirname(path) or "."])
+
+
+async def _hand_over(call: Call, path: str) -> None:
+    """A file written (as root, by the engine) for another user becomes that user's."""
+    if not _as_root(call):
+        assert call.user is not None
+        owner = call.user if ":" in call.user else f"{call.user}:"
+        await _run_tool(replace(call, user="root"), ["chown", "-h", "--", owner, path])
 
 
 async def _part_chunks(part: UploadFile) -> AsyncIterator[bytes]:
