@@ -4,6 +4,8 @@ the lifecycle tests make their own. Every sandbox made here is killed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 e2b = pytest.importorskip("e2b")
@@ -153,9 +155,50 @@ def test_commands_and_files_run_as_user_by_default_and_as_root_when_asked(sbx):
     assert owners.stdout.split() == ["user", "user", "user", "root"]
     with pytest.raises(CommandExitException):
         sbx.commands.run("touch /root/nope")
-    with pytest.raises(e2b.SandboxException, match="Permission denied"):
-        sbx.files.write("/root/nope/x.txt", "no")
+    for denied in ("/root/x.txt", "/root/deeper/x.txt"):
+        with pytest.raises(e2b.SandboxException, match="Permission denied"):
+            sbx.files.write(denied, "no")
     assert "user" not in sbx.get_info().metadata
+
+
+def test_connect_replays_a_commands_earlier_output(sbx):
+    handle = sbx.commands.run("echo early; read line; echo got $line", background=True, stdin=True, timeout=0)
+    assert next(iter(handle)) == ("early\n", None, None)
+    handle.disconnect()
+    again = sbx.commands.connect(handle.pid, timeout=0)
+    sbx.commands.send_stdin(handle.pid, "it\n")
+    assert again.wait().stdout == "early\ngot it\n"
+
+
+def test_update_network_switches_the_policy_of_a_running_sandbox(sbx, e2b_env):
+    import httpx
+
+    with httpx.Client(base_url=f"{e2b_env.tcp_url}/v1", timeout=60,
+                      headers={"Authorization": f"Bearer {e2b_env.tokens['alice']}"}) as http:
+        def network():
+            return http.get(f"/sandboxes/{sbx.sandbox_id}").json()["network"]
+
+        assert network() == "none"
+        sbx.update_network({"allow_out": ["example.com", "10.0.0.0/8"]})
+        assert network()["allow"] == ["example.com", "10.0.0.0/8"]
+        assert "HTTPS_PROXY=" in sbx.commands.run("env").stdout  # later commands go through the proxy
+        sbx.update_network({})
+        assert network() == "none"
+        with pytest.raises(e2b.SandboxException, match="open"):  # the host's own callers only
+            sbx.update_network({"allow_internet_access": True})
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.update_network(sbx.sandbox_id, {}, api_key=e2b_env.tokens["bob"])
+        assert network() == "none"
+
+
+def test_get_metrics_reports_cpu_memory_and_limits(sbx):
+    """Each sample's CPU use is since the one before: busy in between, it is well above zero."""
+    sbx.get_metrics()
+    sbx.commands.run("head -c 20000000 /dev/urandom | sha256sum")
+    [sample] = sbx.get_metrics()
+    assert sample.cpu_count >= 1 and 1 < sample.cpu_used_pct <= 100
+    assert 0 < sample.mem_used <= sample.mem_total and sample.disk_total > 0
+    assert abs(sample.timestamp.timestamp() - time.time()) < 60
 
 
 def test_files(sbx):
@@ -211,7 +254,7 @@ def test_errors_unknown_sandbox_bad_key_and_another_tenant(sbx, e2b_env):
 def test_pause_and_connect_keep_files_and_end_processes(e2b_env):
     sandbox = Sandbox.create(timeout=300)
     try:
-        sandbox.files.write("/root/kept.txt", "kept")
+        sandbox.files.write("/home/user/kept.txt", "kept")
         sleeper = sandbox.commands.run("sleep 60", background=True)
         assert sandbox.pause() is True
         assert Sandbox.get_info(sandbox.sandbox_id).state.value == "paused"
@@ -221,7 +264,7 @@ def test_pause_and_connect_keep_files_and_end_processes(e2b_env):
         resumed = Sandbox.connect(sandbox.sandbox_id)
         assert resumed.get_info().state.value == "running"
         assert resumed.commands.list() == []
-        assert resumed.files.read("/root/kept.txt") == "kept"
+        assert resumed.files.read("/home/user/kept.txt") == "kept"
         assert resumed.commands.run("echo back").stdout == "back\n"
     finally:
         assert sandbox.kill()
@@ -250,16 +293,45 @@ def test_a_pause_through_fanfolds_own_api_ends_e2b_processes_instead_of_waiting_
         assert sandbox.kill()
 
 
+def test_an_idempotency_key_makes_one_sandbox(e2b_env):
+    first = Sandbox.create(timeout=120, metadata={"suite": "idem"}, idempotency_key="make-it-once")
+    try:
+        again = Sandbox.create(timeout=120, metadata={"suite": "idem"}, idempotency_key="make-it-once")
+        assert again.sandbox_id == first.sandbox_id
+        assert len(Sandbox.list(query=SandboxQuery(metadata={"suite": "idem"})).next_items()) == 1
+        with pytest.raises(e2b.SandboxException, match="already used"):
+            Sandbox.create(timeout=120, metadata={"suite": "other"}, idempotency_key="make-it-once")
+    finally:
+        assert first.kill()
+
+
+def test_snapshots_are_listed_and_deleted(e2b_env):
+    sandbox = Sandbox.create(timeout=120)
+    try:
+        sandbox.files.write("/home/user/in-snapshot.txt", "kept")
+        snap = sandbox.create_snapshot(name="e2b-listed")
+        listed = sandbox.list_snapshots().next_items()
+        assert [(s.snapshot_id, s.names) for s in listed] == [(snap.snapshot_id, ["e2b-listed"])]
+        assert [s.snapshot_id for s in Sandbox.list_snapshots(name="e2b-listed").next_items()] == [snap.snapshot_id]
+        assert Sandbox.list_snapshots(api_key=e2b_env.tokens["bob"]).next_items() == []
+        assert Sandbox.delete_snapshot(snap.snapshot_id, api_key=e2b_env.tokens["bob"]) is False
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+        assert sandbox.list_snapshots().next_items() == []
+    finally:
+        assert sandbox.kill()
+
+
 def test_fork_makes_running_copies(e2b_env):
     parent = Sandbox.create(timeout=300)
     children = []
     try:
-        parent.files.write("/root/state.txt", "parent")
+        parent.files.write("/home/user/state.txt", "parent")
         children = parent.fork(count=2)
         assert len(children) == 2 and all(isinstance(child, Sandbox) for child in children)
         for child in children:
             assert child.sandbox_id != parent.sandbox_id
-            assert child.files.read("/root/state.txt") == "parent"
+            assert child.files.read("/home/user/state.txt") == "parent"
             assert child.commands.run("echo child").stdout == "child\n"
     finally:
         for sandbox in [parent, *children]:

@@ -5,7 +5,8 @@ is a 404. Errors are ``{"code": <status>, "message": ...}``. The mapping:
 
 - create: ``templateID`` is a fanfold image reference or one of the tenant's snapshots (id or name);
   E2B's default ``base`` is fanfold's ``host``. ``timeout`` (seconds, default 300) is the deadline,
-  ``metadata`` the labels (names of letters, digits and ``_.:/-``), ``envVars`` the sandbox's env.
+  ``metadata`` the labels (names of letters, digits and ``_.:/-``), ``envVars`` the sandbox's env;
+  one ``Idempotency-Key`` (per tenant, for an hour) makes one sandbox, however often it is sent.
   Network: fanfold's default, none, unless ``network.allowOut`` lists what it may reach (a fanfold
   allow-list policy); ``allow_internet_access: true`` asks for ``open``, which fanfold grants only to
   the host's own callers, so a tenant gets a 400 saying to list hosts instead.
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ...errors import FanfoldError, SandboxNotFound
-from ...models import CreateParams, SandboxInfo
+from ...models import CreateParams, SandboxInfo, SnapshotInfo
 from ...web.deps import check_source
 from ...web.status import status_for
 from .account import DEFAULT_USER, USER_LABEL, make_account
@@ -118,6 +119,10 @@ class NewSandbox(_Body):
     network: Network | None = None
 
 
+class NetworkUpdate(Network):
+    allow_internet_access: bool | None = None
+
+
 class Timeout(_Body):
     timeout: int = Field(ge=1, le=MAX_TIMEOUT_S)
 
@@ -171,9 +176,11 @@ def iso(epoch: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(epoch)) + f".{int(epoch % 1 * 1000):03d}Z"
 
 
-def network_of(body: NewSandbox) -> Any:
-    if body.network is not None and body.network.allowOut:
-        return {"allow": body.network.allowOut, **({"deny": body.network.denyOut} if body.network.denyOut else {})}
+def network_of(body: NewSandbox | NetworkUpdate) -> Any:
+    """fanfold's network for E2B's: an allow list (and deny list) as a policy, else open or none."""
+    rules = body.network if isinstance(body, NewSandbox) else body
+    if rules is not None and rules.allowOut:
+        return {"allow": rules.allowOut, **({"deny": rules.denyOut} if rules.denyOut else {})}
     return "open" if body.allow_internet_access else "none"
 
 
@@ -189,12 +196,26 @@ async def create(body: NewSandbox, request: Request, tenant: str = Depends(calle
     labels = {**(body.metadata or {}), TEMPLATE_LABEL: body.templateID, USER_LABEL: DEFAULT_USER}
     params = CreateParams(image=image, env=body.envVars or {}, labels=labels, deadline=body.timeout,
                           network=network_of(body))
-    info = await engine(request).create(params, tenant=tenant)
-    try:
-        await make_account(engine(request), info.id)
-    except BaseException:
-        await asyncio.shield(engine(request).kill(info.id))
-        raise
+    fleet = engine(request)
+
+    async def run() -> SandboxInfo:
+        made = await fleet.create(params, tenant=tenant)
+        try:
+            await make_account(fleet, made.id)
+        except BaseException:
+            await asyncio.shield(fleet.kill(made.id))
+            raise
+        return made
+
+    # One Idempotency-Key, one sandbox: the server's registry of creates (as X-Request-ID for /v1)
+    key = request.headers.get("idempotency-key")
+    registry = request.app.state.creates
+    entry = registry.start(tenant, f"e2b:{key}" if key else None, body.model_dump(), run)
+    info = await asyncio.shield(entry.future)
+    if await request.is_disconnected():
+        registry.abandoned(entry, key)
+    else:
+        registry.claimed(entry)
     return created(request, info)
 
 
@@ -230,6 +251,7 @@ async def kill(request: Request, sandbox_id: str = Depends(owned)) -> Response:
     async with state.quiet(sandbox_id):
         await engine(request).kill(sandbox_id)
     state.no_bash.discard(sandbox_id)
+    state.cpu_samples.pop(sandbox_id, None)
     return Response(status_code=204)
 
 
@@ -268,6 +290,35 @@ async def set_timeout(body: Timeout, request: Request, sandbox_id: str = Depends
     return Response(status_code=204)
 
 
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(request: Request, sandbox_id: str = Depends(owned), tenant: str = Depends(caller)) -> list[dict[str, Any]]:
+    """One sample, now: CPU use since the last sample (since the start, the first time), memory in use,
+    and the sandbox's limits. fanfold keeps no history and does not measure disk use (``diskUsed`` 0)."""
+    fleet = engine(request)
+    info = await fleet.get(sandbox_id)
+    row = next((r for r in (await fleet.stats(tenant=tenant))["sandboxes"] if r["id"] == sandbox_id), None)
+    if row is None:
+        raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+    now, cpus = time.time(), max(info.limits.cpus, 0.01)
+    last_cpu, last_at = e2b(request).cpu_samples.get(sandbox_id, (0.0, info.created_at))
+    e2b(request).cpu_samples[sandbox_id] = (row["cpu_s"], now)
+    used = (row["cpu_s"] - last_cpu) / max(now - last_at, 1e-3) / cpus * 100
+    return [{
+        "timestamp": iso(now), "timestampUnix": int(now), "cpuCount": math.ceil(cpus),
+        "cpuUsedPct": round(min(max(used, 0.0), 100.0), 2), "memUsed": row["memory_bytes"],
+        "memTotal": info.limits.memory_mb << 20, "memCache": 0, "diskUsed": 0, "diskTotal": info.limits.disk_mb << 20,
+    }]
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(body: NetworkUpdate, request: Request, sandbox_id: str = Depends(owned),
+                         tenant: str = Depends(caller)) -> Response:
+    """Replace the sandbox's network as create would set it (fanfold's set_network): new connections
+    and later commands follow it at once."""
+    await engine(request).set_network(sandbox_id, network_of(body), tenant=tenant)
+    return Response(status_code=204)
+
+
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
 async def fork(body: Fork, request: Request, sandbox_id: str = Depends(owned)) -> list[dict[str, Any]]:
     """``count`` live copies of the sandbox; its running processes are ended first."""
@@ -282,4 +333,36 @@ async def snapshot(body: Snapshot, request: Request, sandbox_id: str = Depends(o
     snapshot's id or name is then a templateID."""
     async with e2b(request).quiet(sandbox_id):
         snap = await engine(request).snapshot(sandbox_id, memory=body.memory, name=body.name)
+    return snapshot_json(snap)
+
+
+def snapshot_json(snap: SnapshotInfo) -> dict[str, Any]:
     return {"snapshotID": snap.id, "names": [snap.name] if snap.name else []}
+
+
+@router.get("/snapshots")
+async def list_snapshots(
+    request: Request, response: Response, tenant: str = Depends(caller),
+    sandbox_id: str | None = Query(None, alias="sandboxID"), name: str | None = Query(None),
+    limit: int = Query(1000, ge=1, le=1000), next_token: str | None = Query(None, alias="nextToken"),
+) -> list[dict[str, Any]]:
+    """The tenant's snapshots, oldest first, of one sandbox or with one name if asked, a page at a time."""
+    snaps = [snap for snap in await engine(request).snapshots(tenant=tenant)
+             if sandbox_id in (None, snap.sandbox_id) and name in (None, snap.name, snap.id)]
+    snaps.sort(key=lambda snap: (snap.created_at, snap.id))
+    start = int(next_token) if next_token and next_token.isdigit() and len(next_token) < 10 else 0
+    if start + limit < len(snaps):
+        response.headers["x-next-token"] = str(start + limit)
+    return [snapshot_json(snap) for snap in snaps[start : start + limit]]
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete_snapshot(request: Request, template_id: str, tenant: str = Depends(caller)) -> Response:
+    """Delete a snapshot (E2B's SDK deletes snapshots as templates); 404 when the tenant has none of
+    that id or name, 409 while sandboxes or later snapshots are made from it."""
+    fleet = engine(request)
+    resolved = fleet.resolve_snapshot(template_id, tenant=tenant)
+    if resolved is None or fleet.snapshot_tenant(resolved) != tenant:
+        return api_error(404, f"no snapshot {template_id!r}")
+    await fleet.delete_snapshot(resolved)
+    return Response(status_code=204)

@@ -51,6 +51,8 @@ class E2B:
     tokens: EnvdTokens
     no_bash: set[str] = field(default_factory=set)
     """Sandboxes whose image has no /bin/bash: their commands run under /bin/sh."""
+    cpu_samples: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Each sandbox's CPU seconds at its last metrics sample, and when: the next one's rate."""
     stoppers: list[Callable[[str], Awaitable[Any]]] = field(default_factory=list)
     """Other enders of a sandbox's live execs (the code interpreter's kernels), run by ``quiet``."""
 
@@ -281,7 +283,7 @@ async def start(call: Call, message: dict[str, Any]) -> AsyncIterator[bytes]:
 
 async def connect(call: Call, message: dict[str, Any]) -> AsyncIterator[bytes]:
     process = call.e2b.processes.get(call.sandbox_id, message_field(message, "process", dict, {}))
-    return watch(process, process.watch(), call.keepalive)
+    return watch(process, process.watch(replay=True), call.keepalive)
 
 
 async def watch(process: Process, queue: Backlog, keepalive: float) -> AsyncIterator[bytes]:

@@ -99,10 +99,16 @@ def _as_root(call: Call) -> bool:
 
 
 async def _prepare(call: Call, path: str) -> None:
-    """For a user other than root, its missing parent directories, made as that user: where the user
-    may not write, the upload fails as envd's (which writes as the user) does."""
-    if not _as_root(call):
-        await _run_tool(call, ["mkdir", "-p", "--", posixpath.dirname(path) or "."])
+    """For a user other than root, its missing parent directories, made as that user; an upload
+    where that user may not write fails, as envd's (which writes as the user) does."""
+    if _as_root(call):
+        return
+    check = ('d=$(dirname -- "$1") && mkdir -p -- "$d" 2>/dev/null && test -w "$d" && { ! test -e "$1" || test -w "$1"; }'
+             ' || { echo "$1: Permission denied" >&2; exit 1; }')
+    try:
+        await _run_tool(call, ["/bin/sh", "-c", check, "sh", path])
+    except RpcError as err:
+        raise RpcError("permission_denied", f"{err.message} for user {call.user}") from None
 
 
 async def _hand_over(call: Call, path: str) -> None:

@@ -11,6 +11,7 @@ unlike E2B's, fanfold's processes do not survive a pause.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import signal
@@ -29,6 +30,8 @@ UNLIMITED_OUTPUT = 1 << 60
 MAX_BACKLOG_BYTES = 4 * 1024 * 1024
 """Bytes of output (as base64) a watcher's queue holds before the command waits for it to read: the
 command's output then waits in the agent's buffer and the pipe, and the command blocks on its writes."""
+REPLAY_BYTES = 1024 * 1024
+"""Output (as base64) a process keeps to replay to a client that connects to it later: its latest."""
 END_GRACE_S = 2.0
 """How long ``end_all`` waits for SIGKILLed processes before it cancels their execs."""
 
@@ -97,9 +100,15 @@ class Process:
     pid: int = 0
     task: asyncio.Task[ExecResult] | None = None
     watchers: set[Backlog] = field(default_factory=set)
+    recent: collections.deque[Event] = field(default_factory=collections.deque)
+    """Its latest output, up to ``REPLAY_BYTES``, for ``watch(replay=True)``."""
+    recent_size: int = 0
 
-    def watch(self) -> Backlog:
+    def watch(self, *, replay: bool = False) -> Backlog:
+        """A queue of the output from now on; with ``replay``, from the latest output kept."""
         queue = Backlog()
+        for item in self.recent if replay else ():
+            queue.put_nowait(item)
         self.watchers.add(queue)
         return queue
 
@@ -110,8 +119,15 @@ class Process:
     async def output(self, stream: str, data: bytes) -> None:
         """The exec's ``on_output``: the agent's stream is not read again until every watcher has room."""
         item = {"data": {stream: b64(data)}}
+        self._keep(item)  # before any wait: a client connecting meanwhile gets it by replay
         for queue in list(self.watchers):
             await queue.put_output(item)
+
+    def _keep(self, item: Event) -> None:
+        self.recent.append(item)
+        self.recent_size += _weight(item)
+        while self.recent_size > REPLAY_BYTES and len(self.recent) > 1:
+            self.recent_size -= _weight(self.recent.popleft())
 
     def finished(self, event: Event | None, error: RpcError | None) -> None:
         """What every watcher gets last: the end event (if any), then the stream's end."""
