@@ -374,3 +374,9 @@ def env_trajectories() -> Path | None:
 def env_policy_url() -> str | None:
     """The policy server (OpenAI-compatible chat completions) from ``FANFOLD_POLICY_URL``, if set."""
     return os.environ.get("FANFOLD_POLICY_URL") or None
+
+
+def env_e2b_domain() -> str | None:
+    """The domain E2B sandbox hosts are named under (``PORT-SANDBOX.DOMAIN``, wildcard DNS to this
+    server, a port allowed: ``sandboxes.example.com:8700``) from ``FANFOLD_E2B_DOMAIN``, if set."""
+    return os.environ.get("FANFOLD_E2B_DOMAIN") or None

@@ -201,6 +201,31 @@ def test_get_metrics_reports_cpu_memory_and_limits(sbx):
     assert abs(sample.timestamp.timestamp() - time.time()) < 60
 
 
+def test_get_host_names_a_host_the_server_passes_to_the_sandboxs_port(sbx, e2b_env):
+    """``PORT-SANDBOX.DOMAIN`` (the domain: the host the API was reached at) with the traffic token
+    reaches the service inside; without the token, or for another sandbox, nothing does."""
+    import httpx
+
+    sbx.files.write("/home/user/site/hello.txt", "served from inside")
+    serve = ("import http.server as h, functools as f; s = h.ThreadingHTTPServer(('127.0.0.1', 8000),"
+             " f.partial(h.SimpleHTTPRequestHandler, directory='/home/user/site')); print('ready', flush=True);"
+             " s.serve_forever()")
+    server = sbx.commands.run(f'python3 -c "{serve}"', background=True, timeout=0)
+    try:
+        assert next(iter(server))[0] == "ready\n"
+        host = sbx.get_host(8000)
+        assert host == f"8000-{sbx.sandbox_id}.{e2b_env.tcp_url.removeprefix('http://')}"
+        token = {"e2b-traffic-access-token": sbx.traffic_access_token}
+        with httpx.Client(base_url=e2b_env.tcp_url, timeout=30) as http:
+            got = http.get("/hello.txt?x=1", headers={"Host": host, **token})
+            assert (got.status_code, got.text) == (200, "served from inside")
+            assert http.get("/hello.txt", headers={"Host": host}).status_code == 404
+            other = host.replace(sbx.sandbox_id, "sb-000000000000")
+            assert http.get("/hello.txt", headers={"Host": other, **token}).status_code == 404
+    finally:
+        server.kill()
+
+
 def test_files(sbx):
     info = sbx.files.write("/tmp/e2b/a.txt", "alpha")
     assert (info.path, info.name) == ("/tmp/e2b/a.txt", "a.txt")

@@ -5,7 +5,8 @@ Written from E2B's public protocol (its REST API and envd's Connect services), n
 ``api`` is the control plane, ``envd`` the process service and what every envd route shares,
 ``filesystem`` the filesystem service and ``/files``, ``processes`` the table of running
 commands, ``interpreter`` the code interpreter's ``/execute`` and ``/contexts`` (a Python process
-per context, ``repl.py``), ``connect`` the Connect wire. ``router`` mounts them all under ``/e2b``.
+per context, ``repl.py``), ``connect`` the Connect wire, ``hosts`` the sandbox hosts of ``get_host``, ``account`` the ``user``
+account. ``router`` mounts them all under ``/e2b``; ``SandboxHosts`` goes around the app.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi import APIRouter, FastAPI
 
 from . import api, envd, filesystem, interpreter
 from .auth import envd_tokens
+from .hosts import SandboxHosts
 from .interpreter import close_kernels, kernels
 from .processes import Processes
 
@@ -40,4 +42,4 @@ router = APIRouter(prefix="/e2b", lifespan=_lifespan)
 for _part in (api.router, envd.router, filesystem.router, interpreter.router):
     router.include_router(_part)
 
-__all__ = ["router"]
+__all__ = ["SandboxHosts", "router"]

@@ -39,6 +39,7 @@ from ...web.deps import check_source
 from ...web.status import status_for
 from .account import DEFAULT_USER, USER_LABEL, make_account
 from .auth import tenant_of_key
+from .hosts import domain
 from .envd import ENVD_VERSION, e2b, engine
 
 log = logging.getLogger("fanfold.e2b")
@@ -150,6 +151,7 @@ def created(request: Request, info: SandboxInfo) -> dict[str, Any]:
         "templateID": template_of(info), "sandboxID": info.id, "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
         "envdAccessToken": e2b(request).tokens.token(info.id),
         "trafficAccessToken": e2b(request).tokens.token(info.id),  # the code interpreter sends only this one
+        "domain": domain(request),
     }
 
 
