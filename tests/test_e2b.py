@@ -226,6 +226,61 @@ def test_get_host_names_a_host_the_server_passes_to_the_sandboxs_port(sbx, e2b_e
         server.kill()
 
 
+def test_watch_dir_reports_creates_writes_and_removes(sbx):
+    from e2b import FilesystemEventType as Kind
+
+    sbx.files.make_dir("/home/user/watched/sub")
+    watcher = sbx.files.watch_dir("/home/user/watched")
+    deep = sbx.files.watch_dir("/home/user/watched", recursive=True)
+    try:
+        sbx.files.write("/home/user/watched/a.txt", "x")
+        assert [(e.name, e.type) for e in watcher.get_new_events()] == [("a.txt", Kind.CREATE), ("a.txt", Kind.WRITE)]
+        assert watcher.get_new_events() == []
+        sbx.commands.run("echo more >> /home/user/watched/a.txt; echo y > /home/user/watched/sub/b.txt")
+        assert [(e.name, e.type) for e in watcher.get_new_events()] == [("a.txt", Kind.WRITE)]
+        sbx.files.remove("/home/user/watched/a.txt")
+        assert [(e.name, e.type) for e in watcher.get_new_events()] == [("a.txt", Kind.REMOVE)]
+        assert {(e.name, e.type) for e in deep.get_new_events()} == {
+            ("sub/b.txt", Kind.CREATE), ("sub/b.txt", Kind.WRITE)}  # a.txt came and went between the two calls
+    finally:
+        watcher.stop()
+        deep.stop()
+    with pytest.raises(e2b.SandboxException):
+        watcher.get_new_events()
+
+
+async def test_the_async_sdks_watch_dir_streams_events(sbx):
+    import asyncio
+
+    from e2b import AsyncSandbox, FilesystemEventType as Kind
+
+    sandbox = await AsyncSandbox.connect(sbx.sandbox_id)
+    await sandbox.files.make_dir("/home/user/streamed")
+    seen, done = [], asyncio.Event()
+
+    def on_event(event) -> None:
+        seen.append((event.name, event.type))
+        if event.type == Kind.REMOVE:
+            done.set()
+
+    handle = await sandbox.files.watch_dir("/home/user/streamed", on_event)
+    try:
+        await sandbox.files.write("/home/user/streamed/c.txt", "c")
+        await asyncio.wait_for(_until(lambda: ("c.txt", Kind.WRITE) in seen), 10)
+        await sandbox.files.remove("/home/user/streamed/c.txt")
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        await handle.stop()
+    assert seen == [("c.txt", Kind.CREATE), ("c.txt", Kind.WRITE), ("c.txt", Kind.REMOVE)]
+
+
+async def _until(condition) -> None:
+    import asyncio
+
+    while not condition():
+        await asyncio.sleep(0.05)
+
+
 def test_files(sbx):
     info = sbx.files.write("/tmp/e2b/a.txt", "alpha")
     assert (info.path, info.name) == ("/tmp/e2b/a.txt", "a.txt")

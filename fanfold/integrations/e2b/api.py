@@ -253,6 +253,7 @@ async def kill(request: Request, sandbox_id: str = Depends(owned)) -> Response:
     async with state.quiet(sandbox_id):
         await engine(request).kill(sandbox_id)
     state.no_bash.discard(sandbox_id)
+    state.watchers.forget(sandbox_id)
     state.cpu_samples.pop(sandbox_id, None)
     return Response(status_code=204)
 

@@ -33,6 +33,7 @@ from .connect import (
     gone_message, rpc_error, stream_request, unb64,
 )
 from .processes import Backlog, Ended, Process, Processes, missing_program
+from .watch import Watchers
 
 log = logging.getLogger("fanfold.e2b")
 ENVD_VERSION = "0.6.4"
@@ -51,6 +52,8 @@ class E2B:
     tokens: EnvdTokens
     no_bash: set[str] = field(default_factory=set)
     """Sandboxes whose image has no /bin/bash: their commands run under /bin/sh."""
+    watchers: Watchers = field(default_factory=Watchers)
+    """The directory watchers of ``files.watch_dir``."""
     cpu_samples: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Each sandbox's CPU seconds at its last metrics sample, and when: the next one's rate."""
     stoppers: list[Callable[[str], Awaitable[Any]]] = field(default_factory=list)

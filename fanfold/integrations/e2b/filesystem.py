@@ -11,9 +11,8 @@ parent directory's listing, so an entry's ``owner`` and ``group`` are left empty
 from __future__ import annotations
 
 import posixpath
-from dataclasses import replace
-import stat
 import zlib
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Query, Request, Response
@@ -22,22 +21,21 @@ from starlette.background import BackgroundTask
 from starlette.datastructures import UploadFile
 
 from ...errors import FanfoldError, FileNotFoundInSandbox
-from ...models import FileEntry
-from .connect import RpcError, field as message_field, int64, rpc_error, timestamp
+from .connect import RpcError, field as message_field, rpc_error, timestamp
+from .entries import entry_info
 from .envd import Call, EnvdRoute, Streaming, Unary, call_of, serve_rpc
+from .watch import create_watcher, get_watcher_events, remove_watcher, watch_dir
 
 TOOL_TIMEOUT_S = 60.0
 MAX_DEPTH = 32
 UPLOAD_CHUNK = 1024 * 1024
-_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
-_MODE_BITS = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}
 
 router = APIRouter(prefix="/envd", route_class=EnvdRoute, tags=["e2b"])
 
 
 @router.post("/filesystem.Filesystem/{method}")
 async def filesystem_service(method: str, request: Request) -> Response:
-    """filesystem.Filesystem: Stat, ListDir, MakeDir, Move, Remove."""
+    """filesystem.Filesystem: Stat, ListDir, MakeDir, Move, Remove and the watchers."""
     return await serve_rpc(request, "filesystem.Filesystem", method, UNARY, STREAMS)
 
 
@@ -139,16 +137,6 @@ async def _gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 # -- filesystem.Filesystem --------------------------------------------------------------------
 
 
-def entry_info(entry: FileEntry) -> dict[str, Any]:
-    """An EntryInfo in proto3 JSON."""
-    return {
-        "name": entry.name, "type": _TYPES.get(entry.type, "FILE_TYPE_UNSPECIFIED"), "path": entry.path,
-        "size": int64(entry.size), "mode": entry.mode,
-        "permissions": stat.filemode(_MODE_BITS.get(entry.type, 0) | entry.mode),
-        "owner": "", "group": "", "modifiedTime": timestamp(entry.mtime),
-    }
-
-
 async def stat_path(call: Call, path: str) -> dict[str, Any]:
     """The EntryInfo of ``path`` (not followed, if a symlink); not_found when there is none."""
     path = posixpath.normpath(path) if path else "."
@@ -216,10 +204,6 @@ async def remove(call: Call, message: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-async def watch_dir(call: Call, message: dict[str, Any]) -> AsyncIterator[bytes]:
-    raise RpcError("unimplemented", "fanfold's envd cannot watch directories yet")
-
-
 def _path(message: dict[str, Any], name: str) -> str:
     path = message_field(message, name, str, "")
     if not path:
@@ -238,5 +222,8 @@ async def _run_tool(call: Call, argv: list[str]) -> None:
         raise RpcError("invalid_argument", detail)
 
 
-UNARY: dict[str, Unary] = {"Stat": stat_request, "ListDir": list_dir, "MakeDir": make_dir, "Move": move, "Remove": remove}
+UNARY: dict[str, Unary] = {
+    "Stat": stat_request, "ListDir": list_dir, "MakeDir": make_dir, "Move": move, "Remove": remove,
+    "CreateWatcher": create_watcher, "GetWatcherEvents": get_watcher_events, "RemoveWatcher": remove_watcher,
+}
 STREAMS: dict[str, Streaming] = {"WatchDir": watch_dir}
