@@ -481,8 +481,8 @@ def test_envd_checks_the_access_token_and_answers_connect_errors(raw):
     absent = http.post("/envd/process.Process/SendSignal", headers=envd,
                        json={"process": {"pid": 999999}, "signal": "SIGNAL_SIGKILL"})
     assert (absent.status_code, absent.json()["code"]) == (404, "not_found")
-    assert _stream(http, "filesystem.Filesystem/WatchDir", {"path": "/"}, envd) == [
-        (2, {"error": {"code": "unimplemented", "message": "fanfold's envd cannot watch directories yet"}})]
+    assert _stream(http, "filesystem.Filesystem/WatchDir", {"path": "/no/such/dir"}, envd) == [
+        (2, {"error": {"code": "not_found", "message": "no directory /no/such/dir in the sandbox"}})]
 
 
 def test_a_multipart_upload_is_bounded_and_larger_files_stream(raw):
