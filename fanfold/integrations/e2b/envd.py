@@ -33,7 +33,7 @@ from .connect import (
     gone_message, rpc_error, stream_request, unb64,
 )
 from .processes import Backlog, Ended, Process, Processes, missing_program
-from .watch import Watchers
+from .watchers import Watchers
 
 log = logging.getLogger("fanfold.e2b")
 ENVD_VERSION = "0.6.4"

@@ -12,64 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
-import secrets
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from ...errors import FanfoldError, FileNotFoundInSandbox
 from ...models import FileEntry
 from .connect import RpcError, envelope, field as message_field, rpc_error
 from .entries import entry_info
-
-if TYPE_CHECKING:  # envd keeps the watchers: it imports this module
-    from .envd import Call
+from .envd import Call
+from .watchers import Listing, Watcher
 
 POLL_S = 0.5
-MAX_WATCHERS = 64
-"""Per sandbox: each holds a listing."""
 MAX_ENTRIES = 50_000
 """The most entries a watcher compares: a bigger tree is refused."""
 MAX_EVENTS = 10_000
 """The most events one answer holds."""
-Listing = dict[str, FileEntry]
-
-
-@dataclass
-class Watcher:
-    sandbox_id: str
-    path: str
-    recursive: bool
-    include_entry: bool
-    seen: Listing = field(default_factory=dict)
-
-
-class Watchers:
-    """Every sandbox's watchers, by id (``app.state.e2b.watchers``)."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[str, Watcher] = {}
-
-    def add(self, watcher: Watcher) -> str:
-        if sum(w.sandbox_id == watcher.sandbox_id for w in self._by_id.values()) >= MAX_WATCHERS:
-            raise RpcError("resource_exhausted", f"a sandbox watches at most {MAX_WATCHERS} directories: remove one")
-        watcher_id = secrets.token_hex(8)
-        self._by_id[watcher_id] = watcher
-        return watcher_id
-
-    def get(self, sandbox_id: str, watcher_id: str) -> Watcher:
-        found = self._by_id.get(watcher_id)
-        if found is None or found.sandbox_id != sandbox_id:
-            raise RpcError("not_found", f"no watcher {watcher_id!r} in sandbox {sandbox_id}")
-        return found
-
-    def remove(self, sandbox_id: str, watcher_id: str) -> None:
-        self.get(sandbox_id, watcher_id)
-        del self._by_id[watcher_id]
-
-    def forget(self, sandbox_id: str) -> None:
-        """The sandbox is gone: its watchers too."""
-        for watcher_id in [k for k, w in self._by_id.items() if w.sandbox_id == sandbox_id]:
-            del self._by_id[watcher_id]
 
 
 async def listing(call: Call, path: str, recursive: bool) -> Listing:
