@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say the same
     from .client import (
-        AsyncFiles, AsyncFleet, AsyncFork, AsyncRollouts, AsyncSandbox, Files, Fleet, Fork, RolloutResult, Rollouts,
-        RolloutStats, Sandbox,
+        AsyncFiles, AsyncFleet, AsyncFork, AsyncProcess, AsyncRollouts, AsyncSandbox, Files, Fleet, Fork, Process,
+        RolloutResult, Rollouts, RolloutStats, Sandbox,
     )
     from .config import EngineConfig
     from .errors import (
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
     from .images.builder import StepEvent
     from .models import (
         CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, Outcome, OutputChunk, Persistence, PoolInfo,
-        SandboxInfo, SnapshotInfo,
+        Pty, SandboxInfo, SnapshotInfo,
     )
     from .spec import EnvSpec
 
@@ -41,8 +41,8 @@ from .__version__ import __version__
 
 _EXPORTS = {
     ".client": (
-        "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncRollouts", "AsyncSandbox", "Files", "Fleet", "Fork",
-        "RolloutResult", "Rollouts", "RolloutStats", "Sandbox",
+        "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncProcess", "AsyncRollouts", "AsyncSandbox", "Files", "Fleet", "Fork",
+        "Process", "RolloutResult", "Rollouts", "RolloutStats", "Sandbox",
     ),
     ".config": ("EngineConfig",),
     ".errors": (
@@ -56,7 +56,7 @@ _EXPORTS = {
     ".images.builder": ("StepEvent",),
     ".models": (
         "CreateParams", "ExecResult", "FileEntry", "ForkResult", "LeaseInfo", "Limits", "Outcome", "OutputChunk", "Persistence",
-        "PoolInfo", "SandboxInfo", "SnapshotInfo",
+        "PoolInfo", "Pty", "SandboxInfo", "SnapshotInfo",
     ),
     ".spec": ("EnvSpec",),
 }
@@ -66,6 +66,7 @@ __all__ = [
     "AsyncFiles",
     "AsyncFleet",
     "AsyncFork",
+    "AsyncProcess",
     "AsyncRollouts",
     "AsyncSandbox",
     "BuildFailed",
@@ -104,6 +105,8 @@ __all__ = [
     "PolicyUnavailable",
     "PoolInfo",
     "PortUnreachable",
+    "Process",
+    "Pty",
     "QuotaExceeded",
     "RecordingNotFound",
     "RegistryDenied",

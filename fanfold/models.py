@@ -136,6 +136,25 @@ def gpu_request(value: Any) -> str | None:
         raise InvalidRequest(str(err)) from None
 
 
+@dataclass(frozen=True)
+class Pty:
+    """A pseudo-terminal for a command (``spawn(..., pty=Pty(rows, cols))``): its output is one
+    stream (stdout), Ctrl-C is the byte ``b"\\x03"`` written to its stdin."""
+
+    rows: int = 24
+    cols: int = 80
+    term: str = "xterm-256color"
+    """``TERM`` in the command's environment (unless ``env`` sets it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "cols"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
+                raise InvalidRequest(f"Pty.{name} is a whole number from 1 to 65535, got {value!r}")
+        if not isinstance(self.term, str) or not self.term or "\0" in self.term or "=" in self.term:
+            raise InvalidRequest(f"Pty.term is a terminal type such as 'xterm-256color', got {self.term!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class OutputChunk:
     """A piece of a running command's output."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fanfold._agent.build import agent_binary
-from fanfold._agent.client import AgentClient, AgentGone, AgentProtocolError, ExecControl
+from fanfold._agent.client import PROTOCOL_VERSION, AgentClient, AgentGone, AgentProtocolError, ExecControl
 
 
 def parent_of(pid: int) -> int:
@@ -79,7 +79,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
     try:
         client = AgentClient(str(socket))
         await _until(socket.exists, "the socket", agent)
-        assert await client.ping() == "fanfold-agent 5"
+        assert await client.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
         assert not log.exists()  # held: nothing ran
         await client.release_services(KEY)
         assert await client.wait_ready() == "ok" and log.read_text() == "ran\n"
@@ -87,11 +87,11 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
         assert log.read_text() == "ran\n"
 
         os.kill(agent.pid, signal.SIGUSR2)  # listening: ignored
-        assert await client.ping() == "fanfold-agent 5"
+        assert await client.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
         for unproven in (client.drop_listener_legacy("c0ffee"), client.drop_listener("0" * 64)):
             with pytest.raises(AgentProtocolError):  # what a process of the sandbox can send: refused
                 await unproven
-            assert await client.ping() == "fanfold-agent 5"
+            assert await client.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
         await client.drop_listener(KEY)
         fds = [os.readlink(f"/proc/{agent.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{agent.pid}/fd")]
         assert not any(link.startswith("socket:") for link in fds)  # no listener, no connection left
@@ -100,7 +100,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
         socket.unlink()  # the stale socket file: the agent may not find its dir writable (gVisor's is locked)
         os.kill(agent.pid, signal.SIGUSR2)
         await _until(socket.exists, "the rebound socket", agent)
-        assert await client.ping() == "fanfold-agent 5"
+        assert await client.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
         assert await client.proves(KEY) and not await client.proves("0" * 64)
         assert await client.token() == ""  # nothing secret for whoever asks
         result = await client.exec(["/bin/echo", "back"], env=[], cwd="/", timeout_ms=5000, max_output=100)

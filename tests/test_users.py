@@ -13,7 +13,7 @@ import pytest
 
 from fanfold import AsyncFleet, EngineConfig, EnvSpec, InvalidRequest
 from fanfold._agent.build import agent_binary
-from fanfold._agent.client import AgentClient, AgentTooOld, ExecUser
+from fanfold._agent.client import PROTOCOL_VERSION, AgentClient, AgentTooOld, ExecUser
 from fanfold.images import users
 
 from conftest import fleet_args, run_cli
@@ -134,7 +134,7 @@ async def test_the_u_frame_switches_ids_and_groups(agent):
     raw = await agent.exec(["/bin/sh", "-c", "id -u; id -g; id -G"], env=["PATH=/usr/bin:/bin"], cwd="/",
                            timeout_ms=10_000, max_output=4096, user=ExecUser(65534, 65534, (65534, 100)))
     assert raw.stdout.decode().split("\n")[:3] == ["65534", "65534", "65534 100"]
-    assert await agent.ping() == "fanfold-agent 5"
+    assert await agent.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
 
 
 async def test_an_unknown_frame_refuses_the_exec(agent):

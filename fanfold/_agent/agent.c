@@ -3,7 +3,7 @@
  *
  * One single-threaded poll() loop over: a signalfd (SIGCHLD), the listening
  * socket (fd 3, or --listen PATH for testing), host connections, the pipes
- * of running commands, and the relays of gVisor's sandbox networks (listeners
+ * (or pseudo-terminals) of running commands, and the relays of gVisor's sandbox networks (listeners
  * inside, spliced connections). Everything is non-blocking and every buffer is
  * bounded, so a slow host or a noisy command can never grow the agent's memory.
  *
@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <termios.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
@@ -63,6 +64,7 @@ struct conn {
 	/* exec request */
 	char **argv, **envp, *cwd;
 	int argc, envc, stdin_pipe, bad;
+	unsigned short rows, cols; /* the `y` frame: run on a pseudo-terminal of this size (0: none) */
 	unsigned long long timeout_ms, limit;
 	struct user *user; /* the `u` frame: whom the child runs as (NULL: as the agent) */
 	/* running command */
@@ -160,13 +162,17 @@ enum stage { STAGE_EXEC, STAGE_CHDIR, STAGE_USER };
 /* Runs in the forked child: never returns. Failures before exec go to the
  * parent as a raw {errno, stage} over errfd (closed by a successful exec). */
 static void child(char **argv, char **envp, const char *cwd, const struct user *u, int in, int out, int err,
-		  int errfd)
+		  int errfd, int tty)
 {
 	struct sigaction sa = { .sa_handler = SIG_DFL };
 	sigset_t none;
 	int fd, report[2] = { 0, STAGE_EXEC };
 
 	setsid();
+	/* a terminal: the slave (in, out and err alike) becomes the new session's controlling terminal,
+	 * so its line discipline signals the foreground group (Ctrl-C) and a resize sends SIGWINCH */
+	if (tty && ioctl(in, TIOCSCTTY, 0) < 0)
+		goto fail;
 	/* the agent ignores several signals; ignored dispositions survive exec */
 	for (int s = 1; s < NSIG; s++)
 		sigaction(s, &sa, NULL);
@@ -205,7 +211,7 @@ fail:
  * given, saying whether the cwd or the exec failed). Waits only until the
  * child has exec'd (or failed), which is immediate in practice. */
 static pid_t spawn(char **argv, char **envp, const char *cwd, const struct user *u, int in, int out, int err,
-		   int *errp, int *stagep)
+		   int tty, int *errp, int *stagep)
 {
 	int ep[2], report[2];
 	ssize_t n;
@@ -215,7 +221,7 @@ static pid_t spawn(char **argv, char **envp, const char *cwd, const struct user 
 		return *errp = errno, -1;
 	if ((pid = fork()) == 0) {
 		close(ep[0]);
-		child(argv, envp, cwd, u, in, out, err, ep[1]);
+		child(argv, envp, cwd, u, in, out, err, ep[1], tty);
 	}
 	close(ep[1]);
 	if (pid < 0) {
@@ -351,24 +357,58 @@ static void fail(struct conn *c, int e, int stage)
 	c->close_after = 1;
 }
 
+/* `y`: a pseudo-terminal pair of the asked size. The slave is opened through the master
+ * (TIOCGPTPEER) where the kernel can, so no name in the sandbox's /dev/pts is trusted; else by
+ * its name (gVisor). grantpt is not needed: devpts gives the slave its owner itself. */
+static int open_pty(struct conn *c, int *master, int *slave)
+{
+	struct winsize ws = { .ws_row = c->rows, .ws_col = c->cols };
+	char name[64];
+	int e;
+
+	*slave = -1;
+	if ((*master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0)
+		return errno;
+	if (unlockpt(*master) == 0 && ioctl(*master, TIOCSWINSZ, &ws) == 0) {
+		*slave = ioctl(*master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+		if (*slave < 0 && ptsname_r(*master, name, sizeof name) == 0)
+			*slave = open(name, O_RDWR | O_NOCTTY | O_CLOEXEC);
+	}
+	if (*slave >= 0) {
+		/* the user's own terminal, as login makes it (best effort: the fds are open already) */
+		if (c->user && fchown(*slave, c->user->uid, (gid_t)-1) < 0) { /* kept root's */ }
+		return 0;
+	}
+	e = errno ? errno : EIO;
+	xclose(master);
+	return e;
+}
+
 static void start_exec(struct conn *c)
 {
 	int in[2] = { -1, -1 }, out[2] = { -1, -1 }, err[2] = { -1, -1 }, e = 0, stage = STAGE_EXEC;
+	int tty = c->rows > 0, ptm = -1, pts = -1;
 
 	if (c->argc == 0 || c->bad)
 		e = EINVAL;
-	else if ((c->stdin_pipe && pipe2(in, O_CLOEXEC) < 0) || pipe2(out, O_CLOEXEC) < 0 ||
-		 pipe2(err, O_CLOEXEC) < 0)
+	else if (tty) {
+		/* stdin writes go through a second descriptor: ending stdin closes it, not the output */
+		if (!(e = open_pty(c, &ptm, &pts)) && (in[1] = fcntl(ptm, F_DUPFD_CLOEXEC, 3)) < 0)
+			e = errno;
+	} else if ((c->stdin_pipe && pipe2(in, O_CLOEXEC) < 0) || pipe2(out, O_CLOEXEC) < 0 ||
+		   pipe2(err, O_CLOEXEC) < 0)
 		e = errno;
 	if (!e) {
 		c->t_start = now_us();
 		c->pid = spawn(c->argv, c->envp ? c->envp : empty_env, c->cwd ? c->cwd : "/", c->user,
-			       in[0], out[1], err[1], &e, &stage);
+			       tty ? pts : in[0], tty ? pts : out[1], tty ? pts : err[1], tty, &e, &stage);
 	}
+	xclose(&pts);
 	xclose(&in[0]);
 	xclose(&out[1]);
 	xclose(&err[1]);
 	if (e) {
+		xclose(&ptm);
 		xclose(&in[1]);
 		xclose(&out[0]);
 		xclose(&err[0]);
@@ -377,10 +417,11 @@ static void start_exec(struct conn *c)
 		return;
 	}
 	c->in_fd = in[1];
-	c->fds[0] = out[0];
-	c->fds[1] = err[0];
+	c->fds[0] = tty ? ptm : out[0];
+	c->fds[1] = err[0]; /* a terminal has one stream: stdout */
 	for (int i = 0; i < 2; i++)
-		set_nonblock(c->fds[i]);
+		if (c->fds[i] >= 0)
+			set_nonblock(c->fds[i]);
 	if (c->in_fd >= 0)
 		set_nonblock(c->in_fd);
 	if (c->timeout_ms && c->timeout_ms < (1ULL << 40)) /* larger: effectively none */
@@ -413,7 +454,7 @@ static void pipe_read(struct conn *c, int i)
 	}
 	if (n > 0)
 		c->bytes[i] += n;
-	else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+	else if (n == 0 || (errno != EAGAIN && errno != EINTR)) { /* a terminal's master: EIO once no slave is open */
 		xclose(&c->fds[i]);
 		maybe_finish(c);
 	}
@@ -464,6 +505,24 @@ static unsigned long long parse_num(struct conn *c, const char *s)
 	if (errno || end == s || *end || *s == '-')
 		c->bad = 1;
 	return v;
+}
+
+/* `y` payload: "ROWS COLS", each 1 to 65535 (a struct winsize's fields). */
+static void parse_size(struct conn *c, char *pl)
+{
+	char *rows = strtok(pl, " "), *cols = strtok(NULL, " ");
+	unsigned long long r, k;
+
+	if (!rows || !cols || strtok(NULL, " ")) {
+		c->bad = 1;
+		return;
+	}
+	r = parse_num(c, rows);
+	k = parse_num(c, cols);
+	if (!r || !k || r > 65535 || k > 65535)
+		c->bad = 1;
+	else
+		c->rows = (unsigned short)r, c->cols = (unsigned short)k;
 }
 
 /* A uid or gid: (uid_t)-1 means "unchanged" to the kernel, so it is refused too. */
@@ -644,6 +703,7 @@ static void relay_listen(struct conn *c, char *pl);
 static void relay_stop(int port);
 static void open_port(struct conn *c, const char *pl);
 static void signal_exec(struct conn *c, const char *pl);
+static void resize_exec(struct conn *c, const char *pl);
 static int listening_at_path(void);
 
 /* Takes ownership of pl (NUL-terminated, n bytes). */
@@ -660,7 +720,7 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 	} else if (c->kind == K_NEW) {
 		if (t == 'h') {
 			c->kind = K_PING;
-			put(c, 'h', "fanfold-agent 5");
+			put(c, 'h', "fanfold-agent 6");
 			c->close_after = 1;
 		} else if (t == 'n') {
 			c->kind = K_AUTH;
@@ -698,6 +758,10 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 			c->kind = K_PING;
 			signal_exec(c, pl); /* a signal of its own: never behind stdin the command does not read */
 			c->close_after = 1;
+		} else if (t == 'Y') {
+			c->kind = K_PING;
+			resize_exec(c, pl); /* likewise: a resize never waits behind stdin */
+			c->close_after = 1;
 		} else if (t == 'w') {
 			c->kind = K_WAIT;
 			if (ready) {
@@ -717,7 +781,7 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 		} else if (t == 'o') {
 			c->kind = K_PING;
 			open_port(c, pl); /* the connection is the splice's now */
-		} else if (t && strchr("aectlsux", t)) {
+		} else if (t && strchr("aectlsuxy", t)) {
 			c->kind = K_EXEC;
 		} else {
 			host_gone(c);
@@ -736,6 +800,7 @@ static void handle_frame(struct conn *c, char t, char *pl, uint32_t n)
 		case 'l': c->limit = parse_num(c, pl); break;
 		case 's': c->stdin_pipe = strcmp(pl, "pipe") == 0; break;
 		case 'u': parse_user(c, pl); break;
+		case 'y': parse_size(c, pl); break;
 		case 'x': start_exec(c); break;
 		default: c->bad = 1; /* a frame we do not know: refuse rather than half-honour */
 		}
@@ -909,6 +974,29 @@ static void signal_exec(struct conn *c, const char *pl)
 			break;
 		}
 	put(c, 'k', answer);
+}
+
+/* `Y PID ROWS COLS`: resize the terminal of the exec whose command is PID; the kernel then sends
+ * SIGWINCH to the terminal's foreground process group. */
+static void resize_exec(struct conn *c, const char *pl)
+{
+	int pid = 0, rows = 0, cols = 0, used = 0;
+	const char *answer = "gone";
+
+	if (sscanf(pl, "%d %d %d%n", &pid, &rows, &cols, &used) != 3 || pl[used] || pid <= 0 || rows < 1 ||
+	    rows > 65535 || cols < 1 || cols > 65535) {
+		put(c, 'Y', "fail EINVAL");
+		return;
+	}
+	for (struct conn *e = conns; e; e = e->next)
+		if (e->kind == K_EXEC && (e->state == S_RUN || e->state == S_DRAIN) && e->pid == pid && e->rows) {
+			struct winsize ws = { .ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols };
+			int fd = e->fds[0] >= 0 ? e->fds[0] : e->in_fd;
+			if (fd >= 0 && ioctl(fd, TIOCSWINSZ, &ws) == 0)
+				answer = "ok";
+			break;
+		}
+	put(c, 'Y', answer);
 }
 
 /* ---- relays: sandbox networks under gVisor ------------------------------ */
@@ -1224,7 +1312,7 @@ static int start_service(struct service *s)
 	log = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
 	if (log < 0)
 		log = open("/dev/null", O_WRONLY | O_CLOEXEC);
-	s->pid = spawn(argv, environ, *svc_root ? svc_root : "/", NULL, -1, log, log, &e, NULL);
+	s->pid = spawn(argv, environ, *svc_root ? svc_root : "/", NULL, -1, log, log, 0, &e, NULL);
 	close(log);
 	return s->pid > 0 ? 0 : -1;
 }

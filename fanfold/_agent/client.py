@@ -26,12 +26,15 @@ _MAX_FRAME = 1 << 20
 OnChunk = Callable[[str, bytes], Awaitable[None] | None]
 
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """What this client speaks: version 2 added the ``u`` frame (run the command as a user), version 3
 the ``q`` and ``g`` requests (a runtime without fd passing: gVisor), version 4 the relays of gVisor's
 sandbox networks (``l``, ``L``, ``o``), version 5 the ``k`` request (a signal on a connection of its
-own) and the host's key (``g KEY``, ``n``+``q``, ``t NONCE``)."""
+own) and the host's key (``g KEY``, ``n``+``q``, ``t NONCE``), version 6 terminals (the ``y`` frame
+and the ``Y`` request)."""
 USER_FRAME_VERSION = 2
+PTY_VERSION = 6
+MAX_TERMINAL_SIDE = 65535
 
 
 class AgentUnreachable(Exception):
@@ -66,20 +69,35 @@ class ExecUser:
         return text.encode()
 
 
+def check_terminal_size(rows: int, cols: int) -> tuple[int, int]:
+    """``(rows, cols)`` as a terminal takes them (1 to 65535 each), or ValueError."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TERMINAL_SIDE for v in (rows, cols)):
+        raise ValueError(f"a terminal's rows and cols are whole numbers from 1 to {MAX_TERMINAL_SIDE},"
+                         f" got {rows!r} x {cols!r}")
+    return rows, cols
+
+
 class ExecControl:
-    """Live stdin and signals for one exec while it runs. Stdin goes in order as ``i`` frames on the
-    exec's connection, which the agent reads only as fast as the command takes them; each signal
-    goes at once on a connection of its own (``k PID SIGNAL``), so it never waits behind stdin the
-    command does not read (an agent older than protocol 5 gets it as a ``k`` frame on the exec's
-    connection, ahead of stdin still queued here). ``pid`` is set once the agent has started the
-    command (``started`` is then done)."""
+    """Live stdin, signals and terminal size for one exec while it runs. Stdin goes in order as ``i``
+    frames on the exec's connection, which the agent reads only as fast as the command takes them;
+    each signal goes at once on a connection of its own (``k PID SIGNAL``), so it never waits behind
+    stdin the command does not read (an agent older than protocol 5 gets it as a ``k`` frame on the
+    exec's connection, ahead of stdin still queued here); so does each resize (``Y PID ROWS COLS``).
+    With ``pty=(rows, cols)`` the command runs on a pseudo-terminal of that size: its output is one
+    stream (stdout), and Ctrl-C is the byte 0x03 written to its stdin. ``pid`` is set once the agent
+    has started the command (``started`` is then done)."""
 
     MAX_BACKLOG = 16 << 20
 
-    def __init__(self, *, keep_output: bool = True) -> None:
+    def __init__(self, *, keep_output: bool = True, pty: tuple[int, int] | None = None) -> None:
+        self.pty = None if pty is None else check_terminal_size(*pty)
+        """The terminal's size asked at the start, or None: pipes, no terminal."""
         self._stdin: collections.deque[bytes] = collections.deque()
+        """Stdin payloads in order; an empty one ends stdin."""
         self._signals: collections.deque[int] = collections.deque()
         self._signalled = asyncio.Event()
+        self._size: tuple[int, int] | None = None
+        """The latest resize not yet sent (only the last one matters)."""
         self._inline: collections.deque[bytes] = collections.deque()
         """Frames for the exec's connection that go ahead of stdin still queued: an older agent's ``k``."""
         self._inline_only = False
@@ -102,7 +120,7 @@ class ExecControl:
         if self.backlog + len(data) > self.MAX_BACKLOG:
             raise BufferError(f"the command has not read the {self.backlog} bytes of stdin sent before")
         for start in range(0, len(data), 1 << 16):
-            self._stdin.append(_frame(b"i", data[start : start + (1 << 16)]))
+            self._stdin.append(data[start : start + (1 << 16)])
         self.backlog += len(data)
         self.written += len(data)
         self._wake.set()
@@ -111,13 +129,43 @@ class ExecControl:
         """End the command's stdin (the next read sees end of file); closing twice does nothing."""
         if not self.stdin_closed:
             self.stdin_closed = True
-            self._stdin.append(_frame(b"i"))
+            self._stdin.append(b"")
             self._wake.set()
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the command's process group (once it started)."""
         self._signals.append(int(signum))
         self._signalled.set()
+        self._wake.set()
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Give the command's terminal a new size (the kernel tells it by SIGWINCH); ValueError
+        without a terminal."""
+        if self.pty is None:
+            raise ValueError("the command has no terminal to resize: start it with a pty")
+        self._size = check_terminal_size(rows, cols)
+        self._signalled.set()
+        self._wake.set()
+
+    def take(self) -> tuple[list[bytes], list[int], tuple[int, int] | None]:
+        """What was asked since the last take, for a relay of this control (a server's client): the
+        stdin payloads (an empty one ends stdin), the signals, the latest size. ``await`` the
+        ``changed()`` between takes."""
+        stdin, signals, size = list(self._stdin), list(self._signals), self._size
+        self._stdin.clear()
+        self._signals.clear()
+        self._size = None
+        return stdin, signals, size
+
+    def taken(self, written: int) -> None:
+        """A relay passed ``written`` stdin bytes on: they no longer count in the backlog."""
+        self.backlog -= written
+
+    async def changed(self) -> None:
+        """Wait until something is asked (stdin, a signal, a resize)."""
+        if not (self._stdin or self._signals or self._size):
+            self._wake.clear()
+            await self._wake.wait()
 
     def _started(self, pid: int) -> None:
         self.pid = pid
@@ -131,19 +179,25 @@ class ExecControl:
             if self._inline:
                 await loop.sock_sendall(sock, self._inline.popleft())
             elif self._stdin:
-                frame = self._stdin.popleft()
-                await loop.sock_sendall(sock, frame)
-                self.backlog -= len(frame) - _HEADER.size
+                data = self._stdin.popleft()
+                await loop.sock_sendall(sock, _frame(b"i", data))
+                self.backlog -= len(data)
             else:
                 self._wake.clear()
                 await self._wake.wait()
 
     async def _send_signals(self, agent: AgentClient) -> None:
-        """Send each signal on a connection of its own, as soon as the command has started."""
+        """Send each signal and resize on a connection of its own, as soon as the command has started."""
         pid = await asyncio.shield(self.started)  # cancelling this task must not cancel ``started``
         while True:
             await self._signalled.wait()
             self._signalled.clear()
+            if self._size is not None:
+                size, self._size = self._size, None
+                try:
+                    await agent.resize(pid, *size)
+                except AgentUnreachable:
+                    pass  # the exec ended meanwhile: its own connection tells how
             while self._signals:
                 signum = self._signals.popleft()
                 if self._inline_only or not await agent.signal(pid, signum):
@@ -263,6 +317,13 @@ class AgentClient:
             return False
         return True
 
+    async def resize(self, pid: int, rows: int, cols: int) -> bool:
+        """Resize the terminal of the running exec whose command is ``pid`` (``Y``): True once done,
+        False when that exec has ended (or has no terminal)."""
+        rows, cols = check_terminal_size(rows, cols)
+        answer = await self._request(b"Y", _SIGNALLED, payload=f"{int(pid)} {rows} {cols}".encode())
+        return answer == "ok"
+
     async def relay(self, port: int, path: str) -> None:
         """Have the agent listen on 127.0.0.1:``port`` inside the sandbox, if it does not already, and
         pass each connection to the unix socket at ``path`` (``l``); OSError (EADDRINUSE: a process
@@ -320,12 +381,15 @@ class AgentClient:
         """Run one command; with ``user``, the ``u`` frame goes first, so an agent of protocol 1
         (which knows no ``u``) drops the connection instead of running the command as root.
         With ``control``, stdin stays open after ``stdin`` (if any) for what the control writes,
-        and its signals reach the command."""
+        and its signals reach the command; a control with a ``pty`` runs it on a terminal, whose ``y``
+        frame then goes first (an agent before protocol 6 drops the connection and runs nothing)."""
         try:
             return await self._exec(argv, env, cwd, timeout_ms, max_output, stdin, on_chunk, user, control)
         except AgentProtocolError:
             raise
         except AgentUnreachable:
+            if control is not None and control.pty is not None and await self._version() < PTY_VERSION:
+                raise AgentTooOld("this sandbox's agent predates terminals (protocol 6)") from None
             if user is not None and await self._version() < USER_FRAME_VERSION:
                 raise AgentTooOld("this sandbox's agent predates running commands as a user") from None
             raise
@@ -344,7 +408,9 @@ class AgentClient:
         feeder: asyncio.Task[None] | None = None
         second: socket.socket | None = None
         try:
-            frames = [] if user is None else [_frame(b"u", user.payload())]
+            tty = control is not None and control.pty is not None
+            frames = [_frame(b"y", "{} {}".format(*control.pty).encode())] if tty else []
+            frames += [] if user is None else [_frame(b"u", user.payload())]
             frames += [_frame(b"a", arg.encode()) for arg in argv]
             frames += [_frame(b"e", item.encode()) for item in env]
             frames += [_frame(b"c", cwd.encode()), _frame(b"t", str(timeout_ms).encode())]

@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox, ray_address
 from ._fanout import AsyncRollouts, RolloutResult, RolloutStats
-from ._sync import Files, Fleet, Fork, Rollouts, Sandbox
+from ._process import AsyncProcess
+from ._sync import Files, Fleet, Fork, Process, Rollouts, Sandbox
 
 if TYPE_CHECKING:
     from ._http import LEASE_TTL_S, HttpTransport
 
 __all__ = [
-    "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncRollouts", "AsyncSandbox", "Files", "Fleet", "Fork", "HttpTransport",
-    "LEASE_TTL_S", "RolloutResult", "RolloutStats", "Rollouts", "Sandbox", "ray_address",
+    "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncProcess", "AsyncRollouts", "AsyncSandbox", "Files", "Fleet", "Fork",
+    "HttpTransport", "LEASE_TTL_S", "Process", "RolloutResult", "RolloutStats", "Rollouts", "Sandbox", "ray_address",
 ]
 
 

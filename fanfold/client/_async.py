@@ -4,6 +4,8 @@ with one (``unix:///run/fanfold.sock``, ``http://host:port``) it talks to ``fanf
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
@@ -12,11 +14,13 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Corou
 from ..config import EngineConfig, env_lease_ttl, env_token, env_url
 from ..errors import InvalidRequest, SandboxNotFound
 from ..models import (
-    CreateParams, ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo,
+    CreateParams, ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, Pty, SandboxInfo,
+    SnapshotInfo,
 )
 from ..spec import EnvSpec
 from ..tools import run_tool
 from ._fanout import AsyncRollouts, RolloutFn
+from ._process import AsyncProcess, spawn
 
 if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remote client never loads the engine
     from ..engine.api import OnOutput
@@ -346,6 +350,24 @@ class AsyncSandbox:
             yield await task
         finally:
             task.cancel()
+
+    async def spawn(
+        self,
+        cmd: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        user: str | None = None,
+        pty: Pty | None = None,
+    ) -> AsyncProcess:
+        """Start a command to talk to while it runs: live stdin, signals, and with ``pty=Pty(rows, cols)``
+        a terminal (resizable); returns once it has started. ``max_output`` caps its output in all."""
+        if "control" not in inspect.signature(self._transport.exec).parameters:
+            raise InvalidRequest("spawn needs an embedded fleet or a fanfold server (not a multi-worker or Ray one)")
+        return await spawn(functools.partial(self._transport.exec, self.id), cmd, pty=pty, env=env, cwd=cwd,
+                           timeout=timeout, max_output=max_output, user=user)
 
     async def run_tool(self, name: str, arguments: str | dict[str, Any], *, timeout: float = 60.0,
                        max_output: int = 16384) -> str:

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable, Iterator, 
 from ..config import EngineConfig
 from ..images import Image
 from ..images.builder import Network, OnStep
-from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, PoolInfo, SandboxInfo, SnapshotInfo
+from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, PoolInfo, Pty, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
 from ._fanout import AsyncRollouts, RolloutFn, RolloutResult, RolloutStats
 from ._portal import Portal
+from ._process import AsyncProcess
 
 if TYPE_CHECKING:
     from ..images.oci import OnPull
@@ -352,6 +353,22 @@ class Sandbox:
                                          user=user)
         return self._fleet._iterate(stream)
 
+    def spawn(
+        self,
+        cmd: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        max_output: int | None = None,
+        user: str | None = None,
+        pty: Pty | None = None,
+    ) -> Process:
+        """Start a command to talk to while it runs; see ``AsyncSandbox.spawn``."""
+        return Process(self._fleet, self._fleet._call(self._async.spawn(
+            cmd, cwd=cwd, env=env, timeout=timeout, max_output=max_output, user=user, pty=pty,
+        )))
+
     def run_tool(self, name: str, arguments: str | dict[str, Any], *, timeout: float = 60.0,
                  max_output: int = 16384) -> str:
         """Run one of the generic agent tools with ``arguments`` and return its output for a model; see
@@ -435,6 +452,48 @@ class Fork:
     def kill(self) -> None:
         """Destroy every child; the parent runs on."""
         self._fleet._call(self._async.kill())
+
+
+class Process:
+    """A command started by ``Sandbox.spawn``; see ``AsyncProcess``."""
+
+    def __init__(self, fleet: Fleet, inner: AsyncProcess) -> None:
+        self._fleet = fleet
+        self._async = inner
+        self.pty = inner.pty
+
+    @property
+    def pid(self) -> int | None:
+        """The command's pid inside the sandbox, once started."""
+        return self._async.pid
+
+    def write(self, data: bytes | str) -> None:
+        """Send ``data`` to the command's stdin (a terminal's input, keys included)."""
+        self._fleet._call(self._async.write(data))
+
+    def close_stdin(self) -> None:
+        """End the command's stdin."""
+        self._fleet._call(self._async.close_stdin())
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the command's process group."""
+        self._fleet._call(self._async.signal(signum))
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Give the command's terminal a new size (it gets SIGWINCH)."""
+        self._fleet._call(self._async.resize(rows, cols))
+
+    def kill(self) -> None:
+        """SIGKILL the command's process group."""
+        self._fleet._call(self._async.kill())
+
+    def output(self) -> Iterator[OutputChunk]:
+        """The output as it comes, until the command has ended and all of it was read."""
+        return self._fleet._iterate(self._async.output())
+
+    def wait(self) -> ExecResult:
+        """The command's result once it has ended."""
+        return self._fleet._call(self._async.wait())
 
 
 class Files:

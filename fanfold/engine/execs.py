@@ -86,6 +86,10 @@ class Execs:
                 None if timeout is None else timeout + 30,
             )
         except AgentTooOld:
+            if control is not None and control.pty is not None:
+                raise InvalidRequest(
+                    f"sandbox {sandbox_id} runs an agent from an older memory snapshot that has no terminals:"
+                    " run the command without a pty, or create the sandbox afresh from its image") from None
             raise InvalidRequest(
                 f"sandbox {sandbox_id} runs an agent from an older memory snapshot that cannot run commands as"
                 f" user {as_user!r}: run it as user='root', or create the sandbox afresh from its image") from None

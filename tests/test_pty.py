@@ -1,0 +1,214 @@
+"""Commands on a real terminal: the agent's pseudo-terminal through every transport, and the CLI's
+``exec -it`` driven from a pseudo-terminal of the test's own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pty as ptymod
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fanfold import AsyncFleet, InvalidRequest, Outcome, Pty
+from fanfold._agent.build import agent_binary
+from fanfold._agent.client import PROTOCOL_VERSION, AgentClient, AgentTooOld, ExecControl
+
+from conftest import STATE_DIR, TRANSPORTS, fleet_args
+
+PROTOCOL_5_COMMIT = "67a89a9"  # the last agent of protocol 5, before terminals
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def afleet(request: pytest.FixtureRequest, config):
+    async with AsyncFleet(**fleet_args(request.param, request, config)) as fleet:
+        yield fleet
+
+
+class Screen:
+    """What a process wrote to its terminal, read up to a mark."""
+
+    def __init__(self, process) -> None:
+        self.chunks = process.output()
+        self.text = ""
+
+    async def until(self, mark: str, timeout: float = 30) -> str:
+        async def read() -> str:
+            while mark not in self.text:
+                chunk = await anext(self.chunks)
+                assert chunk.stream == "stdout"  # a terminal has one stream
+                self.text += chunk.data.decode(errors="replace")
+            seen, _, self.text = self.text.partition(mark)
+            return seen
+
+        return await asyncio.wait_for(read(), timeout)
+
+
+async def test_a_pty_exec_has_a_terminal_of_the_asked_size(afleet):
+    async with await afleet.create() as sandbox:
+        process = await sandbox.spawn("tty; stty size; echo TERM=$TERM", pty=Pty(33, 101))
+        result = await process.wait()
+        text = "".join([c.data.decode() async for c in process.output()])
+        assert result.outcome is Outcome.EXITED and result.exit_code == 0
+        lines = text.split("\r\n")  # the terminal's output processing turns \n into \r\n
+        assert lines[0].startswith("/dev/pts/") and lines[1] == "33 101" and lines[2] == "TERM=xterm-256color"
+        piped = await sandbox.exec("tty")  # without a pty, none
+        assert piped.exit_code == 1 and piped.text.strip() == "not a tty"
+
+
+async def test_resize_reaches_a_running_shell_and_ctrl_c_interrupts(afleet):
+    async with await afleet.create() as sandbox:
+        shell = await sandbox.spawn(["sh", "-c", 'trap "stty size; echo winched" WINCH; echo ready;'
+                                    ' while :; do sleep 0.05; done'], pty=Pty(24, 80))
+        screen = Screen(shell)
+        await screen.until("ready")
+        await shell.resize(40, 120)
+        assert (await screen.until("winched")).split() == ["40", "120"]
+        await shell.write(b"\x03")  # Ctrl-C: the line discipline signals the foreground group
+        result = await asyncio.wait_for(shell.wait(), 30)
+        assert result.outcome is Outcome.KILLED and result.signal == signal.SIGINT
+
+        sleeper = await sandbox.spawn("sleep 100", pty=Pty())
+        await sleeper.write(b"\x03")
+        result = await asyncio.wait_for(sleeper.wait(), 30)
+        assert result.outcome is Outcome.KILLED and result.signal == signal.SIGINT
+
+
+async def test_an_interactive_shell_keeps_its_state_and_its_exit_code(afleet):
+    async with await afleet.create() as sandbox:
+        shell = await sandbox.spawn("sh", pty=Pty(24, 80))
+        screen = Screen(shell)
+        await shell.write("X=41; echo $((X + 1))\n")
+        await screen.until("42\r\n")
+        await shell.write("stty size\n")
+        await screen.until("24 80\r\n")
+        await shell.resize(50, 132)
+        await shell.write("stty size; exit 3\n")
+        await screen.until("50 132\r\n")
+        result = await asyncio.wait_for(shell.wait(), 30)
+        assert result.outcome is Outcome.EXITED and result.exit_code == 3
+        with pytest.raises(InvalidRequest, match="no terminal"):
+            await (await sandbox.spawn("true")).resize(1, 1)
+
+
+async def test_spawn_without_a_pty_streams_stdin_live(afleet):
+    async with await afleet.create() as sandbox:
+        cat = await sandbox.spawn(["sh", "-c", "cat; echo done >&2; exit 5"])
+        screen = Screen(cat)
+        await cat.write("first\n")
+        await screen.until("first\n")  # it echoed before stdin ended: live, not batched
+        await cat.close_stdin()
+        result = await asyncio.wait_for(cat.wait(), 30)
+        assert result.exit_code == 5
+
+
+def test_bad_terminal_sizes_are_refused():
+    for rows, cols in ((0, 80), (24, 70000), (True, 80)):
+        with pytest.raises(InvalidRequest):
+            Pty(rows, cols)
+
+
+async def test_an_agent_of_protocol_5_refuses_a_pty_clearly_and_runs_nothing(tmp_path):
+    source = subprocess.run(["git", "show", f"{PROTOCOL_5_COMMIT}:fanfold/_agent/agent.c"], capture_output=True,
+                            cwd=Path(__file__).parent)
+    if source.returncode != 0:
+        pytest.skip(f"the protocol 5 agent's source is not in this checkout's history ({PROTOCOL_5_COMMIT})")
+    (tmp_path / "old.c").write_bytes(source.stdout)
+    subprocess.run(["cc", "-static", "-O2", "-o", str(tmp_path / "old-agent"), str(tmp_path / "old.c")], check=True)
+    async with _agent(tmp_path / "old-agent", tmp_path) as old:
+        assert await old.ping() == "fanfold-agent 5"
+        marker = tmp_path / "ran"
+        with pytest.raises(AgentTooOld, match="terminals"):
+            await old.exec(["/bin/touch", str(marker)], env=[], cwd="/", timeout_ms=10_000, max_output=4096,
+                           control=ExecControl(pty=(24, 80)))
+        assert not marker.exists()
+    async with _agent(agent_binary(tmp_path / "state"), tmp_path) as new:
+        assert await new.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
+        raw = await new.exec(["/bin/sh", "-c", "stty size"], env=["PATH=/usr/bin:/bin"], cwd="/", timeout_ms=10_000,
+                             max_output=4096, control=ExecControl(pty=(7, 9)))
+        assert raw.stdout == b"7 9\r\n" and raw.stderr == b"" and raw.status["err_bytes"] == 0
+
+
+class _agent:
+    """The agent at ``binary`` as a plain process listening in ``where``, killed on exit."""
+
+    def __init__(self, binary: Path, where: Path) -> None:
+        self.binary, self.socket = binary, where / f"{binary.name}.sock"
+
+    async def __aenter__(self) -> AgentClient:
+        self.process = subprocess.Popen([str(self.binary), "--listen", str(self.socket), "--subreaper"],
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        give_up = time.monotonic() + 10
+        while not self.socket.exists():
+            assert self.process.poll() is None and time.monotonic() < give_up
+            await asyncio.sleep(0.01)
+        return AgentClient(str(self.socket))
+
+    async def __aexit__(self, *exc: object) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+# -- the CLI at a terminal -------------------------------------------------------------------------
+
+
+def _cli_on_a_terminal(*args: str, typed: bytes, until: bytes, timeout: float = 120) -> tuple[bytes, int]:
+    """Run the CLI with a pseudo-terminal as its stdin, stdout and stderr; type ``typed`` once
+    ``until`` shows (the shell's prompt), then read to the end. Returns what it showed and its exit code."""
+    pid, master = ptymod.fork()
+    if pid == 0:  # the child: the CLI on the terminal's slave
+        os.environ["FANFOLD_STATE_DIR"] = str(STATE_DIR)
+        os.execv(sys.executable, [sys.executable, "-m", "fanfold.cli", *args])
+    shown, typed_yet, give_up = b"", False, time.monotonic() + timeout
+    try:
+        while time.monotonic() < give_up:
+            ready, _, _ = select.select([master], [], [], 1)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the CLI ended and closed the terminal
+                    break
+                if not data:
+                    break
+                shown += data
+            if not typed_yet and until in shown:
+                os.write(master, typed)
+                typed_yet = True
+        _, status = os.waitpid(pid, 0)
+        return shown, os.waitstatus_to_exitcode(status)
+    finally:
+        os.close(master)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+@pytest.fixture
+def cli_sandbox():
+    from conftest import run_cli
+
+    made = run_cli("create", "--detach")
+    assert made.returncode == 0, made.stderr
+    sandbox_id = made.stdout.split()[0]
+    yield sandbox_id
+    run_cli("rm", sandbox_id)
+
+
+def test_exec_it_gives_a_working_shell_with_its_exit_code(cli_sandbox):
+    shown, code = _cli_on_a_terminal("exec", "-it", cli_sandbox, "--", "sh", typed=b"echo h''i; exit 3\n", until=b"# ")
+    assert code == 3, shown
+    assert b"\r\nhi\r\n" in shown  # the command's output, not the typed line's echo ("h''i")
+
+
+def test_exec_t_without_a_terminal_says_so():
+    from conftest import run_cli
+
+    done = run_cli("exec", "-it", "sb-none", "--", "sh")
+    assert done.returncode != 0 and "the input device is not a TTY" in done.stderr
