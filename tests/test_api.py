@@ -25,7 +25,7 @@ def test_all_is_sorted_and_complete():
 
 @pytest.mark.parametrize("sync_cls,async_cls", [
     (Fleet, AsyncFleet), (Sandbox, AsyncSandbox), (Files, AsyncFiles), (Fork, AsyncFork),
-    (fanfold.Rollouts, fanfold.AsyncRollouts),
+    (fanfold.Rollouts, fanfold.AsyncRollouts), (fanfold.Process, fanfold.AsyncProcess),
 ])
 def test_sync_and_async_twins_match(sync_cls, async_cls):
     def public(cls):

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import quote, urlsplit
 
 from .. import wire
+from .._agent.client import ExecControl
 from ..engine.checks import check_mode, file_bytes
 from ..engine.execution import check_exec_args
 from ..errors import (
     CapacityExceeded, CheckpointFailed, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec,
-    LeaseNotFound, SandboxNotFound, SnapshotNotFound,
+    LeaseNotFound, NotFound, SandboxNotFound, SnapshotNotFound,
 )
 from ..images import Image
 from ..images.builder import Network, OnStep, check_network, source_path
@@ -393,23 +394,53 @@ class HttpTransport:
     async def exec(
         self, sandbox_id: str, cmd: str | list[str], *, cwd: str | None = None, env: dict[str, str] | None = None,
         stdin: bytes | str | None = None, timeout: float | None = None, max_output: int | None = None,
-        on_output: OnOutput | None = None, user: str | None = None,
+        on_output: OnOutput | None = None, user: str | None = None, control: ExecControl | None = None,
     ) -> ExecResult:
         # The engine's own checks, so bad arguments fail here exactly as they do in-process.
         _, stdin_bytes, _ = check_exec_args(cmd, stdin, timeout, max_output, 0)
         body = {"cmd": cmd, "cwd": cwd, "env": env or {}, "timeout": timeout, "max_output": max_output,
                 "stdin": None if stdin_bytes is None else wire.b64(stdin_bytes), "user": user}
         path = _sandbox(sandbox_id) + "/exec"
-        if on_output is None:
+        if control is not None:  # live: the stream names the exec, and a pump posts the control's input
+            body["live"] = True
+            body["pty"] = None if control.pty is None else dict(zip(("rows", "cols"), control.pty))
+        elif on_output is None:
             return wire.result_from_json(await self._json("POST", path, json=body, headers={"Accept": "application/json"}))
-        async with aclosing(self._lines("POST", path, json=body)) as lines:
-            async for item in lines:
-                if "result" in item:
-                    return wire.result_from_json(item["result"])
-                maybe = on_output(item["stream"], wire.unb64(item["data"], "output"))
-                if maybe is not None:
-                    await maybe
+        pump: asyncio.Task[None] | None = None
+        try:
+            async with aclosing(self._lines("POST", path, json=body)) as lines:
+                async for item in lines:
+                    if "result" in item:
+                        return wire.result_from_json(item["result"])
+                    if "started" in item and control is not None and pump is None:
+                        control._started(int(item["started"]["pid"]))
+                        pump = asyncio.create_task(self._pump(f"{path}/{item['started']['exec']}/input", control))
+                        continue
+                    if on_output is not None:
+                        maybe = on_output(item["stream"], wire.unb64(item["data"], "output"))
+                        if maybe is not None:
+                            await maybe
+        finally:
+            if pump is not None:
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
         raise InfrastructureError("the server ended the exec stream without a result")
+
+    async def _pump(self, path: str, control: ExecControl) -> None:
+        """Post what ``control`` is asked (stdin, signals, a resize) to a live exec, in order, until it ends."""
+        while True:
+            await control.changed()
+            stdin, signals, size = control.take()
+            data = b"".join(stdin)
+            body: dict[str, Any] = {"stdin": wire.b64(data) if data else None, "eof": b"" in stdin,
+                                    "signals": signals,
+                                    "resize": None if size is None else {"rows": size[0], "cols": size[1]}}
+            try:
+                await self._json("POST", path, json=body)
+            except NotFound:
+                return  # the exec ended: its stream says how
+            finally:
+                control.taken(len(data))
 
     # -- files --------------------------------------------------------------------------------
 

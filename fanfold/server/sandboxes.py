@@ -16,9 +16,10 @@ from ..web.deps import (
     until_disconnect,
 )
 from ..web.schemas import (
-    CreateRequest, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody, network_value,
+    CreateRequest, ExecInput, ExecRequest, ExecResultBody, ForkBody, ForkRequest, SandboxBody, network_value,
 )
 from .creates import Made
+from .live import LiveExec
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
 
@@ -97,21 +98,37 @@ async def exec_command(body: ExecRequest, request: Request, sandbox_id: str = De
     stdin = None if body.stdin is None else unb64(body.stdin, "stdin")
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     streaming = "application/json" not in request.headers.get("accept", "")
+    live = LiveExec.open(request, sandbox_id, body, queue) if body.live or body.pty else None
+    if live is not None and not streaming:
+        raise InvalidRequest("a live exec streams: ask for NDJSON, not application/json")
 
     async def on_output(stream: str, data: bytes) -> None:
+        if live is not None:
+            live.announce()  # the started line goes first, even when output came before its callback
         queue.put_nowait({"stream": stream, "data": b64(data)})
 
     async def run() -> dict[str, Any]:
         result = await fleet.exec(
             sandbox_id, body.cmd, cwd=body.cwd, env=body.env, stdin=stdin, timeout=body.timeout,
             max_output=body.max_output, on_output=on_output if streaming else None, user=body.user,
+            control=None if live is None else live.control,
         )
         return result_to_json(result)
 
     task = asyncio.create_task(run())
+    if live is not None:
+        task.add_done_callback(lambda _: live.close())
     if streaming:
         return StreamingResponse(ndjson_events(queue, task, "result"), media_type=NDJSON)
     return JSONResponse(await until_disconnect(request, task))
+
+
+@router.post("/{sandbox_id}/exec/{exec_id}/input", status_code=204, responses=ERRORS)
+async def exec_input(body: ExecInput, request: Request, exec_id: str,
+                     sandbox_id: str = Depends(owned_sandbox)) -> Response:
+    """Feed a live exec (one started with `live` or `pty`): stdin, its end, signals, a resize."""
+    LiveExec.find(request, sandbox_id, exec_id).apply(body)
+    return Response(status_code=204)
 
 
 @router.post("/{sandbox_id}/fork", status_code=201, response_model=ForkBody, responses=ERRORS)

@@ -162,6 +162,11 @@ class ForkRequest(_Body):
 SandboxBody = model_of(SandboxInfo, name="SandboxBody", limits=LimitsBody, persistence=PersistenceName)
 
 
+class TerminalSize(_Body):
+    rows: int = Field(ge=1, le=65535)
+    cols: int = Field(ge=1, le=65535)
+
+
 class ExecRequest(_Body):
     cmd: str | list[str] = Field(description="A shell string (run by /bin/sh -c) or an argv list.")
     cwd: str | None = None
@@ -172,6 +177,21 @@ class ExecRequest(_Body):
                                    description="Bytes kept of each of stdout and stderr (default 16 MiB, at most 64 MiB).")
     user: str | None = Field(None, max_length=65, description=(
         "name[:group] or uid[:gid] to run as, resolved in the sandbox's /etc/passwd (default: the sandbox's user)."))
+    live: bool = Field(False, description=(
+        "Keep the command's stdin open and take input while it runs: the stream's first line is"
+        " `{\"started\": {\"pid\": N, \"exec\": ID}}`, and `POST .../exec/{ID}/input` feeds it. Output is streamed,"
+        " not kept in the result."))
+    pty: TerminalSize | None = Field(None, description="Run on a pseudo-terminal of this size (implies `live`).")
+
+
+class ExecInput(_Body):
+    """Input for a live exec, applied in this order: stdin, end of stdin, signals, resize."""
+
+    stdin: str | None = Field(None, description="Bytes for the command's stdin (a terminal's keys), base64.")
+    eof: bool = Field(False, description="End the command's stdin after these bytes.")
+    signals: list[Annotated[int, Field(ge=1, le=64)]] = Field(default_factory=list, max_length=64,
+                                                        description="Signals for its process group.")
+    resize: TerminalSize | None = Field(None, description="The terminal's new size.")
 
 
 Base64 = Annotated[str, Field(description="base64")]
