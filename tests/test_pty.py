@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import pty as ptymod
 import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -157,16 +160,26 @@ class _agent:
 # -- the CLI at a terminal -------------------------------------------------------------------------
 
 
-def _cli_on_a_terminal(*args: str, typed: bytes, until: bytes, timeout: float = 120) -> tuple[bytes, int]:
-    """Run the CLI with a pseudo-terminal as its stdin, stdout and stderr; type ``typed`` once
-    ``until`` shows (the shell's prompt), then read to the end. Returns what it showed and its exit code."""
+def _cli_on_a_terminal(*args: str, steps: list[tuple[bytes, bytes | tuple[int, int]]],
+                       timeout: float = 120) -> tuple[bytes, int]:
+    """Run the CLI with a pseudo-terminal of 24 x 80 as its stdin, stdout and stderr. Each step waits
+    until its mark shows, then types its bytes or resizes the terminal to its (rows, cols); then the
+    rest is read to the end. Returns what the CLI showed and its exit code."""
     pid, master = ptymod.fork()
     if pid == 0:  # the child: the CLI on the terminal's slave
         os.environ["FANFOLD_STATE_DIR"] = str(STATE_DIR)
         os.execv(sys.executable, [sys.executable, "-m", "fanfold.cli", *args])
-    shown, typed_yet, give_up = b"", False, time.monotonic() + timeout
+    _set_size(master, 24, 80)
+    shown, seen, todo, give_up = b"", 0, list(steps), time.monotonic() + timeout
     try:
         while time.monotonic() < give_up:
+            while todo and todo[0][0] in shown[seen:]:
+                mark, action = todo.pop(0)
+                seen = shown.index(mark, seen) + len(mark)
+                if isinstance(action, tuple):
+                    _set_size(master, *action)  # the kernel sends the CLI SIGWINCH
+                else:
+                    os.write(master, action)
             ready, _, _ = select.select([master], [], [], 1)
             if ready:
                 try:
@@ -176,10 +189,8 @@ def _cli_on_a_terminal(*args: str, typed: bytes, until: bytes, timeout: float = 
                 if not data:
                     break
                 shown += data
-            if not typed_yet and until in shown:
-                os.write(master, typed)
-                typed_yet = True
         _, status = os.waitpid(pid, 0)
+        assert not todo, f"never saw {todo[0][0]!r} in {shown!r}"
         return shown, os.waitstatus_to_exitcode(status)
     finally:
         os.close(master)
@@ -190,11 +201,15 @@ def _cli_on_a_terminal(*args: str, typed: bytes, until: bytes, timeout: float = 
             pass
 
 
+def _set_size(fd: int, rows: int, cols: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
 @pytest.fixture
 def cli_sandbox():
     from conftest import run_cli
 
-    made = run_cli("create", "--detach")
+    made = run_cli("create")
     assert made.returncode == 0, made.stderr
     sandbox_id = made.stdout.split()[0]
     yield sandbox_id
@@ -202,9 +217,22 @@ def cli_sandbox():
 
 
 def test_exec_it_gives_a_working_shell_with_its_exit_code(cli_sandbox):
-    shown, code = _cli_on_a_terminal("exec", "-it", cli_sandbox, "--", "sh", typed=b"echo h''i; exit 3\n", until=b"# ")
+    shown, code = _cli_on_a_terminal("exec", "-it", cli_sandbox, "--", "sh", steps=[
+        (b"# ", b"stty size; echo h''i\n"),  # h''i: the output, not the typed line's echo, says hi
+        (b"\r\nhi\r\n", (30, 100)),
+        (b"# ", b"stty size; sleep 100\n"),
+        (b"30 100\r\n", b"\x03"),  # Ctrl-C: to the command, not to the CLI
+        (b"# ", b"echo again; exit 3\n"),
+    ])
     assert code == 3, shown
-    assert b"\r\nhi\r\n" in shown  # the command's output, not the typed line's echo ("h''i")
+    assert b"24 80\r\n" in shown and b"\r\nagain\r\n" in shown
+
+
+def test_exec_i_passes_stdin_live_without_a_terminal(cli_sandbox):
+    from conftest import run_cli
+
+    done = run_cli("exec", "-i", cli_sandbox, "--", "sh", "-c", "tty; cat; exit 4", input="piped\n")
+    assert done.returncode == 4 and done.stdout == "not a tty\npiped\n"
 
 
 def test_exec_t_without_a_terminal_says_so():

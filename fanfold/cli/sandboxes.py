@@ -14,6 +14,7 @@ from ..models import CreateParams, Persistence
 from ..refs import BASES
 from .common import _fleet, _limits_options, _pairs, _stdout_console, console, model_option
 from .netopts import network_options
+from .terminal import INTERACTIVE, TTY, check_tty, exit_code, interact
 
 HOST_TENANT = "(host)"
 """How ``ls`` shows the host's own tenant (its name is empty)."""
@@ -86,21 +87,30 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @click.option("--entrypoint", default=None, metavar="PROGRAM",
               help="Run PROGRAM in place of the image's entrypoint (\"\" for none), without the image's cmd.")
 @network_options
+@INTERACTIVE
+@TTY
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, env, timeout, cwd, user, seccomp, entrypoint, network, cmd,  # type: ignore[no-untyped-def]
-        **limits) -> None:
+def run(ctx, image, env, timeout, cwd, user, seccomp, entrypoint, network, interactive, tty,  # type: ignore[no-untyped-def]
+        cmd, **limits) -> None:
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
     As `docker run` does: CMD goes after the image's entrypoint, as its arguments, in place of the
     image's cmd; with no CMD the image's cmd does. Our stdin goes to the command when it is a pipe or
-    a file. Ctrl-C kills it and the sandbox (exit 130).
+    a file. Ctrl-C kills it and the sandbox (exit 130). With -i our stdin goes to it live; with -t
+    it runs on a terminal (ours, in raw mode: `fanfold run -it -- bash`).
     """
+    check_tty(tty)
     with _fleet(ctx) as fleet:
         with fleet.create(image, **limits, env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
                           network=network or "none") as sandbox:
             argv = _command(fleet, sandbox.info.image_id, image, entrypoint, cmd)
-            result = _exec(sandbox, argv, timeout=timeout, cwd=cwd)
+            if interactive or tty:
+                result = interact(sandbox, argv, tty=tty, timeout=timeout, cwd=cwd)
+            else:
+                result = _exec(sandbox, argv, timeout=timeout, cwd=cwd)
+    if interactive or tty:
+        sys.exit(exit_code(result))
     _exit_with(result)
 
 
@@ -154,15 +164,28 @@ def create(ctx, image, env, deadline, labels, persistence, priority,  # type: ig
 @_CWD
 @click.option("--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable for CMD (repeatable).")
 @_USER
-@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@INTERACTIVE
+@TTY
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def exec_(ctx, sandbox_id, timeout, cwd, env, user, cmd) -> None:  # type: ignore[no-untyped-def]
+def exec_(ctx, sandbox_id, timeout, cwd, env, user, interactive, tty, cmd) -> None:  # type: ignore[no-untyped-def]
     """Run CMD in sandbox SANDBOX_ID, streaming its output; exit with its status.
 
-    Our stdin goes to CMD when it is a pipe or a file. Ctrl-C kills CMD (exit 130).
+    Our stdin goes to CMD when it is a pipe or a file. Ctrl-C kills CMD (exit 130). With -i our stdin
+    goes to CMD live, and Ctrl-C to CMD as SIGINT; with -t CMD runs on a terminal: ours, in raw mode,
+    its size followed. `fanfold exec -it ID` starts a shell (bash if the image has it, else sh).
     """
+    check_tty(tty)
+    if not cmd and not tty:
+        raise click.UsageError("give a command to run (only -it starts a shell by default)")
     with _fleet(ctx) as fleet:
-        result = _exec(fleet.get(sandbox_id), cmd, timeout=timeout, cwd=cwd, env=_pairs(env, "--env"), user=user)
+        sandbox = fleet.get(sandbox_id)
+        if interactive or tty:
+            result = interact(sandbox, cmd, tty=tty, timeout=timeout, cwd=cwd, env=_pairs(env, "--env"), user=user)
+        else:
+            result = _exec(sandbox, cmd, timeout=timeout, cwd=cwd, env=_pairs(env, "--env"), user=user)
+    if interactive or tty:
+        sys.exit(exit_code(result))
     _exit_with(result)
 
 
