@@ -228,6 +228,12 @@ def test_exec_it_gives_a_working_shell_with_its_exit_code(cli_sandbox):
     assert b"24 80\r\n" in shown and b"\r\nagain\r\n" in shown
 
 
+def test_run_it_runs_a_command_on_a_terminal_in_a_sandbox_of_its_own():
+    shown, code = _cli_on_a_terminal("run", "-it", "--", "sh", "-c", "tty; read line; echo got $line; exit 5",
+                                     steps=[(b"/dev/pts/", b"typed\r")])  # Enter in raw mode is \r
+    assert code == 5 and b"got typed\r\n" in shown, shown
+
+
 def test_exec_i_passes_stdin_live_without_a_terminal(cli_sandbox):
     from conftest import run_cli
 

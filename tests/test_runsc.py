@@ -610,3 +610,25 @@ async def test_destroy_leaves_no_process_state_file_cgroup_or_mount(rfleet, rcon
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
     assert runsc_leftovers(rconfig, sandbox.id) == {}
 
+
+
+@bounded
+async def test_a_pty_exec_under_gvisor(rfleet):
+    """gVisor's terminals: the slave opened by name where TIOCGPTPEER is missing, resize and Ctrl-C."""
+    from fanfold import Pty
+
+    async with await rfleet.create() as sandbox:
+        shell = await sandbox.spawn("sh", pty=Pty(24, 80))
+        chunks, text = shell.output(), ""
+        await shell.write("tty; stty size\n")
+        while "24 80" not in text:
+            text += (await asyncio.wait_for(anext(chunks), 30)).data.decode()
+        await shell.resize(40, 120)
+        await shell.write("stty size; exit 6\n")
+        while "40 120" not in text:
+            text += (await asyncio.wait_for(anext(chunks), 30)).data.decode()
+        assert "/dev/pts/" in text
+        assert (await asyncio.wait_for(shell.wait(), 30)).exit_code == 6
+        sleeper = await sandbox.spawn("sleep 100", pty=Pty())
+        await sleeper.write(b"\x03")
+        assert (await asyncio.wait_for(sleeper.wait(), 30)).signal == 2  # SIGINT
