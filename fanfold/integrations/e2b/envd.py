@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
+from ..._agent.client import check_terminal_size
 from ...engine import Engine
 from ...errors import FanfoldError, SandboxNotFound
 from .account import default_user
@@ -251,7 +252,7 @@ async def health(request: Request) -> Response:
 
 @router.post("/process.Process/{method}")
 async def process_service(method: str, request: Request) -> Response:
-    """process.Process: Start, Connect, List, SendInput, SendSignal, CloseStdin."""
+    """process.Process: Start (with or without a PTY), Connect, List, SendInput, SendSignal, CloseStdin, Update."""
     return await serve_rpc(request, "process.Process", method, PROCESS_UNARY, PROCESS_STREAMS)
 
 
@@ -259,8 +260,7 @@ async def process_service(method: str, request: Request) -> Response:
 
 
 async def start(call: Call, message: dict[str, Any]) -> AsyncIterator[bytes]:
-    if message.get("pty"):
-        raise RpcError("unimplemented", "fanfold's envd has no PTYs: run the command without one")
+    pty = None if message.get("pty") is None else _pty_size(message_field(message, "pty", dict, {}))
     config = message_field(message, "process", dict, {})
     cmd = message_field(config, "cmd", str, "")
     args = message_field(config, "args", list, [])
@@ -272,7 +272,8 @@ async def start(call: Call, message: dict[str, Any]) -> AsyncIterator[bytes]:
         argv[0] = "/bin/sh"
     options = dict(config={"cmd": cmd, "args": args, "envs": envs, **({"cwd": config["cwd"]} if "cwd" in config else {})},
                    tag=message_field(message, "tag", str), env=envs, cwd=message_field(config, "cwd", str),
-                   user=call.user, stdin=message_field(message, "stdin", bool, False), timeout=call.timeout)
+                   user=call.user, stdin=pty is not None or message_field(message, "stdin", bool, False),
+                   timeout=call.timeout, pty=pty)
     processes = call.e2b.processes
     try:
         process, queue = await processes.start(call.sandbox_id, argv, **options)
@@ -291,7 +292,8 @@ async def connect(call: Call, message: dict[str, Any]) -> AsyncIterator[bytes]:
 
 async def watch(process: Process, queue: Backlog, keepalive: float) -> AsyncIterator[bytes]:
     """The process's events as a Connect stream: start, data and end, keepalives while it is quiet.
-    A client that leaves stops watching; the process runs on."""
+    A client that leaves stops watching; the process runs on. A terminal's output is ``pty`` data."""
+    tty = process.control.pty is not None
     try:
         yield envelope({"event": {"start": {"pid": process.pid}}})
         while True:
@@ -303,6 +305,8 @@ async def watch(process: Process, queue: Backlog, keepalive: float) -> AsyncIter
             if isinstance(item, Ended):
                 yield end_of_stream(item.error)
                 return
+            if tty and "stdout" in item.get("data", {}):
+                item = {"data": {"pty": item["data"]["stdout"]}}
             yield envelope({"event": item})
     finally:
         process.unwatch(queue)
@@ -318,10 +322,12 @@ async def list_processes(call: Call, message: dict[str, Any]) -> dict[str, Any]:
 async def send_input(call: Call, message: dict[str, Any]) -> dict[str, Any]:
     process = call.e2b.processes.get(call.sandbox_id, message_field(message, "process", dict, {}))
     given = message_field(message, "input", dict, {})
-    if "pty" in given:
-        raise RpcError("unimplemented", "fanfold's envd has no PTYs")
+    kind = "pty" if "pty" in given else "stdin"
+    if (kind == "pty") != (process.control.pty is not None):
+        raise RpcError("failed_precondition", f"process {process.pid} {'has' if kind == 'stdin' else 'has no'} PTY:"
+                       f" send its input as input.{'pty' if kind == 'stdin' else 'stdin'}")
     try:
-        process.control.write(unb64(given.get("stdin", ""), "input.stdin"))
+        process.control.write(unb64(given.get(kind, ""), f"input.{kind}"))
     except ValueError:
         raise RpcError("failed_precondition", f"process {process.pid}'s stdin is closed") from None
     except BufferError as err:
@@ -338,6 +344,27 @@ async def send_signal(call: Call, message: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+async def update(call: Call, message: dict[str, Any]) -> dict[str, Any]:
+    """Resize a PTY (the only update envd has)."""
+    process = call.e2b.processes.get(call.sandbox_id, message_field(message, "process", dict, {}))
+    if message.get("pty") is None:
+        return {}
+    if process.control.pty is None:
+        raise RpcError("failed_precondition", f"process {process.pid} has no PTY to resize")
+    process.control.resize(*_pty_size(message_field(message, "pty", dict, {})))
+    return {}
+
+
+def _pty_size(pty: dict[str, Any]) -> tuple[int, int]:
+    """A PTY message's size (``{"size": {"rows", "cols"}}``) as ``(rows, cols)``; invalid_argument if bad."""
+    size = message_field(pty, "size", dict, {})
+    rows, cols = size.get("rows"), size.get("cols")
+    try:
+        return check_terminal_size(rows, cols)  # type: ignore[arg-type]
+    except ValueError as err:
+        raise RpcError("invalid_argument", f"pty.size: {err}") from None
+
+
 async def close_stdin(call: Call, message: dict[str, Any]) -> dict[str, Any]:
     process = call.e2b.processes.get(call.sandbox_id, message_field(message, "process", dict, {}))
     process.control.close_stdin()
@@ -346,5 +373,6 @@ async def close_stdin(call: Call, message: dict[str, Any]) -> dict[str, Any]:
 
 PROCESS_UNARY: dict[str, Unary] = {
     "List": list_processes, "SendInput": send_input, "SendSignal": send_signal, "CloseStdin": close_stdin,
+    "Update": update,
 }
 PROCESS_STREAMS: dict[str, Streaming] = {"Start": start, "Connect": connect}

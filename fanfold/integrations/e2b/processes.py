@@ -150,12 +150,12 @@ class Processes:
 
     async def start(self, sandbox_id: str, argv: list[str], *, config: dict[str, Any], tag: str | None,
                     env: dict[str, str] | None, cwd: str | None, user: str | None, stdin: bool,
-                    timeout: float | None) -> tuple[Process, Backlog]:
+                    timeout: float | None, pty: tuple[int, int] | None = None) -> tuple[Process, Backlog]:
         """Start ``argv`` and return it with a queue watching it from its first byte of output; the
         start failure (a missing program or cwd) as RpcError."""
         if sandbox_id in self._quiet:
             raise RpcError("unavailable", f"sandbox {sandbox_id} is being paused or forked")
-        process = Process(config=config, tag=tag, control=ExecControl(keep_output=False))
+        process = Process(config=config, tag=tag, control=ExecControl(keep_output=False, pty=pty))
         queue = process.watch()
         process.task = asyncio.create_task(self.engine.exec(
             sandbox_id, argv, cwd=cwd, env=env, timeout=timeout, max_output=UNLIMITED_OUTPUT,
