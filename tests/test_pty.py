@@ -241,6 +241,11 @@ def test_exec_i_passes_stdin_live_without_a_terminal(cli_sandbox):
     assert done.returncode == 4 and done.stdout == "not a tty\npiped\n"
 
 
+def test_exec_it_of_a_missing_program_says_why_and_exits_127(cli_sandbox):
+    shown, code = _cli_on_a_terminal("exec", "-it", cli_sandbox, "--", "no-such-program", steps=[])
+    assert code == 127 and b"no-such-program" in shown, shown
+
+
 def test_exec_t_without_a_terminal_says_so():
     from conftest import run_cli
 

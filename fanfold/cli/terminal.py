@@ -51,6 +51,8 @@ def interact(sandbox: Sandbox, cmd: tuple[str, ...], *, tty: bool, **kwargs: Any
             for chunk in process.output():
                 _write_all(out_fd if chunk.stream == "stdout" else sys.stderr.fileno(), chunk.data)
             result = process.wait()
+        if result.stderr:  # output streamed is not kept: this is the engine's own word (`cannot run 'x'`)
+            _write_all(sys.stderr.fileno(), result.stderr)
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
@@ -62,7 +64,9 @@ def interact(sandbox: Sandbox, cmd: tuple[str, ...], *, tty: bool, **kwargs: Any
 
 
 def exit_code(result: ExecResult) -> int:
-    """The shell's convention: the command's code, or 128 + the signal that ended it."""
+    """The shell's convention: the command's code, or 128 + the signal that ended it (124: its timeout)."""
+    if result.outcome.value == "timeout":
+        return 124
     if result.signal:
         return 128 + result.signal
     return 124 if result.exit_code is None else result.exit_code
