@@ -241,6 +241,22 @@ def test_exec_i_passes_stdin_live_without_a_terminal(cli_sandbox):
     assert done.returncode == 4 and done.stdout == "not a tty\npiped\n"
 
 
+def test_exec_it_through_a_server(server):
+    from conftest import run_cli
+
+    url = ["--url", server.unix_url]
+    made = run_cli(*url, "create")
+    assert made.returncode == 0, made.stderr
+    sandbox_id = made.stdout.split()[0]
+    try:
+        shown, code = _cli_on_a_terminal(*url, "exec", "-it", sandbox_id, steps=[
+            (b"# ", b"stty size; echo h''i; exit 9\n"),
+        ])
+        assert code == 9 and b"24 80\r\n" in shown and b"\r\nhi\r\n" in shown, shown
+    finally:
+        assert run_cli(*url, "rm", sandbox_id).returncode == 0
+
+
 def test_exec_it_of_a_missing_program_says_why_and_exits_127(cli_sandbox):
     shown, code = _cli_on_a_terminal("exec", "-it", cli_sandbox, "--", "no-such-program", steps=[])
     assert code == 127 and b"no-such-program" in shown, shown
