@@ -85,6 +85,7 @@ async def spawn(exec_call: Any, cmd: str | list[str], *, pty: Pty | None, env: d
 
     task = asyncio.ensure_future(exec_call(cmd, env=env, on_output=push, control=control, **kwargs))
     task.add_done_callback(lambda _: chunks.put_nowait(None))
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())  # raised by wait(), if asked
     started = asyncio.ensure_future(asyncio.shield(control.started))
     try:
         await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
