@@ -12,18 +12,14 @@ e2b = pytest.importorskip("e2b")
 from e2b import CommandExitException, Sandbox  # noqa: E402
 from e2b.sandbox.commands.command_handle import PtySize  # noqa: E402
 
+from test_e2b import e2b_env  # noqa: E402, F401  (a fixture: the SDK pointed at the test server)
+
 
 @pytest.fixture(scope="module")
-def sbx(server):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("E2B_API_URL", f"{server.tcp_url}/e2b")
-        patch.setenv("E2B_SANDBOX_URL", f"{server.tcp_url}/e2b/envd")
-        patch.setenv("E2B_API_KEY", server.tokens["alice"])
-        patch.delenv("E2B_DEBUG", raising=False)
-        patch.delenv("E2B_DOMAIN", raising=False)
-        sandbox = Sandbox.create(timeout=600)
-        yield sandbox
-        assert sandbox.kill()
+def sbx(e2b_env):
+    sandbox = Sandbox.create(timeout=600)
+    yield sandbox
+    assert sandbox.kill()
 
 
 class Screen:

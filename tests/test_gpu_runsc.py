@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from fanfold import AsyncFleet, EngineConfig, HostNotReady, InvalidRequest
 from fanfold.engine import Engine
@@ -27,7 +26,7 @@ from fanfold.runtime.runsc_backend import GPU_FILE, RunscBackend
 
 from conftest import STATE_DIR
 from test_gpu import held, make_host
-from test_runsc import runsc_leftovers, runsc_processes
+from test_runsc import rfleet, runsc_leftovers, runsc_processes  # noqa: F401  (rfleet: a fixture, on this rconfig)
 
 if shutil.which("runsc") is None:
     pytest.skip("gVisor's runsc is not installed (`make setup` installs it)", allow_module_level=True)
@@ -47,14 +46,6 @@ def rconfig(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
     root = tmp_path_factory.mktemp("gpuhost")
     fields = make_host(root)
     return EngineConfig(state_dir=STATE_DIR, runtime="runsc", gpu_shares=1, **fields)  # type: ignore[arg-type]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def rfleet(rconfig: EngineConfig):
-    async with AsyncFleet(config=rconfig) as fleet:
-        yield fleet
-        assert await fleet.list() == [], "a test left a sandbox running"
-    assert runsc_leftovers(rconfig) == {}
 
 
 @pytest.fixture

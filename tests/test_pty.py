@@ -10,27 +10,20 @@ import pty as ptymod
 import select
 import signal
 import struct
-import subprocess
 import sys
 import termios
 import time
-from pathlib import Path
 
 import pytest
 
-from fanfold import AsyncFleet, InvalidRequest, Outcome, Pty
+from fanfold import InvalidRequest, Outcome, Pty
 from fanfold._agent.build import agent_binary
-from fanfold._agent.client import PROTOCOL_VERSION, AgentClient, AgentTooOld, ExecControl
+from fanfold._agent.client import PROTOCOL_VERSION, AgentTooOld, ExecControl
 
-from conftest import STATE_DIR, TRANSPORTS, fleet_args
+import agents
+from conftest import STATE_DIR
 
 PROTOCOL_5_COMMIT = "67a89a9"  # the last agent of protocol 5, before terminals
-
-
-@pytest.fixture(params=TRANSPORTS)
-async def afleet(request: pytest.FixtureRequest, config):
-    async with AsyncFleet(**fleet_args(request.param, request, config)) as fleet:
-        yield fleet
 
 
 class Screen:
@@ -123,44 +116,20 @@ def test_bad_terminal_sizes_are_refused():
 
 
 async def test_an_agent_of_protocol_5_refuses_a_pty_clearly_and_runs_nothing(tmp_path):
-    source = subprocess.run(["git", "show", f"{PROTOCOL_5_COMMIT}:fanfold/_agent/agent.c"], capture_output=True,
-                            cwd=Path(__file__).parent)
-    if source.returncode != 0:
-        pytest.skip(f"the protocol 5 agent's source is not in this checkout's history ({PROTOCOL_5_COMMIT})")
-    (tmp_path / "old.c").write_bytes(source.stdout)
-    subprocess.run(["cc", "-static", "-O2", "-o", str(tmp_path / "old-agent"), str(tmp_path / "old.c")], check=True)
-    async with _agent(tmp_path / "old-agent", tmp_path) as old:
+    async with agents.running(agents.agent_of(PROTOCOL_5_COMMIT, tmp_path, 5), tmp_path) as old:
         assert await old.ping() == "fanfold-agent 5"
         marker = tmp_path / "ran"
         with pytest.raises(AgentTooOld, match="terminals"):
             await old.exec(["/bin/touch", str(marker)], env=[], cwd="/", timeout_ms=10_000, max_output=4096,
                            control=ExecControl(pty=(24, 80)))
         assert not marker.exists()
-    async with _agent(agent_binary(tmp_path / "state"), tmp_path) as new:
+    async with agents.running(agent_binary(tmp_path / "state"), tmp_path) as new:
         assert await new.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
         raw = await new.exec(["/bin/sh", "-c", "stty size"], env=["PATH=/usr/bin:/bin"], cwd="/", timeout_ms=10_000,
                              max_output=4096, control=ExecControl(pty=(7, 9)))
         assert raw.stdout == b"7 9\r\n" and raw.stderr == b"" and raw.status["err_bytes"] == 0
 
 
-class _agent:
-    """The agent at ``binary`` as a plain process listening in ``where``, killed on exit."""
-
-    def __init__(self, binary: Path, where: Path) -> None:
-        self.binary, self.socket = binary, where / f"{binary.name}.sock"
-
-    async def __aenter__(self) -> AgentClient:
-        self.process = subprocess.Popen([str(self.binary), "--listen", str(self.socket), "--subreaper"],
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
-        give_up = time.monotonic() + 10
-        while not self.socket.exists():
-            assert self.process.poll() is None and time.monotonic() < give_up
-            await asyncio.sleep(0.01)
-        return AgentClient(str(self.socket))
-
-    async def __aexit__(self, *exc: object) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
 
 
 # -- the CLI at a terminal -------------------------------------------------------------------------

@@ -5,17 +5,16 @@ embedded and over the unix socket, and the CLI."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from fanfold import AsyncFleet, EngineConfig, EnvSpec, InvalidRequest
 from fanfold._agent.build import agent_binary
-from fanfold._agent.client import PROTOCOL_VERSION, AgentClient, AgentTooOld, ExecUser
+from fanfold._agent.client import PROTOCOL_VERSION, AgentTooOld, ExecUser
 from fanfold.images import users
 
+import agents
 from conftest import fleet_args, run_cli
 
 OLD_AGENT_COMMIT = "a20f96d"  # the last agent of protocol 1, before the `u` frame
@@ -126,7 +125,7 @@ def test_resolution_never_follows_a_symlink_out_of_the_root(tmp_path):
 @pytest.fixture
 async def agent(tmp_path: Path):
     """A new agent run as a plain process (root here, so it can switch users)."""
-    async with _agent(agent_binary(tmp_path / "state"), tmp_path) as client:
+    async with agents.running(agent_binary(tmp_path / "state"), tmp_path) as client:
         yield client
 
 
@@ -150,13 +149,7 @@ async def test_an_unknown_frame_refuses_the_exec(agent):
 
 
 async def test_an_agent_of_protocol_1_refuses_a_user_clearly_and_runs_nothing(tmp_path):
-    source = subprocess.run(["git", "show", f"{OLD_AGENT_COMMIT}:fanfold/_agent/agent.c"], capture_output=True,
-                            cwd=Path(__file__).parent)
-    if source.returncode != 0:
-        pytest.skip(f"the protocol 1 agent's source is not in this checkout's history ({OLD_AGENT_COMMIT})")
-    (tmp_path / "old.c").write_bytes(source.stdout)
-    subprocess.run(["cc", "-static", "-O2", "-o", str(tmp_path / "old-agent"), str(tmp_path / "old.c")], check=True)
-    async with _agent(tmp_path / "old-agent", tmp_path) as old:
+    async with agents.running(agents.agent_of(OLD_AGENT_COMMIT, tmp_path, 1), tmp_path) as old:
         assert await old.ping() == "fanfold-agent 1"
         marker = tmp_path / "ran"
         with pytest.raises(AgentTooOld):
@@ -166,22 +159,3 @@ async def test_an_agent_of_protocol_1_refuses_a_user_clearly_and_runs_nothing(tm
         assert not marker.exists()
 
 
-class _agent:
-    """The agent at ``binary`` listening in ``where``, killed on exit."""
-
-    def __init__(self, binary: Path, where: Path) -> None:
-        self.binary, self.socket = binary, where / f"{binary.name}.sock"
-
-    async def __aenter__(self) -> AgentClient:
-        self.process = subprocess.Popen([str(self.binary), "--listen", str(self.socket), "--subreaper"],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
-        give_up = time.monotonic() + 10
-        while not self.socket.exists():
-            assert self.process.poll() is None and time.monotonic() < give_up
-            await asyncio.sleep(0.01)
-        return AgentClient(str(self.socket))
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.process.kill()
-        self.process.wait()
