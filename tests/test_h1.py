@@ -150,3 +150,27 @@ async def test_a_malformed_or_cut_reply_is_connection_lost(tmp_path, reply, matc
                 await response.read()
         assert not client._idle  # the broken connection is not kept for the next request
         await client.close()
+
+
+async def test_a_tcp_connection_reset_before_it_is_set_up_is_connection_lost(monkeypatch):
+    """A server that dies just after accepting (a Ray node going away) resets the connection before
+    the client sets its keepalive options: the closed socket is a lost connection, not a bare OSError."""
+    server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    opening = asyncio.open_connection
+
+    async def reset_at_once(*args: object, **kwargs: object):
+        reader, writer = await opening(*args, **kwargs)
+        writer.transport.abort()  # the socket is closed before the caller sees it, as after a reset
+        await writer.wait_closed()
+        return reader, writer
+
+    monkeypatch.setattr(asyncio, "open_connection", reset_at_once)
+    client = Client(host="127.0.0.1", port=port)
+    try:
+        with pytest.raises(ConnectionLost, match="closed as it opened"):
+            async with client.request("GET", "/"):
+                pass
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -131,8 +131,13 @@ class Client:
             raise ConnectionLost(f"cannot connect to {where}: {err or type(err).__name__}") from None
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            for option in KEEPALIVE:
-                sock.setsockopt(*option)
+            try:
+                for option in KEEPALIVE:
+                    sock.setsockopt(*option)
+            except OSError as err:  # reset and closed before this task ran again: a server dying as it accepted
+                writer.close()
+                raise ConnectionLost(f"the connection to {self._host}:{self._port} closed as it opened: "
+                                     f"{err.strerror or err}") from None
         conn = _Conn(reader, writer)
         self._live = {live for live in self._live if live.usable}  # forget those closed since
         self._live.add(conn)
