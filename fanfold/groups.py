@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .errors import InvalidRequest
-from .models import DAY_S, CreateParams, bounds, check_bounds
+from .models import DAY_S, CreateParams, Limits, bounds, check_bounds
 
 MAX_MEMBERS = 32
 """The most members one group has."""
@@ -172,3 +172,28 @@ class GroupSnapshotInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def params_to_wire(params: GroupParams) -> dict[str, Any]:
+    """GroupParams as JSON-ready data (``params_from_wire`` reads it back)."""
+    return asdict(params)
+
+
+def params_from_wire(data: Any) -> GroupParams:
+    """GroupParams from JSON data (a request body, a row); InvalidRequest names what is wrong."""
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"a group's params are an object, got {type(data).__name__}")
+    try:
+        members = []
+        for item in data.get("members") or ():
+            item = dict(item)
+            create = dict(item.pop("params", None) or {})
+            limits = create.pop("limits", None)
+            health = item.pop("health", None)
+            members.append(GroupMember(
+                **item, params=CreateParams(**create, limits=None if limits is None else Limits(**limits)),
+                health=None if health is None else HealthCheck(**health)))
+        rest = {key: value for key, value in data.items() if key != "members"}
+        return GroupParams(members=tuple(members), **rest)
+    except TypeError as err:
+        raise InvalidRequest(f"bad group params: {err}") from None

@@ -12,8 +12,10 @@ import secrets
 
 SANDBOX = "sb-"
 SNAPSHOT = "snap-"
+GROUP = "grp-"
+GROUP_SNAPSHOT = "gsnap-"
 _TAG = re.compile(r"^[a-z0-9]{1,12}$")
-_ID = re.compile(r"^(?:sb|snap)-(?:(?P<tag>[a-z0-9]{1,12})-)?[0-9a-f]{12}$")
+_ID = re.compile(r"^(?:sb|snap|grp|gsnap)-(?:(?P<tag>[a-z0-9]{1,12})-)?[0-9a-f]{12}$")
 
 
 def check_node_tag(tag: str | None) -> str | None:

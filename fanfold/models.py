@@ -302,6 +302,10 @@ class SandboxInfo:
     """The server tenant it belongs to: "" is the host's own (the embedded SDK, the CLI, the unix socket)."""
     gpu_ids: list[str] = field(default_factory=list)
     """The GPUs it holds (UUIDs, or indexes where the host knows none), as ``limits.gpus`` asked."""
+    group_id: str = ""
+    """The group it is a member of ("" for none): see ``fanfold.groups``."""
+    member: str = ""
+    """Its name in its group, by which the other members reach it."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -120,12 +120,14 @@ class Checkpoints:
     async def fork(
         self,
         sandbox_id: str, count: int, *, cmd: str | list[str] | None = None, deadline: float | None = None,
+        groups: list[tuple[str, str]] | None = None,
     ) -> ForkResult:
         """``count`` live copies of a running sandbox; it pauses only while its memory is dumped.
 
         Each child has its own disk copy, processes, pid and network namespaces, hostname,
         sandbox id and kernel randomness. ``cmd`` runs in each child right after the fork.
         Children end at the parent's deadline, or ``deadline`` seconds from now when given.
+        ``groups``: the (group id, member name) each child joins (a group's fork), else none.
         """
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK:
             raise InvalidRequest(f"count must be a whole number from 1 to {MAX_FORK}, got {count!r}")
@@ -147,7 +149,8 @@ class Checkpoints:
             idle_timeout=parent.idle_timeout, user=parent.user or None, seccomp=parent.seccomp, network=parent.network,
         )
         made = await asyncio.gather(*(
-            self._create(params, tenant=row["tenant"], lease=_lease_of(row["owner"])) for _ in range(count)
+            self._create(params, tenant=row["tenant"], lease=_lease_of(row["owner"]),
+                         **({"group": groups[n]} if groups else {})) for n in range(count)
         ), return_exceptions=True)
         children = [c for c in made if isinstance(c, SandboxInfo)]
         failed = [c for c in made if isinstance(c, BaseException)]

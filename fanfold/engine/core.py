@@ -26,6 +26,7 @@ from ..errors import (
 )
 from ..images import Image, LayerStore, users
 from ..store import trust
+from ..groups import GroupInfo, GroupParams, GroupSnapshotInfo
 from ..images.builder import Builder, Network, OnStep
 from ..models import (
     CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo,
@@ -36,10 +37,11 @@ from . import db as dbmod
 from .admission import Admission, check_fits_host
 from .diskroom import DiskRoom
 from .catalog import Catalog, check_tag
-from .api import MAX_POOL, OnOutput
+from .api import MAX_FORK, MAX_POOL, OnOutput
 from .checkpoints import Checkpoints
 from .checks import check_deadline, check_labels, check_strings
 from .execs import Execs
+from .groups import Groups
 from .figures import Figures
 from .files import Files, FileStream
 from .leases import Leases
@@ -114,6 +116,8 @@ class Engine:
         self.execs = Execs(life)
         self.files = Files(life)
         self.checkpoints = Checkpoints(life, self.create, self.exec)
+        self.groups = Groups(life, self.create, self.exec, self.checkpoints.snapshot, self.checkpoints.fork,
+                             self.expose)
         self.leases = Leases(life)
         self.policies = Policies(life, self.pools, self.checkpoints.suspend)
         self.reaper = Reaper(life, self.leases, self.policies, self.pools)
@@ -122,6 +126,7 @@ class Engine:
         self._started = True
         try:
             await self.reaper.reconcile()
+            await self.groups.reconcile()
         except BaseException:  # an engine that never started lets go of the host and the database again
             self._started = False
             await self.backend.close(idle=False)
@@ -219,14 +224,16 @@ class Engine:
 
     # -- sandboxes ----------------------------------------------------------------------------
 
-    async def create(self, params: CreateParams, *, tenant: str = "", lease: str | None = None) -> SandboxInfo:
+    async def create(self, params: CreateParams, *, tenant: str = "", lease: str | None = None,
+                     group: tuple[str, str] | None = None) -> SandboxInfo:
         """Start a sandbox as ``params`` say (see ``CreateParams``); it is running when this returns.
 
         ``tenant`` names the server token the sandbox belongs to ("" for local callers); a sandbox
         with a ``lease`` dies when the lease expires. Sticky and persistent sandboxes outlive their
         creator. A create from a memory snapshot continues where the snapshot stopped, with its
         cpu, memory and pids limits and the seccomp filters its processes had. ``set_network``
-        changes the network policy while the sandbox runs.
+        changes the network policy while the sandbox runs. ``group`` (group id, member name): the
+        group it joins (``create_group`` makes members so).
         """
         if not isinstance(params, CreateParams):
             raise InvalidRequest(f"create takes a fanfold.CreateParams, got {params!r}")
@@ -237,7 +244,7 @@ class Engine:
             self._creating.add(task)
         started = time.perf_counter()
         try:
-            info, pooled = await self._create(params, tenant, self.leases.owner_for(lease, tenant))
+            info, pooled = await self._create(params, tenant, self.leases.owner_for(lease, tenant), group)
         except (InfrastructureError, CapacityExceeded) as err:
             self.telemetry.create_failed_infra("capacity" if isinstance(err, CapacityExceeded) else "infra_error")
             raise
@@ -257,7 +264,8 @@ class Engine:
             return image
         return image if image.startswith(SNAPSHOT_PREFIX) else (await self.catalog.resolve(image, tenant)).id
 
-    async def _create(self, params: CreateParams, tenant: str, owner: str) -> tuple[SandboxInfo, bool]:
+    async def _create(self, params: CreateParams, tenant: str, owner: str,
+                      group: tuple[str, str] | None = None) -> tuple[SandboxInfo, bool]:
         net = self.life.network.check(params.network, tenant)
         seccomp = params.seccomp
         if seccomp not in PROFILES:  # a profile file, read off the loop
@@ -280,10 +288,11 @@ class Engine:
             id="", state="running", image_id=img.id, limits=limits, labels=labels, created_at=0.0, detached=detached,
             source=source, persistence=persistence, priority=params.priority, idle_timeout=params.idle_timeout,
             user=params.user or img.user, seccomp=seccomp, network="none" if net is None else net.to_wire(),
+            group_id=group[0] if group else "", member=group[1] if group else "",
         )
         # Each quota check runs with no await before the row it counts is in: creates never overshoot.
         # A warm sandbox of the tenant's own pool counts already: taking it adds no memory or disk.
-        pooling = seccomp == "default"
+        pooling = seccomp == "default" and group is None  # a warm sandbox is on no group's network
         self.quotas.check_create(tenant, limits, claims_warm=pooling and self.pools.has_ready(source, limits, tenant))
         # The refill starts once the row handed out counts as the tenant's (its quota leaves room or not),
         # and after a policy's attach: both want the CPU.
@@ -525,6 +534,50 @@ class Engine:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete a snapshot no sandbox or later snapshot stands on."""
         await self.checkpoints.delete_snapshot(snapshot_id)
+
+    # -- groups ---------------------------------------------------------------------------------
+
+    async def create_group(self, params: GroupParams, *, tenant: str = "", lease: str | None = None) -> GroupInfo:
+        """Start sandboxes on a private network of their own, reaching each other by name
+        (``fanfold.groups``); they are running (and healthy, where checked) when this returns."""
+        if not self._started or self.life.closing:
+            raise InfrastructureError("the engine is not running (closed or not started): start a fleet first")
+        task = asyncio.current_task()
+        if task is not None:
+            self._creating.add(task)
+        try:
+            return await self.groups.create(params, tenant=tenant, lease=lease)
+        finally:
+            if task is not None:
+                self._creating.discard(task)
+
+    async def get_group(self, group_id: str, *, tenant: str | None = None) -> GroupInfo:
+        return self.groups.info(group_id, tenant)
+
+    async def list_groups(self, *, tenant: str | None = None) -> list[GroupInfo]:
+        return self.groups.list(tenant)
+
+    async def kill_group(self, group_id: str, *, tenant: str | None = None) -> None:
+        """Destroy every member of the group, and its network."""
+        await self.groups.kill(group_id, tenant=tenant)
+
+    async def snapshot_group(self, group_id: str, *, memory: bool = False, name: str | None = None,
+                             tenant: str | None = None) -> GroupSnapshotInfo:
+        """Snapshot every member as one group snapshot, which ``create_group(source=...)`` starts from."""
+        return await self.groups.snapshot(group_id, memory=memory, name=name, tenant=tenant)
+
+    async def fork_group(self, group_id: str, count: int, *, tenant: str | None = None) -> list[GroupInfo]:
+        """``count`` live copies of the whole group, each on its own private network."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK:
+            raise InvalidRequest(f"count must be a whole number from 1 to {MAX_FORK}, got {count!r}")
+        return await self.groups.fork(group_id, count, tenant=tenant)
+
+    async def group_snapshots(self, *, tenant: str | None = None) -> list[GroupSnapshotInfo]:
+        return self.groups.snapshots(tenant)
+
+    async def delete_group_snapshot(self, snapshot_id: str, *, tenant: str | None = None) -> None:
+        """Forget a group snapshot (its members' snapshots stay until ``gc`` or ``delete_snapshot``)."""
+        await self.groups.delete_snapshot(snapshot_id, tenant=tenant)
 
     async def gc(self, *, tenant: str | None = None) -> list[str]:
         """Delete every snapshot that has no name and that no sandbox or kept snapshot needs; for the

@@ -68,6 +68,27 @@ CREATE TABLE IF NOT EXISTS image_tenants (
 CREATE TABLE IF NOT EXISTS shared_images (
     image_id TEXT PRIMARY KEY
 );
+CREATE TABLE IF NOT EXISTS groups (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    state TEXT NOT NULL,
+    params TEXT NOT NULL,
+    addresses TEXT NOT NULL,
+    ports TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    deadline_at REAL,
+    source TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS group_snapshots (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    name TEXT,
+    members TEXT NOT NULL,
+    params TEXT NOT NULL,
+    memory INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
 """
 # Columns added after the first release: (name, SQL type and default). Old databases get them.
 LATER_COLUMNS = [
@@ -85,6 +106,8 @@ LATER_COLUMNS = [
     ("backend", "TEXT NOT NULL DEFAULT ''"),
     ("network", "TEXT NOT NULL DEFAULT '\"none\"'"),
     ("gpu_ids", "TEXT NOT NULL DEFAULT '[]'"),
+    ("group_id", "TEXT NOT NULL DEFAULT ''"),
+    ("member", "TEXT NOT NULL DEFAULT ''"),
 ]
 
 

@@ -93,6 +93,11 @@ class Lifecycle:
         self.closing = False
         self.forget: Callable[[str], None] = lambda sandbox_id: None
         """Told of every sandbox destroyed (the pools drop it from their ready lists)."""
+        self.group_hook: Callable[[Any], Callable[[Handle], Awaitable[None]] | None] = lambda row: None
+        """A group member's bring-up hook that joins it to its group's network (``groups.Groups.hook``)."""
+        self.group_env: Callable[[Any, dict[str, str]], dict[str, str]] = lambda row, extra: {}
+        self.group_gone: Callable[[str], Awaitable[None]] | None = None
+        """Told of each group member destroyed: the group goes with its last."""
         self.destroying: dict[str, asyncio.Future[None]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._gates: dict[str, Gate] = {}
@@ -341,8 +346,8 @@ class Lifecycle:
                             gpu_ids: list[str] | None = None) -> int | None:
         """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given).
         ``network`` (its policy and tenant) and ``gpu_ids``: when the caller has them at hand; else its row says."""
+        row = self.db.get(sandbox_id)
         if network is None or gpu_ids is None:
-            row = self.db.get(sandbox_id)
             if network is None:
                 network = (None, "") if row is None else (row_policy(row), row["tenant"])
             if gpu_ids is None:
@@ -352,10 +357,11 @@ class Lifecycle:
             raise InvalidRequest(f"sandbox {sandbox_id} holds GPUs: its processes cannot be restored from a memory"
                                  " checkpoint (the GPU's memory is not in it); start it from an image or a disk snapshot")
         extra = {**self.gpus.env(gpu_ids, limits, dict(img.env), DEFAULT_PATH), **self.network.env(policy)}
+        extra.update(self.group_env(row, extra))
         spec = SandboxSpec(
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
             env=tuple(base_env(img, sandbox_id, extra, self.trust_env)), services=img.services, restore=restore,
-            seccomp=seccomp, before_run=self.network.before_run(sandbox_id, policy, tenant),
+            seccomp=seccomp, before_run=_both(self.group_hook(row), self.network.before_run(sandbox_id, policy, tenant)),
             devices=self.gpus.edits(gpu_ids, limits),
         )
         handle = await self.backend.bring_up(spec)
@@ -426,6 +432,8 @@ class Lifecycle:
         await self.backend.release(sandbox_id, dbmod.row_handle(row) if row is not None else None)
         self.db.delete(sandbox_id)
         self._gates.pop(sandbox_id, None)
+        if row is not None and row["group_id"] and self.group_gone is not None:
+            await self.group_gone(row["group_id"])
         self.admission.released()
         # A sandbox's suspend images die with it, and so does a fork's snapshot with its last child.
         spent = self.own_suspends(sandbox_id)
@@ -442,3 +450,16 @@ class Lifecycle:
 
     def own_suspends(self, sandbox_id: str) -> set[str]:
         return self.db.snapshot_ids(kind="suspend", sandbox_id=sandbox_id)
+
+
+def _both(first: Callable[[Handle], Awaitable[None]] | None,
+          then: Callable[[Handle], Awaitable[None]] | None) -> Callable[[Handle], Awaitable[None]] | None:
+    """One bring-up hook that awaits ``first`` and then ``then`` (either may be None)."""
+    if first is None or then is None:
+        return first or then
+
+    async def both(handle: Handle) -> None:
+        await first(handle)
+        await then(handle)
+
+    return both

@@ -190,6 +190,7 @@ def socket_in(pid: int) -> socket.socket:
 
 
 CAPTURE_SCRIPT = """
+# 10.250.0.0/24: a sandbox group's own network (host.groupnet.SUBNET), never captured
 ip link show ffcap0 >/dev/null 2>&1 || ip -batch - <<'LINKS' || exit 1
 link add ffcap0 type veth peer name ffcap1
 addr add 10.255.255.1/30 dev ffcap0
@@ -205,11 +206,13 @@ table ip fanfold_capture {{
     type nat hook output priority -100; policy accept;
     udp dport 53 redirect to :{dns}
     ip daddr 127.0.0.0/8 return
+    ip daddr 10.250.0.0/24 return
     meta l4proto tcp redirect to :{tcp}
   }}
   chain filter_out {{
     type filter hook output priority 0; policy accept;
     ip daddr 127.0.0.0/8 accept
+    ip daddr 10.250.0.0/24 accept
     ct state established,related accept
     reject
   }}
