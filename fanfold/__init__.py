@@ -18,17 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say the same
     from .client import (
-        AsyncFiles, AsyncFleet, AsyncFork, AsyncProcess, AsyncRollouts, AsyncSandbox, Files, Fleet, Fork, Process,
-        RolloutResult, Rollouts, RolloutStats, Sandbox,
+        AsyncFiles, AsyncFleet, AsyncFork, AsyncGroup, AsyncProcess, AsyncRollouts, AsyncSandbox, Files, Fleet, Fork,
+        Group, Process, RolloutResult, Rollouts, RolloutStats, Sandbox,
     )
     from .config import EngineConfig
     from .errors import (
         BuildFailed, CapacityExceeded, CheckpointFailed, CommandFailed, ExecTimeout, FanfoldError,
-        FileNotFoundInSandbox, HostNotReady, ImageCorrupt, ImageInUse, ImageNotFound, InfrastructureError, InvalidPath,
+        FileNotFoundInSandbox, GroupNotFound, HostNotReady, ImageCorrupt, ImageInUse, ImageNotFound, InfrastructureError, InvalidPath,
         InvalidRequest, InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, PortUnreachable,
         QuotaExceeded, RecordingNotFound, RegistryDenied, RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
         ToolError, Unauthorized,
     )
+    from .groups import GroupInfo, GroupMember, GroupParams, GroupSnapshotInfo, HealthCheck
     from .images import Image
     from .images.builder import StepEvent
     from .models import (
@@ -41,17 +42,18 @@ from .__version__ import __version__
 
 _EXPORTS = {
     ".client": (
-        "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncProcess", "AsyncRollouts", "AsyncSandbox", "Files", "Fleet", "Fork",
-        "Process", "RolloutResult", "Rollouts", "RolloutStats", "Sandbox",
+        "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncGroup", "AsyncProcess", "AsyncRollouts", "AsyncSandbox", "Files",
+        "Fleet", "Fork", "Group", "Process", "RolloutResult", "Rollouts", "RolloutStats", "Sandbox",
     ),
     ".config": ("EngineConfig",),
     ".errors": (
         "BuildFailed", "CapacityExceeded", "CheckpointFailed", "CommandFailed", "ExecTimeout", "FanfoldError",
-        "FileNotFoundInSandbox", "HostNotReady", "ImageCorrupt", "ImageInUse", "ImageNotFound", "InfrastructureError",
+        "FileNotFoundInSandbox", "GroupNotFound", "HostNotReady", "ImageCorrupt", "ImageInUse", "ImageNotFound", "InfrastructureError",
         "InvalidPath", "InvalidRequest", "InvalidSpec", "LeaseNotFound", "LimitExceeded", "NotFound",
         "PolicyUnavailable", "PortUnreachable", "QuotaExceeded", "RecordingNotFound", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
         "ToolError", "Unauthorized",
     ),
+    ".groups": ("GroupInfo", "GroupMember", "GroupParams", "GroupSnapshotInfo", "HealthCheck"),
     ".images": ("Image",),
     ".images.builder": ("StepEvent",),
     ".models": (
@@ -66,6 +68,7 @@ __all__ = [
     "AsyncFiles",
     "AsyncFleet",
     "AsyncFork",
+    "AsyncGroup",
     "AsyncProcess",
     "AsyncRollouts",
     "AsyncSandbox",
@@ -85,6 +88,13 @@ __all__ = [
     "Fleet",
     "Fork",
     "ForkResult",
+    "Group",
+    "GroupInfo",
+    "GroupMember",
+    "GroupNotFound",
+    "GroupParams",
+    "GroupSnapshotInfo",
+    "HealthCheck",
     "HostNotReady",
     "Image",
     "ImageCorrupt",

@@ -112,6 +112,12 @@ class SandboxNotFound(NotFound):
     kind = "sandbox_not_found"
 
 
+class GroupNotFound(NotFound):
+    """No sandbox group (or group snapshot) with that id or name."""
+
+    kind = "group_not_found"
+
+
 class SnapshotNotFound(NotFound):
     """No snapshot with that id or name (never taken, deleted, or collected by gc)."""
 

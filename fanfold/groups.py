@@ -197,3 +197,20 @@ def params_from_wire(data: Any) -> GroupParams:
         return GroupParams(members=tuple(members), **rest)
     except TypeError as err:
         raise InvalidRequest(f"bad group params: {err}") from None
+
+
+def info_to_wire(info: GroupInfo) -> dict[str, Any]:
+    return info.to_dict()
+
+
+def info_from_wire(data: dict[str, Any]) -> GroupInfo:
+    ports = {name: {int(port): url for port, url in urls.items()} for name, urls in data.get("ports", {}).items()}
+    return GroupInfo(**{**data, "ports": ports})
+
+
+def snapshot_to_wire(info: GroupSnapshotInfo) -> dict[str, Any]:
+    return info.to_dict()
+
+
+def snapshot_from_wire(data: dict[str, Any]) -> GroupSnapshotInfo:
+    return GroupSnapshotInfo(**data)

@@ -147,7 +147,7 @@ def leaks(config: EngineConfig) -> dict[str, int]:
     """Mounts, cgroups and runtime containers of this state directory that are still there."""
     runtime_root = config.run_dir / config.runtime
     return {
-        "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")) + len(mounts.mounts_under(config.state_dir / "groups")),
+        "mounts": sum(len(mounts.mounts_under(config.state_dir / part)) for part in ("sandboxes", "groups")),
         "cgroups": len(cgroups.leftover_ids(config.cgroup_parent)),
         "containers": len([p for p in runtime_root.iterdir()]) if runtime_root.is_dir() else 0,
     }

@@ -25,7 +25,7 @@ def test_all_is_sorted_and_complete():
 
 @pytest.mark.parametrize("sync_cls,async_cls", [
     (Fleet, AsyncFleet), (Sandbox, AsyncSandbox), (Files, AsyncFiles), (Fork, AsyncFork),
-    (fanfold.Rollouts, fanfold.AsyncRollouts), (fanfold.Process, fanfold.AsyncProcess),
+    (fanfold.Rollouts, fanfold.AsyncRollouts), (fanfold.Process, fanfold.AsyncProcess), (fanfold.Group, fanfold.AsyncGroup),
 ])
 def test_sync_and_async_twins_match(sync_cls, async_cls):
     def public(cls):
@@ -121,7 +121,7 @@ def test_every_transport_implements_the_engine_api_with_its_signatures(impl):
 
     calls = [(name, spec) for name, spec in inspect.getmembers(EngineAPI, inspect.isfunction) if not name.startswith("_")]
     assert {"create", "exec", "fork", "snapshot", "suspend", "read_file", "set_pool", "stats"} <= dict(calls).keys()
-    assert len(calls) == 40
+    assert len(calls) == 48
     for name, spec in calls:
         wanted, got = inspect.signature(spec), inspect.signature(getattr(impl, name))
         shared = [p for p in got.parameters.values() if p.name in wanted.parameters]

@@ -131,7 +131,7 @@ LAYERS: list[set[str]] = [
     {"images"},                      # building and pulling images (build steps run in the runtime)
     {"runtime"},                     # the backends: crun, runsc, fake
     {"store", "net"},                # layers and images on disk; sandbox networks and the egress proxy
-    {"host", "transport", "_agent", "tools"},
+    {"host", "transport", "_agent", "tools", "groups"},
     {"spec", "models", "config", "_extras"},
     {"refs", "ids", "errors", "gpu_request", "__version__"},
 ]

@@ -10,15 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox, ray_address
 from ._fanout import AsyncRollouts, RolloutResult, RolloutStats
+from ._group import AsyncGroup
 from ._process import AsyncProcess
-from ._sync import Files, Fleet, Fork, Process, Rollouts, Sandbox
+from ._sync import Files, Fleet, Fork, Group, Process, Rollouts, Sandbox
 
 if TYPE_CHECKING:
     from ._http import LEASE_TTL_S, HttpTransport
 
 __all__ = [
-    "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncProcess", "AsyncRollouts", "AsyncSandbox", "Files", "Fleet", "Fork",
-    "HttpTransport", "LEASE_TTL_S", "Process", "RolloutResult", "RolloutStats", "Rollouts", "Sandbox", "ray_address",
+    "AsyncFiles", "AsyncFleet", "AsyncFork", "AsyncGroup", "AsyncProcess", "AsyncRollouts", "AsyncSandbox", "Files",
+    "Fleet", "Fork", "Group", "HttpTransport", "LEASE_TTL_S", "Process", "RolloutResult", "RolloutStats", "Rollouts", "Sandbox", "ray_address",
 ]
 
 

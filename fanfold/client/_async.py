@@ -9,10 +9,11 @@ import inspect
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence, TypeVar
 
 from ..config import EngineConfig, env_lease_ttl, env_token, env_url
 from ..errors import InvalidRequest, SandboxNotFound
+from ..groups import GroupInfo, GroupMember, GroupParams, GroupSnapshotInfo
 from ..models import (
     CreateParams, ExecResult, FileEntry, ForkResult, Limits, OutputChunk, Persistence, PoolInfo, Pty, SandboxInfo,
     SnapshotInfo,
@@ -20,6 +21,7 @@ from ..models import (
 from ..spec import EnvSpec
 from ..tools import run_tool
 from ._fanout import AsyncRollouts, RolloutFn
+from ._group import AsyncGroup, group_params
 from ._process import AsyncProcess, spawn
 
 if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remote client never loads the engine
@@ -269,6 +271,43 @@ class AsyncFleet:
         """Delete the snapshots that are unnamed and that nothing needs, and (for the host's own
         callers) layers no image, snapshot or sandbox uses; returns what went."""
         return await self._transport.gc()
+
+    # -- groups ---------------------------------------------------------------------------------
+
+    async def create_group(
+        self, members: Sequence[GroupMember] | GroupParams | None = None, *, source: str | GroupSnapshotInfo | None = None,
+        network: Any = "none", labels: dict[str, str] | None = None, deadline: float | None = None,
+        detached: bool = False,
+    ) -> AsyncGroup:
+        """Start sandboxes on a private network of their own: each reaches the others by member name,
+        nothing else reaches them, and ``network`` (as ``create``'s) is every member's way out.
+
+        ``members`` start in the order their ``after`` asks (each wave at once), each healthy before
+        the next wave when it has a ``health`` check; ``source`` (a group snapshot) starts a copy of a
+        snapshotted group instead. The group is running when this returns; ``kill`` ends it whole.
+        """
+        params = group_params(members, source, network, labels, deadline, detached)
+        return await self._group_of(await self._transport.create_group(params))
+
+    async def group(self, group_id: str) -> AsyncGroup:
+        """A handle on an existing group."""
+        return await self._group_of(await self._transport.get_group(group_id))
+
+    async def _group_of(self, info: GroupInfo) -> AsyncGroup:
+        """The handle on a group the host reported, with each member's own record."""
+        infos = await asyncio.gather(*(self._transport.get(sandbox_id) for sandbox_id in info.members.values()))
+        return AsyncGroup(self, info, {name: AsyncSandbox(self, got) for name, got in zip(info.members, infos)})
+
+    async def groups(self) -> list[GroupInfo]:
+        """Every group on the host (of this tenant, on a server)."""
+        return await self._transport.list_groups()
+
+    async def group_snapshots(self) -> list[GroupSnapshotInfo]:
+        return await self._transport.group_snapshots()
+
+    async def delete_group_snapshot(self, snapshot_id: str) -> None:
+        """Forget a group snapshot (its members' snapshots go with ``gc`` once nothing needs them)."""
+        await self._transport.delete_group_snapshot(snapshot_id)
 
 
 def ray_address(url: str) -> str | None:

@@ -18,14 +18,15 @@ from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import quote, urlsplit
 
-from .. import wire
+from .. import groups, wire
 from .._agent.client import ExecControl
 from ..engine.checks import check_mode, file_bytes
 from ..engine.execution import check_exec_args
 from ..errors import (
-    CapacityExceeded, CheckpointFailed, FanfoldError, InfrastructureError, InvalidRequest, InvalidSpec,
+    CapacityExceeded, CheckpointFailed, FanfoldError, GroupNotFound, InfrastructureError, InvalidRequest, InvalidSpec,
     LeaseNotFound, NotFound, SandboxNotFound, SnapshotNotFound,
 )
+from ..groups import GroupInfo, GroupParams, GroupSnapshotInfo
 from ..images import Image
 from ..images.builder import Network, OnStep, check_network, source_path
 from ..models import (
@@ -288,6 +289,48 @@ class HttpTransport:
         self._track(info)
         return info
 
+    # -- groups: one call each (a group's create is not retried: a second try would make a second group) --
+
+    async def create_group(self, params: GroupParams) -> GroupInfo:
+        owned = self.lease is not None and not params.detached
+        body = {**groups.params_to_wire(params), "network": _network(params.network),
+                "lease": self.lease.id if owned and self.lease is not None else None}
+        info = groups.info_from_wire(await self._json("POST", "/v1/groups", json=body))
+        if not params.detached:
+            self._created.update(info.members.values())
+        return info
+
+    async def get_group(self, group_id: str) -> GroupInfo:
+        return groups.info_from_wire(await self._json("GET", f"/v1/groups/{_group(group_id)}"))
+
+    async def list_groups(self) -> list[GroupInfo]:
+        return [groups.info_from_wire(item) for item in await self._json("GET", "/v1/groups")]
+
+    async def kill_group(self, group_id: str) -> None:
+        members = (await self.get_group(group_id)).members.values()
+        await self._json("DELETE", f"/v1/groups/{_group(group_id)}")
+        self._created.difference_update(members)
+
+    async def snapshot_group(self, group_id: str, *, memory: bool = False,
+                             name: str | None = None) -> GroupSnapshotInfo:
+        body = {"memory": memory, "name": name}
+        return groups.snapshot_from_wire(await self._json("POST", f"/v1/groups/{_group(group_id)}/snapshot", json=body))
+
+    async def fork_group(self, group_id: str, count: int) -> list[GroupInfo]:
+        if isinstance(count, bool) or not isinstance(count, int):  # JSON would carry True as 1
+            raise InvalidRequest(f"count must be a whole number of copies, got {count!r}")
+        made = [groups.info_from_wire(item)
+                for item in await self._json("POST", f"/v1/groups/{_group(group_id)}/fork", json={"count": count})]
+        for info in made:
+            self._created.update(info.members.values())
+        return made
+
+    async def group_snapshots(self) -> list[GroupSnapshotInfo]:
+        return [groups.snapshot_from_wire(item) for item in await self._json("GET", "/v1/group-snapshots")]
+
+    async def delete_group_snapshot(self, snapshot_id: str) -> None:
+        await self._json("DELETE", f"/v1/group-snapshots/{_group(snapshot_id)}")
+
     async def set_pool(self, image: str | Image, size: int | None, *, limits: Limits | None = None,
                        wait: float | None = None) -> PoolInfo:
         body = {"image": image.id if isinstance(image, Image) else image, "size": size, **(limits or Limits()).__dict__,
@@ -484,6 +527,13 @@ class HttpTransport:
     async def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         params = {"path": path, "recursive": "true" if recursive else "false"}
         await self._json("DELETE", _sandbox(sandbox_id) + "/files", params=params)
+
+
+def _group(group_id: str) -> str:
+    """A group or group snapshot id (or name) as a path segment."""
+    if not isinstance(group_id, str) or not group_id or "/" in group_id:
+        raise GroupNotFound(f"bad group id {group_id!r}")
+    return quote(group_id, safe="")
 
 
 def _sandbox(sandbox_id: str) -> str:

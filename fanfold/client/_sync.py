@@ -7,15 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterable, Iterator, Sequence, TypeVar
 
 from ..config import EngineConfig
+from ..groups import GroupInfo, GroupMember, GroupParams, GroupSnapshotInfo
 from ..images import Image
 from ..images.builder import Network, OnStep
 from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, PoolInfo, Pty, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
 from ._fanout import AsyncRollouts, RolloutFn, RolloutResult, RolloutStats
+from ._group import AsyncGroup
 from ._portal import Portal
 from ._process import AsyncProcess
 
@@ -258,6 +260,32 @@ class Fleet:
     def gc(self) -> list[str]:
         """Delete unnamed snapshots nothing needs and layers nothing uses; returns what went."""
         return self._call(self._async.gc())
+
+    def create_group(
+        self, members: Sequence[GroupMember] | GroupParams | None = None, *, source: str | GroupSnapshotInfo | None = None,
+        network: Any = "none", labels: dict[str, str] | None = None, deadline: float | None = None,
+        detached: bool = False,
+    ) -> Group:
+        """Start sandboxes on a private network of their own, reaching each other by member name
+        (``AsyncFleet.create_group``)."""
+        inner = self._call(self._async.create_group(members, source=source, network=network, labels=labels,
+                                                    deadline=deadline, detached=detached))
+        return Group(self, inner)
+
+    def group(self, group_id: str) -> Group:
+        """A handle on an existing group."""
+        return Group(self, self._call(self._async.group(group_id)))
+
+    def groups(self) -> list[GroupInfo]:
+        """Every group on the host (of this tenant, on a server)."""
+        return self._call(self._async.groups())
+
+    def group_snapshots(self) -> list[GroupSnapshotInfo]:
+        return self._call(self._async.group_snapshots())
+
+    def delete_group_snapshot(self, snapshot_id: str) -> None:
+        """Forget a group snapshot (its members' snapshots go with ``gc`` once nothing needs them)."""
+        self._call(self._async.delete_group_snapshot(snapshot_id))
 
 
 class Rollouts:
@@ -523,3 +551,50 @@ class Files:
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._fleet._call(self._async.remove(path, recursive=recursive))
+
+
+class Group:
+    """The sync twin of ``AsyncGroup``. ``with`` kills the whole group on exit."""
+
+    def __init__(self, fleet: Fleet, inner: AsyncGroup) -> None:
+        self._fleet = fleet
+        self._async = inner
+        self.members: dict[str, Sandbox] = {name: Sandbox(fleet, box) for name, box in inner.members.items()}
+        """Member name -> its sandbox."""
+
+    @property
+    def id(self) -> str:
+        return self._async.id
+
+    @property
+    def info(self) -> GroupInfo:
+        return self._async.info
+
+    def __getitem__(self, name: str) -> Sandbox:
+        self._async[name]  # the same error for a name it lacks
+        return self.members[name]
+
+    def __repr__(self) -> str:
+        return f"<Group {self.id} {sorted(self.members)}>"
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+    def refresh(self) -> GroupInfo:
+        """The group as the host knows it now (members gone since drop out)."""
+        return self._fleet._call(self._async.refresh())
+
+    def snapshot(self, *, memory: bool = False, name: str | None = None) -> GroupSnapshotInfo:
+        """Snapshot every member as one; ``fleet.create_group(source=snap)`` starts a copy of the group."""
+        return self._fleet._call(self._async.snapshot(memory=memory, name=name))
+
+    def fork(self, count: int) -> list[Group]:
+        """``count`` live copies of the whole group, each on a private network of its own."""
+        return [Group(self._fleet, inner) for inner in self._fleet._call(self._async.fork(count))]
+
+    def kill(self) -> None:
+        """Destroy every member and the group's network."""
+        self._fleet._call(self._async.kill())

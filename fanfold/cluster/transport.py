@@ -21,7 +21,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 from .. import ids
 from ..client import LEASE_TTL_S, HttpTransport
-from ..errors import CapacityExceeded, FanfoldError, InfrastructureError, InvalidRequest, NotFound, SandboxNotFound, SnapshotNotFound
+from ..errors import (
+    CapacityExceeded, FanfoldError, GroupNotFound, InfrastructureError, InvalidRequest, NotFound, SandboxNotFound,
+    SnapshotNotFound,
+)
+from ..groups import GroupInfo, GroupParams, GroupSnapshotInfo
 from ..gpu_request import wanted as wanted_gpus
 from ..images import Image
 from ..models import CreateParams, ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
@@ -498,6 +502,46 @@ class RayTransport:
         await self._on(node, node.http.kill(sandbox_id))
         if (made := self._made.pop(sandbox_id, None)) is not None:
             node.commit(*made, sign=-1)
+
+    # -- groups: a group lives on one node (its id names it) -----------------------------------
+
+    async def create_group(self, params: GroupParams) -> GroupInfo:
+        """Place the whole group on one node (room for every member, the first member's source local
+        there when one has it), bring each member's source over, and make it there."""
+        if params.source is not None:
+            return await self._to(params.source, lambda http: http.create_group(params), GroupNotFound)
+        sources = [member.params.image for member in params.members]
+        total = Limits(memory_mb=sum((m.params.limits or Limits()).memory_mb for m in params.members),
+                       cpus=max((m.params.limits or Limits()).cpus for m in params.members))
+        (node, *_) = await self._candidates(sources[0], total) or [None]
+        if node is None:
+            raise CapacityExceeded("no node of the cluster can take this group now; try again later")
+        for source in dict.fromkeys(sources):
+            await self._bring(source, node)
+        return await self._on(node, node.http.create_group(params))
+
+    async def get_group(self, group_id: str) -> GroupInfo:
+        return await self._to(group_id, lambda http: http.get_group(group_id), GroupNotFound)
+
+    async def list_groups(self) -> list[GroupInfo]:
+        return [info for infos in await self._each(lambda http: http.list_groups()) for info in infos]
+
+    async def kill_group(self, group_id: str) -> None:
+        await self._to(group_id, lambda http: http.kill_group(group_id), GroupNotFound)
+
+    async def snapshot_group(self, group_id: str, *, memory: bool = False,
+                             name: str | None = None) -> GroupSnapshotInfo:
+        return await self._to(group_id, lambda http: http.snapshot_group(group_id, memory=memory, name=name),
+                              GroupNotFound)
+
+    async def fork_group(self, group_id: str, count: int) -> list[GroupInfo]:
+        return await self._to(group_id, lambda http: http.fork_group(group_id, count), GroupNotFound)
+
+    async def group_snapshots(self) -> list[GroupSnapshotInfo]:
+        return [info for infos in await self._each(lambda http: http.group_snapshots()) for info in infos]
+
+    async def delete_group_snapshot(self, snapshot_id: str) -> None:
+        await self._to(snapshot_id, lambda http: http.delete_group_snapshot(snapshot_id), GroupNotFound)
 
     # -- checkpoints: on the sandbox's node ------------------------------------------------
 

@@ -33,7 +33,7 @@ def census(config: EngineConfig, *, claims_before: frozenset[str] = frozenset())
     """
     runtime_root = config.run_dir / config.runtime
     return {
-        "mounts": len(mounts.mounts_under(config.state_dir / "sandboxes")),
+        "mounts": sum(len(mounts.mounts_under(config.state_dir / part)) for part in ("sandboxes", "groups")),
         "cgroups": len(cgroups.leftover_ids(config.cgroup_parent)),
         "containers": len(list(runtime_root.iterdir())) if runtime_root.is_dir() else 0,
         "agents": len(agent_pids(config)),

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ...images import Image
     from ...images.builder import Network, OnStep
     from ...images.oci import OnPull
+    from ...groups import GroupInfo, GroupParams, GroupSnapshotInfo
     from ...models import CreateParams, ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
     from ...spec import EnvSpec
     from ..api import OnOutput
@@ -358,6 +359,33 @@ class Router:
 
     async def kill(self, sandbox_id: str) -> None:
         await self._call(self._of(sandbox_id), "kill", sandbox_id)
+
+    # -- groups: a group and its members are one worker's (its id names it); the rows are every worker's --
+
+    async def create_group(self, params: GroupParams) -> GroupInfo:
+        return await self._call(self._least_busy(), "create_group", params)
+
+    async def get_group(self, group_id: str) -> GroupInfo:
+        return await self._call(0, "get_group", group_id)
+
+    async def list_groups(self) -> list[GroupInfo]:
+        return await self._call(0, "list_groups")
+
+    async def kill_group(self, group_id: str) -> None:
+        await self._call(self._of(group_id), "kill_group", group_id)
+
+    async def snapshot_group(self, group_id: str, *, memory: bool = False,
+                             name: str | None = None) -> GroupSnapshotInfo:
+        return await self._call(self._of(group_id), "snapshot_group", group_id, memory=memory, name=name)
+
+    async def fork_group(self, group_id: str, count: int) -> list[GroupInfo]:
+        return await self._call(self._of(group_id), "fork_group", group_id, count)
+
+    async def group_snapshots(self) -> list[GroupSnapshotInfo]:
+        return await self._call(0, "group_snapshots")
+
+    async def delete_group_snapshot(self, snapshot_id: str) -> None:
+        await self._call(0, "delete_group_snapshot", snapshot_id)
 
     # -- checkpoints: the sandbox's worker (a fork's children are its too) ------------------------------
 
