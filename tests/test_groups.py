@@ -4,6 +4,7 @@ nothing else reaches them; health checks order the start; a group snapshots, for
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -13,7 +14,7 @@ from fanfold import (
 )
 from fanfold.host import groupnet
 
-from conftest import leaks
+from conftest import leaks, run_cli
 
 SMALL = CreateParams(limits=Limits(memory_mb=128))
 FETCH = "python3 -c \"import sys,urllib.request;sys.stdout.write(urllib.request.urlopen(sys.argv[1],timeout=5).read().decode())\""
@@ -146,3 +147,19 @@ async def test_a_tenant_sees_only_its_own_groups(server):
             with pytest.raises(GroupNotFound):
                 await bob._transport.kill_group(group.id)
             assert [g.id for g in await alice.groups()] == [group.id]
+
+
+def test_the_cli_creates_lists_forks_snapshots_and_removes_groups():
+    made = run_cli("group", "create", "db=host", "app=host", "--after", "app:db", "--memory-mb", "128")
+    assert made.returncode == 0, made.stderr
+    group_id = made.stdout.strip()
+    listed = json.loads(run_cli("group", "ls", "--json").stdout)
+    assert [(g["id"], list(g["members"])) for g in listed] == [(group_id, ["db", "app"])]
+    copies = run_cli("group", "fork", group_id, "-n", "2").stdout.split()
+    snap = run_cli("group", "snapshot", group_id, "--name", "cli-group").stdout.strip()
+    started = run_cli("group", "start", "cli-group").stdout.strip()
+    assert snap.startswith("gsnap-") and len(copies) == 2 and started.startswith("grp-")
+    assert run_cli("group", "rm", group_id, started, *copies).returncode == 0
+    assert json.loads(run_cli("group", "ls", "--json").stdout) == []
+    bad = run_cli("group", "create", "db=host", "--after", "db:nowhere")
+    assert bad.returncode == 2 and "comes after unknown members ['nowhere']" in bad.stderr

@@ -53,6 +53,8 @@ class FanfoldGroup(click.Group):
                                    " with network={\"record\": NAME}); --rm deletes some."),
         "port": _LazyCommand("port", "fanfold.cli.network:port", "Reach a port inside a sandbox from the host: print"
                              " its URL (embedded: forward it until Ctrl-C)."),
+        "group": _LazyCommand("group", "fanfold.cli.groups:group", "Sandbox groups on a private network of their"
+                              " own: create, ls, rm, fork, snapshot, start."),
         "ray": _LazyCommand("ray", "fanfold.cli.ray:ray", "fanfold on a Ray cluster: start, status, stop, metrics"
                             " (a `fanfold serve` on every node)."),
     }
