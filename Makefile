@@ -26,6 +26,7 @@ bench:
 	.venv/bin/python bench/network.py --json
 	.venv/bin/python bench/integrations.py --json
 	.venv/bin/python bench/cluster.py --json
+	.venv/bin/python bench/groups.py --json
 	.venv/bin/python bench/gpu.py --json  # says "skipped" on a host without a GPU
 
 clean:

@@ -54,7 +54,7 @@ class FanfoldGroup(click.Group):
         "port": _LazyCommand("port", "fanfold.cli.network:port", "Reach a port inside a sandbox from the host: print"
                              " its URL (embedded: forward it until Ctrl-C)."),
         "group": _LazyCommand("group", "fanfold.cli.groups:group", "Sandbox groups on a private network of their"
-                              " own: create, ls, rm, fork, snapshot, start."),
+                              " own: create, ls, rm, fork, snapshot, start, rm-snapshot."),
         "ray": _LazyCommand("ray", "fanfold.cli.ray:ray", "fanfold on a Ray cluster: start, status, stop, metrics"
                             " (a `fanfold serve` on every node)."),
     }

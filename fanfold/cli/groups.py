@@ -1,4 +1,4 @@
-"""Group commands: ``fanfold group create|ls|rm|fork|snapshot|start``: sandboxes on a private network of their own."""
+"""Group commands: ``fanfold group create|ls|rm|fork|snapshot|start|rm-snapshot``: sandboxes on a private network of their own."""
 
 from __future__ import annotations
 
@@ -115,3 +115,14 @@ def start(ctx: click.Context, snapshot: str) -> None:
     """Start a copy of a snapshotted group from SNAPSHOT (its id or name); print the new group's id."""
     with _fleet(ctx) as fleet:
         click.echo(fleet.create_group(source=snapshot, detached=True).id)
+
+
+@group.command(name="rm-snapshot")
+@click.argument("snapshots", metavar="SNAPSHOT...", nargs=-1, required=True)
+@click.pass_context
+def rm_snapshot(ctx: click.Context, snapshots: tuple[str, ...]) -> None:
+    """Forget group snapshots (their members' snapshots go with `fanfold gc` once nothing needs them)."""
+    with _fleet(ctx) as fleet:
+        for snapshot in snapshots:
+            fleet.delete_group_snapshot(snapshot)
+            click.echo(snapshot)
