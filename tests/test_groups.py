@@ -164,3 +164,43 @@ def test_the_cli_creates_lists_forks_snapshots_and_removes_groups():
     assert json.loads(run_cli("group", "ls", "--json").stdout) == []
     bad = run_cli("group", "create", "db=host", "--after", "db:nowhere")
     assert bad.returncode == 2 and "comes after unknown members ['nowhere']" in bad.stderr
+
+
+ECHO_SERVER = """nohup python3 -c "
+import socketserver
+class Echo(socketserver.StreamRequestHandler):
+    def handle(self):
+        for line in self.rfile: self.wfile.write(b'echo ' + line)
+socketserver.ThreadingTCPServer(('0.0.0.0', 7000), Echo).serve_forever()
+" >/dev/null 2>&1 &"""
+HOLDER = """nohup python3 -c "
+import os, socket
+conn = socket.create_connection(('db', 7000)).makefile('rwb', buffering=0)
+os.mkfifo('/tmp/say')
+while True:
+    with open('/tmp/say') as said: word = said.read()
+    conn.write(word.encode() + b'\\n')
+    with open('/tmp/heard', 'wb') as heard: heard.write(conn.readline())
+" >/dev/null 2>&1 &"""
+SAY = "while [ ! -p /tmp/say ]; do sleep 0.01; done; echo -n {word} > /tmp/say && while [ ! -s /tmp/heard ]; do sleep 0.01; done && cat /tmp/heard && rm /tmp/heard"
+
+
+async def test_a_connection_open_between_members_goes_on_in_each_copy_of_a_fork(config):
+    """A member's socket bound to its group address is restored (the address stands in on lo until it
+    rejoins), and with the group's traffic held during the checkpoints both ends of it agree."""
+    async with AsyncFleet(config=config) as fleet:
+        async with await fleet.create_group([GroupMember(name="db", params=SMALL),
+                                             GroupMember(name="app", params=SMALL)]) as group:
+            await group["db"].exec(ECHO_SERVER)
+            assert (await group["app"].exec("until python3 -c \"import socket; socket.create_connection(('db',"
+                                             " 7000), 1)\" 2>/dev/null; do sleep 0.05; done")).ok
+            await group["app"].exec(HOLDER)
+            assert (await group["app"].exec(SAY.format(word="before"), timeout=30)).stdout == b"echo before\n"
+            copies = await group.fork(2)
+            try:
+                for n, copy in enumerate(copies):
+                    said = await copy["app"].exec(SAY.format(word=f"copy{n}"), timeout=30)
+                    assert said.stdout == f"echo copy{n}\n".encode(), said
+            finally:
+                await asyncio.gather(*(copy.kill() for copy in copies))
+            assert (await group["app"].exec(SAY.format(word="parent"), timeout=30)).stdout == b"echo parent\n"

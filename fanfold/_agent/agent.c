@@ -13,7 +13,9 @@
 #include <errno.h>
 #include <grp.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <net/if.h>
+#include <net/route.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
@@ -1397,6 +1399,47 @@ static void lo_up(void)
 	close(s);
 }
 
+/* The addresses a sandbox had beside lo (a group member's on its group's network), given comma-separated
+ * as ADDRESS/PREFIX in FANFOLD_RESTORE_ADDRESSES: each bound as a /32 alias of lo (lo:0, lo:1, ...), its
+ * network routed to lo (metric 1000), before CRIU binds and connects the sandbox's sockets again, so
+ * a connection to another member comes back. Not the address with its prefix on lo: that would make
+ * the whole network local, and a restored socket's first segment to its peer would come back to it
+ * as a reset. As the member rejoins, its eth0 takes the address and the stand-ins go. */
+static void lo_aliases(const char *list)
+{
+	char buf[256], *save = NULL, *item;
+	int s, n = 0;
+	if (!list || !*list || strlen(list) >= sizeof buf || (s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0)) < 0)
+		return;
+	strcpy(buf, list);
+	for (item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save), n++) {
+		struct ifreq ifr;
+		struct rtentry rt;
+		struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+		char *slash = strchr(item, '/');
+		int prefix = slash ? atoi(slash + 1) : 32;
+		uint32_t mask;
+		if (slash)
+			*slash = 0;
+		memset(&ifr, 0, sizeof ifr);
+		snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo:%d", n);
+		sin->sin_family = AF_INET;
+		if (prefix < 1 || prefix > 32 || inet_pton(AF_INET, item, &sin->sin_addr) != 1 || ioctl(s, SIOCSIFADDR, &ifr) < 0)
+			continue;
+		mask = htonl(0xffffffffu << (32 - prefix));
+		memset(&rt, 0, sizeof rt);
+		((struct sockaddr_in *)&rt.rt_dst)->sin_family = AF_INET;
+		((struct sockaddr_in *)&rt.rt_dst)->sin_addr.s_addr = sin->sin_addr.s_addr & mask;
+		((struct sockaddr_in *)&rt.rt_genmask)->sin_family = AF_INET;
+		((struct sockaddr_in *)&rt.rt_genmask)->sin_addr.s_addr = mask;
+		rt.rt_flags = RTF_UP;
+		rt.rt_metric = 1001; /* the ioctl's metric is one more than the route's */
+		rt.rt_dev = "lo";
+		ioctl(s, SIOCADDRT, &rt);
+	}
+	close(s);
+}
+
 static int listen_on(const char *path)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
@@ -1468,6 +1511,7 @@ int main(int argc, char **argv)
 			return 1;
 		}
 		lo_up();
+		lo_aliases(getenv("FANFOLD_RESTORE_ADDRESSES"));
 		return 0;
 	}
 	if (argc == 3 && !strcmp(argv[1], "--sethostname")) {

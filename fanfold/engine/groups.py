@@ -14,9 +14,9 @@ import dataclasses
 import json
 import logging
 import os
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from .. import ids
 from ..errors import FanfoldError, GroupNotFound, InvalidRequest, ServiceFailed
@@ -45,6 +45,8 @@ class Groups:
         self._create, self._exec, self._snapshot, self._fork, self._expose = create, exec_, snapshot, fork, expose
         self._ending: dict[str, asyncio.Future[None]] = {}
         life.group_hook = self.hook
+        life.group_addresses = self.addresses
+        life.group_env = self.env
         life.group_gone = self.member_gone
 
     # -- rows -----------------------------------------------------------------------------------
@@ -183,6 +185,13 @@ class Groups:
 
         return join
 
+    def addresses(self, row: Any) -> tuple[str, ...]:
+        """A member's own address on its group's network (none for a sandbox in no group)."""
+        if row is None or not row["group_id"]:
+            return ()
+        names = list(json.loads(self._row(row["group_id"])["addresses"]))
+        return (groupnet.restore_address(names.index(row["member"])),)
+
     def env(self, row: Any, extra: dict[str, str]) -> dict[str, str]:
         """The proxy's ``no_proxy`` widened to the group's names and subnet, so members talk directly."""
         if row is None or not row["group_id"] or "no_proxy" not in extra:
@@ -202,7 +211,8 @@ class Groups:
                                                      (name, row["tenant"])).fetchone():
             raise InvalidRequest(f"a group snapshot named {name!r} exists already: pick another name")
         members = self.members(group_id)
-        snaps = await _all(self._snapshot(sandbox_id, memory=memory) for sandbox_id in members.values())
+        async with self._held(group_id, memory):
+            snaps = await _all(self._snapshot(sandbox_id, memory=memory) for sandbox_id in members.values())
         snapshot_id = ids.new_id(ids.GROUP_SNAPSHOT, self.life.config.node_tag)
         taken = {member: snap.id for member, snap in zip(members, snaps)}
         now = dbmod.now()
@@ -212,6 +222,18 @@ class Groups:
             (snapshot_id, row["tenant"], group_id, name, json.dumps(taken), row["params"], int(memory), now))
         return GroupSnapshotInfo(id=snapshot_id, group_id=group_id, members=taken, memory=memory, created_at=now,
                                  name=name)
+
+    @asynccontextmanager
+    async def _held(self, group_id: str, hold: bool = True) -> AsyncIterator[None]:
+        """No traffic between the members inside: their memory checkpoints, taken one by one, then hold
+        both ends of each connection between them at the same point, and a copy's connections go on."""
+        if hold:
+            await asyncio.to_thread(groupnet.hold_traffic, self._pin(group_id), True)
+        try:
+            yield
+        finally:
+            if hold:
+                await asyncio.to_thread(groupnet.hold_traffic, self._pin(group_id), False)
 
     def snapshots(self, tenant: str | None = None) -> list[GroupSnapshotInfo]:
         rows = self.db.conn.execute("SELECT * FROM group_snapshots ORDER BY created_at").fetchall()
@@ -239,8 +261,9 @@ class Groups:
                     (copy_id, row["tenant"], row["params"], row["addresses"], now, row["deadline_at"], group_id))
                 copies.append(copy_id)
                 await asyncio.to_thread(groupnet.make_hub, self._pin(copy_id))
-            await _all(self._fork(sandbox_id, count, groups=[(copy, name) for copy in copies])
-                       for name, sandbox_id in members.items())
+            async with self._held(group_id):
+                await _all(self._fork(sandbox_id, count, groups=[(copy, name) for copy in copies])
+                           for name, sandbox_id in members.items())
             for copy_id in copies:
                 ports = {}
                 for member in params.members:

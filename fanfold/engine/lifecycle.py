@@ -96,6 +96,7 @@ class Lifecycle:
         self.group_hook: Callable[[Any], Callable[[Handle], Awaitable[None]] | None] = lambda row: None
         """A group member's bring-up hook that joins it to its group's network (``groups.Groups.hook``)."""
         self.group_env: Callable[[Any, dict[str, str]], dict[str, str]] = lambda row, extra: {}
+        self.group_addresses: Callable[[Any], tuple[str, ...]] = lambda row: ()
         self.group_gone: Callable[[str], Awaitable[None]] | None = None
         """Told of each group member destroyed: the group goes with its last."""
         self.destroying: dict[str, asyncio.Future[None]] = {}
@@ -362,7 +363,7 @@ class Lifecycle:
             id=sandbox_id, layers=img.layers, host_dirs=img.host_dirs, limits=limits,
             env=tuple(base_env(img, sandbox_id, extra, self.trust_env)), services=img.services, restore=restore,
             seccomp=seccomp, before_run=_both(self.group_hook(row), self.network.before_run(sandbox_id, policy, tenant)),
-            devices=self.gpus.edits(gpu_ids, limits),
+            devices=self.gpus.edits(gpu_ids, limits), addresses=self.group_addresses(row),
         )
         handle = await self.backend.bring_up(spec)
         if img.services and (restore is None or self.backend.capabilities.memory != "live"):

@@ -20,13 +20,15 @@ import subprocess
 from pathlib import Path
 
 from ..errors import InfrastructureError
-from .netns import CLONE_NEWNET, IFF_UP, SIOCGIFFLAGS, SIOCSIFFLAGS, _check, _libc, _lo_up, _on_a_thread
+from .netns import (
+    CLONE_NEWNET, IFF_UP, SIOCGIFFLAGS, SIOCSIFADDR, SIOCSIFFLAGS, SIOCSIFNETMASK, _check, _libc, _lo_up, _on_a_thread,
+    route_via_lo,
+)
 
 SUBNET = ipaddress.IPv4Network("10.250.0.0/24")
 """The members' addresses: the first member has .2, the next .3, and so on."""
 BRIDGE = "ffgroup0"
 MS_BIND, MNT_DETACH = 0x1000, 0x2
-SIOCSIFADDR, SIOCSIFNETMASK = 0x8916, 0x891C
 NETLINK_ROUTE, RTM_NEWLINK, NLMSG_ERROR = 0, 16, 2
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
 IFLA_IFNAME, IFLA_MASTER, IFLA_LINKINFO, IFLA_NET_NS_PID = 3, 10, 18, 19
@@ -72,6 +74,8 @@ def join(pin: Path, pid: int, index: int) -> None:
             _new_veth(link, hub_end.encode(), bridge, pid)
         _enter_file(f"/proc/{pid}/ns/net")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            route_via_lo(sock, SUBNET, add=False)  # a restore's stand-ins (``restore_address``), if any
+            _drop_alias(sock, b"lo:0")
             _ioctl_addr(sock, SIOCSIFADDR, address(index))
             _ioctl_addr(sock, SIOCSIFNETMASK, str(SUBNET.netmask))
             _up(sock, b"eth0")
@@ -119,6 +123,35 @@ def _attr(kind: int, data: bytes) -> bytes:
 def _ioctl_addr(sock: socket.socket, request: int, value: str) -> None:
     sockaddr = struct.pack("HH4s8x", socket.AF_INET, 0, socket.inet_aton(value))
     fcntl.ioctl(sock, request, struct.pack("16s", b"eth0") + sockaddr)
+
+
+def hold_traffic(pin: Path, held: bool) -> None:
+    """Stop (``held``) or restart the traffic between a group's members: its bridge down forwards nothing,
+    so while the members are checkpointed one after another, no connection between them moves on."""
+
+    def work() -> None:
+        _enter_file(pin)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            flags = struct.unpack("16sH", fcntl.ioctl(sock, SIOCGIFFLAGS, struct.pack("16sH", BRIDGE.encode(), 0))[:18])[1]
+            flags = flags & ~IFF_UP if held else flags | IFF_UP
+            fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH", BRIDGE.encode(), flags))
+
+    _on_a_thread(work, "holding a group's traffic" if held else "letting a group's traffic go")
+
+
+def restore_address(index: int) -> str:
+    """What a restore stands in for member ``index``'s address until it rejoins (``netns.alias_lo``): its
+    address, and its group's network routed to lo."""
+    return f"{address(index)}/{SUBNET.prefixlen}"
+
+
+def _drop_alias(sock: socket.socket, name: bytes) -> None:
+    """Take an IPv4 alias (and its address and prefix route) away by bringing it down; none: nothing to do."""
+    try:
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, SIOCGIFFLAGS, struct.pack("16sH", name, 0))[:18])[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH", name, flags & ~IFF_UP))
+    except OSError:
+        pass
 
 
 def _up(sock: socket.socket, name: bytes) -> None:

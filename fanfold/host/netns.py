@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import ipaddress
 import os
 import socket
 import struct
@@ -17,6 +18,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+SIOCSIFADDR, SIOCSIFNETMASK = 0x8916, 0x891C
 
 
 def _on_a_thread(work: Callable[[], int | None], what: str) -> int | None:
@@ -63,6 +65,46 @@ def new_netns() -> int:
     fd = _on_a_thread(work, "making a network namespace")
     assert fd is not None
     return fd
+
+
+def alias_lo(netns_fd: int, addresses: tuple[str, ...]) -> None:
+    """What the agent's restore action script does in a namespace CRIU makes, in the one ``netns_fd``
+    holds: each of ``addresses`` (``ADDRESS/PREFIX``) a /32 alias of lo (lo:0, lo:1, ...), its network
+    routed to lo at metric 1000 (``host.groupnet.route_via_lo``)."""
+
+    def work() -> None:
+        _check(_libc.setns(netns_fd, CLONE_NEWNET))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for n, address in enumerate(addresses):
+                name = f"lo:{n}".encode()
+                interface = ipaddress.IPv4Interface(address)
+                for request, value in ((SIOCSIFADDR, str(interface.ip)), (SIOCSIFNETMASK, "255.255.255.255")):
+                    sockaddr = struct.pack("HH4s8x", socket.AF_INET, 0, socket.inet_aton(value))
+                    fcntl.ioctl(sock, request, struct.pack("16s", name) + sockaddr)
+                route_via_lo(sock, interface.network, add=True)
+
+    _on_a_thread(work, "binding a restored sandbox's addresses")
+
+
+SIOCADDRT, SIOCDELRT, RTF_UP, LO_ROUTE_METRIC, RTENTRY_SIZE = 0x890B, 0x890C, 0x1, 1000, 120
+_LO = ctypes.create_string_buffer(b"lo")
+
+
+def route_via_lo(sock: socket.socket, network: ipaddress.IPv4Network, *, add: bool) -> None:
+    """Add (or delete) the route of ``network`` to lo at metric 1000, with the old routing ioctl (struct
+    rtentry: the kernel reads the device name through the pointer in it). A route already there (or
+    gone) is left as it is."""
+    entry = bytearray(RTENTRY_SIZE)  # struct rtentry on 64-bit Linux: the offsets <net/route.h> gives
+    struct.pack_into("HH4s", entry, 8, socket.AF_INET, 0, network.network_address.packed)  # rt_dst
+    struct.pack_into("HH4s", entry, 40, socket.AF_INET, 0, network.netmask.packed)  # rt_genmask
+    struct.pack_into("H", entry, 56, RTF_UP)  # rt_flags
+    struct.pack_into("h", entry, 80, LO_ROUTE_METRIC + 1)  # rt_metric: one more than the route's
+    struct.pack_into("Q", entry, 88, ctypes.addressof(_LO))  # rt_dev
+    try:
+        fcntl.ioctl(sock, SIOCADDRT if add else SIOCDELRT, entry)
+    except OSError as err:
+        if err.errno not in (17, 3):  # EEXIST, ESRCH
+            raise
 
 
 def _lo_up() -> None:

@@ -59,6 +59,9 @@ class SandboxSpec:
     devices: Edits | None = None
     """Host devices it gets (its GPUs: ``host.gpus.GpuHost.edits``): nodes bound in and allowed by its
     device rules, driver files bound read-only, variables, and the OCI hooks a CDI spec names."""
+    addresses: tuple[str, ...] = ()
+    """IPv4 addresses (``ADDRESS/PREFIX``) the sandbox has beside loopback once ``before_run`` is done (a
+    group member's): a restore binds them on lo first, so its restored sockets bound to them come back."""
     before_run: Callable[[Handle], Awaitable[None]] | None = None
     """Awaited once the sandbox's processes exist but before any of them runs code of the sandbox's
     (services not yet started, restored processes still frozen): the engine opens what must be in

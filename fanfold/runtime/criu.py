@@ -9,6 +9,7 @@ own paths. The rest (proc, dev, tmpfs, sysfs, the network namespace) CRIU carrie
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -91,14 +92,15 @@ class Criu:
 
     async def restore(
         self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int | None,
-        lo_first: bool = True, lazy: bool = False,
+        lo_first: bool = True, lazy: bool = False, addresses: tuple[str, ...] = (),
     ) -> int:
         """Restore ``images`` as a new tree rooted at ``root``, in cgroup ``cgroup``; return its PID 1.
 
         ``binds`` maps each external key to the host path the new sandbox uses for it.
         ``netns`` is an fd of the network namespace to restore into (None: the image has its own, made
         empty, and with ``lo_first`` lo comes up before the sockets are restored; without, the caller
-        raises it). ``work`` (the new sandbox's own dir) takes the log and pid file, so restores of
+        raises it); the action script also binds ``addresses`` on lo, for sockets bound to them (a group
+        member's). ``work`` (the new sandbox's own dir) takes the log and pid file, so restores of
         one image can run at once. ``lazy``: the memory is left to the page server serving ``work``
         (``lazy.PageSource``), which must be listening.
         """
@@ -119,7 +121,8 @@ class Criu:
             argv += ["--external", f"mnt[{key}]:{path}"]
         if lazy:
             argv.append("--lazy-pages")
-        done = await run(argv, fds=None if netns is None else {NETNS_FD: netns}, timeout=300)
+        env = {**os.environ, "FANFOLD_RESTORE_ADDRESSES": ",".join(addresses)} if addresses else None
+        done = await run(argv, fds=None if netns is None else {NETNS_FD: netns}, timeout=300, env=env)
         if done.returncode != 0 or not pidfile.exists():
             raise CheckpointFailed(f"CRIU could not restore the snapshot: {log_errors(work / 'restore.log')}")
         return int(pidfile.read_text().strip())

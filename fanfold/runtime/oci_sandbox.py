@@ -24,7 +24,7 @@ from ..host.offload import on_thread, read_once
 from ..store import LayerStore, trust
 from ..store.rootfs import inherit_layer, mount_trusted
 from ..models import Limits
-from ..host.netns import new_netns, raise_lo, set_hostname
+from ..host.netns import alias_lo, new_netns, raise_lo, set_hostname
 from ..host.spawn import log_tail
 from . import criu_images, lazy, seccomp
 from .base import Handle, SandboxSpec
@@ -259,13 +259,15 @@ async def restore(
         try:
             await on_thread(criu_images.private_copy, images, own, base)
             pid = await criu.restore(own, work=work, root=bare, cgroup=cgroup, binds=binds, netns=None,
-                                     lo_first=lo_first, lazy=lazy_)
+                                     lo_first=lo_first, lazy=lazy_, addresses=spec.addresses)
         finally:
             await on_thread(shutil.rmtree, own, True)
         if not lo_first:
             await on_thread(raise_lo, pid)  # still frozen: nothing of the sandbox sees lo down
     else:
         netns = await on_thread(new_netns, discard=os.close)  # unshare and raising lo take milliseconds
+        if spec.addresses:
+            await on_thread(alias_lo, netns, spec.addresses)
         try:
             pid = await criu.restore(images, work=work, root=where.rootfs, cgroup=cgroup, binds=binds, netns=netns,
                                      lazy=lazy_)
