@@ -12,9 +12,10 @@ from .netopts import network_options
 
 @click.group()
 def group() -> None:
-    """Sandbox groups: sandboxes that reach each other by name on a private network of their own.
+    """Sandbox groups on a private network of their own: create, ls, rm, fork, snapshot, start, rm-snapshot.
 
-    `fanfold compose up` makes one from a compose file; `group create` from member names and images.
+    Members reach each other by name. `fanfold compose up` makes a group from a compose file; `group create`
+    from member names and images.
     """
 
 
