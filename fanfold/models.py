@@ -251,6 +251,10 @@ class CreateParams:
     """``"none"`` (loopback only), ``"open"`` (any public address; the host's own callers only) or a
     ``fanfold.net.policy.NetworkPolicy`` as a dict (``{"allow": [...], "deny": [...], ...}``): traffic
     leaves only through the host's filtering proxy, which the sandbox's proxy variables name."""
+    nested: bool = False
+    """Let containers run inside it (rootless podman): the default seccomp profile relaxed, ``/proc``
+    unmasked, ``/dev/fuse`` and ``/dev/net/tun`` (docs/security.md lists each with its risk). Not on
+    the runsc backend; no memory checkpoints (fork, suspend, memory snapshots)."""
 
     def __post_init__(self) -> None:
         if self.limits is not None and not isinstance(self.limits, Limits):
@@ -263,6 +267,8 @@ class CreateParams:
             raise InvalidRequest(f"persistence must be one of {choices}, got {self.persistence!r}") from None
         if not isinstance(self.detached, bool):
             raise InvalidRequest(f"detached is true or false, got {self.detached!r}")
+        if not isinstance(self.nested, bool):
+            raise InvalidRequest(f"nested is true or false, got {self.nested!r}")
 
 
 STATES = ("creating", "running", "paused", "suspended", "destroying")
@@ -306,6 +312,8 @@ class SandboxInfo:
     """The group it is a member of ("" for none): see ``fanfold.groups``."""
     member: str = ""
     """Its name in its group, by which the other members reach it."""
+    nested: bool = False
+    """Containers may run inside it (``CreateParams.nested``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1536,6 +1536,10 @@ int main(int argc, char **argv)
 			/* not PID 1 (a process of a backend without namespaces): adopt what
 			 * commands leave behind, so it stays in our tree and we reap it */
 			prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+		} else if (!strcmp(argv[i], "--undumpable")) {
+			/* a sandbox with containers inside sees all of /proc: keep its
+			 * root out of our memory (/proc/1/mem) */
+			prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 		} else if ((!strcmp(argv[i], "--oneshot") || !strcmp(argv[i], "--simple")) && i + 2 < argc) {
 			svcs[nsvc].oneshot = argv[i][2] == 'o';
 			svcs[nsvc].name = argv[i + 1];

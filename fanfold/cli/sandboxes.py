@@ -76,6 +76,7 @@ _USER = click.option("-u", "--user", default=None, metavar="USER[:GROUP]",
                      help="Run as this user (a name or uid, resolved in the sandbox's /etc/passwd); default: the image's USER, else root.")
 _SECCOMP = click.option("--seccomp", default="default", show_default=True, metavar="default|unconfined|PATH",
                         help="The sandbox's syscall filter: fanfold's default, none, or an OCI seccomp profile file.")
+_NESTED = model_option(CreateParams, "nested")
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -84,6 +85,7 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @_CWD
 @_USER
 @_SECCOMP
+@_NESTED
 @click.option("--entrypoint", default=None, metavar="PROGRAM",
               help="Run PROGRAM in place of the image's entrypoint (\"\" for none), without the image's cmd.")
 @network_options
@@ -91,8 +93,8 @@ _SECCOMP = click.option("--seccomp", default="default", show_default=True, metav
 @TTY
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, image, env, timeout, cwd, user, seccomp, entrypoint, network, interactive, tty,  # type: ignore[no-untyped-def]
-        cmd, **limits) -> None:
+def run(ctx, image, env, timeout, cwd, user, seccomp, nested, entrypoint, network,  # type: ignore[no-untyped-def]
+        interactive, tty, cmd, **limits) -> None:
     """Create a sandbox, run CMD in it, print its output, destroy it; exit with CMD's status.
 
     As `docker run` does: CMD goes after the image's entrypoint, as its arguments, in place of the
@@ -103,7 +105,7 @@ def run(ctx, image, env, timeout, cwd, user, seccomp, entrypoint, network, inter
     check_tty(tty)
     with _fleet(ctx) as fleet:
         with fleet.create(image, **limits, env=_pairs(env, "--env"), user=user, seccomp=_profile_path(seccomp),
-                          network=network or "none") as sandbox:
+                          network=network or "none", nested=nested) as sandbox:
             argv = _command(fleet, sandbox.info.image_id, image, entrypoint, cmd)
             if interactive or tty:
                 result = interact(sandbox, argv, tty=tty, timeout=timeout, cwd=cwd)
@@ -142,10 +144,11 @@ def _command(fleet: Fleet, image_id: str, asked: str, entrypoint: str | None, cm
 @model_option(CreateParams, "idle_timeout", metavar="SECONDS")
 @_USER
 @_SECCOMP
+@_NESTED
 @network_options
 @click.pass_context
 def create(ctx, image, env, deadline, labels, persistence, priority,  # type: ignore[no-untyped-def]
-           idle_timeout, user, seccomp, network, **limits) -> None:
+           idle_timeout, user, seccomp, nested, network, **limits) -> None:
     """Create a sandbox that outlives this command; print its id.
 
     --image also takes a snapshot id or name, to start from a snapshot.
@@ -154,7 +157,7 @@ def create(ctx, image, env, deadline, labels, persistence, priority,  # type: ig
         sandbox = fleet.create(image, **limits, env=_pairs(env, "--env"), labels=_pairs(labels, "--label"),
                                deadline=deadline, detached=True, persistence=persistence, priority=priority,
                                idle_timeout=idle_timeout, user=user, seccomp=_profile_path(seccomp),
-                               network=network or "none")
+                               network=network or "none", nested=nested)
     click.echo(sandbox.id)
 
 

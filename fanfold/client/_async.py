@@ -176,6 +176,7 @@ class AsyncFleet:
         user: str | None = None,
         seccomp: str = "default",
         network: Any = "none",
+        nested: bool = False,
     ) -> AsyncSandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -190,6 +191,7 @@ class AsyncFleet:
                              gpu_exclusive=gpu_exclusive), env=env or {},
             labels=labels or {}, deadline=deadline, detached=detached, persistence=persistence, priority=priority,
             idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
+            nested=nested,
         )
         return AsyncSandbox(self, await self._transport.create(params))
 

@@ -167,6 +167,7 @@ class Fleet:
         user: str | None = None,
         seccomp: str = "default",
         network: Any = "none",
+        nested: bool = False,
     ) -> Sandbox:
         """Start a sandbox from an image, image id or base name, or a snapshot (or its id or name).
 
@@ -180,6 +181,7 @@ class Fleet:
             env=env, labels=labels,
             deadline=deadline, detached=detached, persistence=persistence, priority=priority,
             idle_timeout=idle_timeout, queue_timeout=queue_timeout, user=user, seccomp=seccomp, network=network,
+            nested=nested,
         ))
         return Sandbox(self, inner)
 

@@ -88,6 +88,11 @@ class Checkpoints:
             raise InvalidRequest(f"{what} needs memory checkpoints, which the {self.life.backend.name} backend"
                                  " does not have: take a disk snapshot, or use the oci backend")
         row = self.life.db.get(sandbox_id)
+        if row is not None and row["nested"]:
+            # CRIU dumps no FUSE mount (podman's storage) nor a user namespace inside another.
+            raise InvalidRequest(f"{what} of sandbox {sandbox_id} is refused: it was created with nested=True"
+                                 " (containers inside), which memory checkpoints cannot hold; take a disk snapshot"
+                                 " (memory=False), or create copies afresh with nested=True")
         if row is not None and row["gpu_ids"] != "[]":
             # Checked before anything is frozen. CRIU saves no GPU state: a restore would come back with
             # CUDA contexts pointing at device memory that is gone.
@@ -147,6 +152,7 @@ class Checkpoints:
             image=snap.id, limits=parent.limits, env=env, labels=parent.labels, deadline=deadline,
             detached=parent.detached, persistence=parent.persistence, priority=parent.priority,
             idle_timeout=parent.idle_timeout, user=parent.user or None, seccomp=parent.seccomp, network=parent.network,
+            nested=parent.nested,
         )
         made = await asyncio.gather(*(
             self._create(params, tenant=row["tenant"], lease=_lease_of(row["owner"]),

@@ -272,6 +272,9 @@ class Engine:
             seccomp = await asyncio.to_thread(check_seccomp, seccomp)
         if params.user:
             check_user(params.user)
+        if params.nested and not self.backend.capabilities.nested:
+            raise InvalidRequest(f"nested=True (containers inside a sandbox) is not supported by the {self.backend.name}"
+                                 " backend: create the sandbox on the oci backend (crun)")
         env, labels = check_strings(params.env, "env"), check_labels(params.labels)
         wait = self.config.queue_timeout_s if params.queue_timeout is None else params.queue_timeout
         source, img, limits = await self.sources.source_limits(await self._scoped(params.image, tenant),
@@ -288,11 +291,11 @@ class Engine:
             id="", state="running", image_id=img.id, limits=limits, labels=labels, created_at=0.0, detached=detached,
             source=source, persistence=persistence, priority=params.priority, idle_timeout=params.idle_timeout,
             user=params.user or img.user, seccomp=seccomp, network="none" if net is None else net.to_wire(),
-            group_id=group[0] if group else "", member=group[1] if group else "",
+            group_id=group[0] if group else "", member=group[1] if group else "", nested=params.nested,
         )
         # Each quota check runs with no await before the row it counts is in: creates never overshoot.
         # A warm sandbox of the tenant's own pool counts already: taking it adds no memory or disk.
-        pooling = seccomp == "default" and group is None  # a warm sandbox is on no group's network
+        pooling = seccomp == "default" and group is None and not params.nested  # a warm one: no group, not nested
         self.quotas.check_create(tenant, limits, claims_warm=pooling and self.pools.has_ready(source, limits, tenant))
         # The refill starts once the row handed out counts as the tenant's (its quota leaves room or not),
         # and after a policy's attach: both want the CPU.

@@ -108,6 +108,7 @@ LATER_COLUMNS = [
     ("gpu_ids", "TEXT NOT NULL DEFAULT '[]'"),
     ("group_id", "TEXT NOT NULL DEFAULT ''"),
     ("member", "TEXT NOT NULL DEFAULT ''"),
+    ("nested", "INTEGER NOT NULL DEFAULT 0"),
 ]
 
 

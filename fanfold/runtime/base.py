@@ -62,6 +62,8 @@ class SandboxSpec:
     addresses: tuple[str, ...] = ()
     """IPv4 addresses (``ADDRESS/PREFIX``) the sandbox has beside loopback once ``before_run`` is done (a
     group member's): a restore binds them on lo first, so its restored sockets bound to them come back."""
+    nested: bool = False
+    """Containers may run inside it (``CreateParams.nested``): the relaxations ``runtime.nested`` lists."""
     before_run: Callable[[Handle], Awaitable[None]] | None = None
     """Awaited once the sandbox's processes exist but before any of them runs code of the sandbox's
     (services not yet started, restored processes still frozen): the engine opens what must be in
@@ -90,6 +92,8 @@ class Capabilities:
     """Commands see only the sandbox (own root, pid and network namespaces, limits enforced)."""
     network: bool = False
     """``listen_inside`` and ``connect_inside`` work: network policies and exposed ports."""
+    nested: bool = False
+    """Containers run inside a sandbox created with ``nested`` (``SandboxSpec.nested``)."""
 
 
 class CounterReader(Protocol):

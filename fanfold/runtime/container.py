@@ -72,6 +72,8 @@ class ContainerSpec:
     """The seccomp filter as a BPF program in base64 (``seccomp.bpf``); None runs unconfined."""
     devices: Edits | None = None
     """Devices it gets (a GPU's nodes, driver files, variables and hooks: ``host.gpus``)."""
+    nested_nodes: Path | None = None
+    """Set for a sandbox with containers inside: the folder of the device nodes it gets (``nested``)."""
 
 
 class Runtime(Protocol):

@@ -16,7 +16,7 @@ from ..host.cdi import Edits
 from ..host.idmap import RANGE as USERNS_RANGE
 from ..host.offload import to_the_end
 from ..host.spawn import Finished, log_tail, run
-from . import seccomp
+from . import nested, seccomp
 from .container import CAPABILITIES, ContainerSpec
 
 MASKED = [
@@ -95,7 +95,7 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
     gids = list(spec.user.additional_gids) + list(spec.devices.groups if spec.devices is not None else ())
     if gids:
         user["additionalGids"] = gids
-    return {
+    config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False, "user": user, "args": spec.args, "env": spec.env, "cwd": spec.cwd,
@@ -109,6 +109,9 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
         "annotations": annotations,
         **({"hooks": hooks} if hooks else {}),
     }
+    if spec.nested_nodes is not None:
+        nested.apply(config, spec.nested_nodes)
+    return config
 
 
 def apply_devices(devices: Edits, mounts: list[dict[str, Any]],

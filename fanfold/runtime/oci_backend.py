@@ -39,7 +39,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     """Sandboxes as OCI containers; memory checkpoints with CRIU."""
 
     name = "oci"
-    capabilities = Capabilities(memory="live", exact_counters=True, isolated=True, network=True)
+    capabilities = Capabilities(memory="live", exact_counters=True, isolated=True, network=True, nested=True)
     users: idmap.Namespaces
     """User namespaces for the idmaps of sandboxes' layers, one per uid range."""
     userns: bool = False

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import EngineConfig
-from ..errors import FanfoldError, InfrastructureError
+from ..errors import FanfoldError, InfrastructureError, InvalidRequest
 from .._agent.client import AgentClient
 from ..host import cgroups, disk, idmap, mounts, procs, safefs, setup, stepnet
 from ..host.offload import on_thread, read_once
@@ -26,7 +26,7 @@ from ..store.rootfs import inherit_layer, mount_trusted
 from ..models import Limits
 from ..host.netns import alias_lo, new_netns, raise_lo, set_hostname
 from ..host.spawn import log_tail
-from . import criu_images, lazy, seccomp
+from . import criu_images, lazy, nested, seccomp
 from .base import Handle, SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
 from .criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
@@ -196,8 +196,14 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
     """The file system work of a create, in one go on a thread: a uid range claimed when ``users`` is
     given, the disk, root and channel mounted and made, and the runtime's bundle written."""
     sandbox_id = spec.id
+    if spec.nested and users is None:
+        raise InvalidRequest(f"sandbox {sandbox_id} asks for nested=True, which needs user namespaces, and this"
+                             " host runs sandboxes without them (FANFOLD_USERNS=0, or its kernel cannot)")
     base = idmap.claim(sandbox_id, users.slots) if users is not None else None
     where = mount_disk(config, store, sandbox_id, spec.layers, spec.host_dirs, spec.limits, quota, base, users)
+    if spec.nested:
+        with idmap.as_mapped_root(base):
+            nested.write_files(where.rootfs)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     for name, cmd, mode in spec.services:
         args += [f"--{mode}", name, cmd]
@@ -205,8 +211,9 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
         id=sandbox_id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=sandbox_id,
         limits=spec.limits, binds=channel_binds(agent, where),
         cgroup_path=f"/{config.cgroup_parent}/{sandbox_id}",
-        oom_score_adj=-1000 if setup.can_protect_from_oom() else None, seccomp_bpf=seccomp.bpf(spec.seccomp),
-        uid_base=base, devices=spec.devices,
+        oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
+        seccomp_bpf=seccomp.bpf(spec.seccomp, nested=spec.nested), uid_base=base, devices=spec.devices,
+        nested_nodes=nested.device_nodes(config.state_dir) if spec.nested else None,
         # crun joins the range's kept namespace: making one costs it ~6 ms a create
         userns_path=None if users is None or base is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
     )

@@ -10,6 +10,7 @@ kernel log, modules, kexec, reboot, swap and quotas. ``ptrace`` stays (debuggers
 work), except of PID 1, fanfold's agent, which no ``ptrace``, ``process_vm_readv``/``writev`` or
 ``pidfd_open`` may name (its ``/proc/1/mem`` is masked, ``oci.MASKED``). A non-dumpable agent
 would do as much, but CRIU cannot checkpoint a restored one in a user namespace again.
+A sandbox with containers inside gets namespaces and mounts back (``NESTED_ALLOWED``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ DENIED = frozenset({
 })
 """Refused outright; ``clone`` is allowed again below without namespace flags, and the calls
 that name a process, unless they name PID 1."""
+NESTED_ALLOWED = frozenset({
+    "unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "mount_setattr", "sethostname",
+})
+"""What a sandbox with containers inside (``CreateParams.nested``) is allowed beyond the default, with
+``clone`` of namespace flags: what podman and crun need to make an inner container's namespaces, root
+and hostname (the template allows the last three only with CAP_SYS_ADMIN, which sandboxes lack)."""
 NAMES_A_PID = {"ptrace": 1, "process_vm_readv": 0, "process_vm_writev": 0, "pidfd_open": 0}
 """Which argument of each is the pid."""
 CLONE_NAMESPACES = 0x7E020000
@@ -86,8 +93,9 @@ def load(profile: str) -> dict[str, Any] | None:
 
 
 @lru_cache(maxsize=None)
-def default_profile(machine: str) -> dict[str, Any]:
-    """fanfold's default profile for ``machine`` (``platform.machine()``), from the template."""
+def default_profile(machine: str, nested: bool = False) -> dict[str, Any]:
+    """fanfold's default profile for ``machine`` (``platform.machine()``), from the template; with
+    ``nested``, as a sandbox with containers inside needs it (``NESTED_ALLOWED``, ``clone`` of namespaces)."""
     if machine not in ARCHES:
         raise HostNotReady(f"no default seccomp profile for {machine}: pass seccomp='unconfined' or a profile file")
     arch, architectures = ARCHES[machine]
@@ -108,7 +116,9 @@ def default_profile(machine: str) -> dict[str, Any]:
             continue
         if excludes.get("caps") and caps.intersection(excludes["caps"]):
             continue
-        names = [n for n in rule["names"] if n not in DENIED] if rule["action"] == "SCMP_ACT_ALLOW" else rule["names"]
+        # NESTED_ALLOWED are allowed by a rule of their own below (nested), or not at all.
+        dropped = DENIED | NESTED_ALLOWED if rule["action"] == "SCMP_ACT_ALLOW" else NESTED_ALLOWED if nested else set()
+        names = [n for n in rule["names"] if n not in dropped]
         if names:
             out = {"names": names, "action": rule["action"]}
             if rule.get("args"):
@@ -116,10 +126,12 @@ def default_profile(machine: str) -> dict[str, Any]:
             if rule["action"] == "SCMP_ACT_ERRNO":
                 out["errnoRet"] = rule.get("errnoRet") or EPERM
             rules.append(out)
+    no_namespaces = [{"index": 1 if arch == "s390x" else 0, "value": CLONE_NAMESPACES, "valueTwo": 0,
+                      "op": "SCMP_CMP_MASKED_EQ"}]
+    if nested:
+        rules.append({"names": sorted(NESTED_ALLOWED), "action": "SCMP_ACT_ALLOW"})
     rules += [
-        {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
-         "args": [{"index": 1 if arch == "s390x" else 0, "value": CLONE_NAMESPACES, "valueTwo": 0,
-                   "op": "SCMP_CMP_MASKED_EQ"}]},
+        {"names": ["clone"], "action": "SCMP_ACT_ALLOW", **({} if nested else {"args": no_namespaces})},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
     ]
     rules += [{"names": [name], "action": "SCMP_ACT_ALLOW", "args": [arg]}
@@ -206,15 +218,16 @@ def _compile(text: str) -> str:
         lib.seccomp_release(ctx)
 
 
-def bpf(profile: str) -> str | None:
+def bpf(profile: str, *, nested: bool = False) -> str | None:
     """The named profile (see ``load``) as a BPF program in base64, for ``BPF_ANNOTATION``; None for
-    ``unconfined``. Compiled once per profile (a file, once per content)."""
+    ``unconfined``. Compiled once per profile (a file, once per content). ``nested`` relaxes the
+    default profile for containers inside (a file or ``unconfined`` is taken as it is)."""
     if profile == "default":
-        return _default_bpf(platform.machine())
+        return _default_bpf(platform.machine(), nested)
     data = load(profile)
     return None if data is None else _compiled(json.dumps(data, sort_keys=True))
 
 
 @lru_cache(maxsize=None)
-def _default_bpf(machine: str) -> str:
-    return _compiled(json.dumps(default_profile(machine), sort_keys=True))
+def _default_bpf(machine: str, nested: bool = False) -> str:
+    return _compiled(json.dumps(default_profile(machine, nested), sort_keys=True))
