@@ -1,6 +1,6 @@
-"""Containers inside a sandbox (``nested=True``): rootless podman from the host's /usr runs ``podman run``
-in a sandbox, against the real crun, CRIU and podman; without ``nested`` it cannot; runsc refuses it;
-memory checkpoints of it are refused; nothing of it is left on the host.
+"""Containers inside a sandbox (``nested=True``): rootless podman from the host's /usr runs ``podman run``,
+pods and networks in a sandbox, against the real crun, CRIU and podman; without ``nested`` it cannot;
+runsc refuses it; memory checkpoints of it are refused; nothing of it is left on the host.
 
 No registry is reachable: the inner image is imported from a tarball of a few host binaries and
 their libraries, made inside the sandbox (``TINY_IMAGE``).
@@ -79,6 +79,16 @@ def test_podman_runs_a_container_inside_a_nested_sandbox(efleet):
         assert inside.stdout == b"from-exec\n", inside.stderr
         removed = sh(sandbox, "podman rm -f -t 0 box && podman ps -a --format '{{.Names}}'")
         assert (removed.exit_code, removed.stdout) == (0, b"box\n"), removed.stderr  # rm names what it removed
+        # what compose files become: a pod whose containers share a network, and a network of its own
+        pod = sh(sandbox, "podman pod create --name app >/dev/null && podman run -d --pod app localhost/tiny sleep 300"
+                          " >/dev/null && podman run --rm --pod app localhost/tiny echo in-pod")
+        assert pod.stdout == b"in-pod\n", pod.stderr
+        assert sh(sandbox, "podman pod rm -f -t 0 app").exit_code == 0
+        net = sh(sandbox, "podman network create backend >/dev/null && podman run --rm --network backend"
+                          " localhost/tiny echo on-network && podman network rm backend >/dev/null")
+        assert net.stdout == b"on-network\n", net.stderr
+        left = sh(sandbox, "podman ps -aq; podman pod ps -q")
+        assert (left.exit_code, left.stdout) == (0, b""), left.stderr
         # PID 1 (the agent) stays out of reach of the unmasked /proc
         agent = sh(sandbox, "head -c 1 /proc/1/mem")
         assert agent.exit_code != 0 and b"Permission denied" in agent.stderr
