@@ -8,6 +8,8 @@ their libraries, made inside the sandbox (``TINY_IMAGE``).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import shutil
 
@@ -135,6 +137,19 @@ def test_memory_checkpoints_of_a_nested_sandbox_are_refused_disk_snapshots_work(
             assert ran.stdout == b"again\n", ran.stderr
     finally:
         efleet.delete_snapshot(snap.id)
+
+
+async def test_an_idle_nested_sandbox_is_kept_running_not_suspended(config: EngineConfig, caplog):
+    """As a GPU sandbox: the idle policy does not try a suspend that would be refused."""
+    async with AsyncFleet(config=config) as fleet:
+        engine = fleet._transport  # type: ignore[attr-defined]
+        sandbox = await fleet.create(nested=True, persistence="persistent", idle_timeout=0.01)
+        await asyncio.sleep(0.05)  # past its idle timeout; the policy pass below is what acts on it
+        with caplog.at_level(logging.WARNING, logger="fanfold"):
+            await engine.policies.apply()
+        assert (await fleet.get(sandbox.id)).info.state == "running"
+        assert [r.getMessage() for r in caplog.records if sandbox.id in r.getMessage()] == []
+        await sandbox.kill()
 
 
 async def test_nested_is_refused_on_runsc():

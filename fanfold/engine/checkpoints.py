@@ -152,7 +152,6 @@ class Checkpoints:
             image=snap.id, limits=parent.limits, env=env, labels=parent.labels, deadline=deadline,
             detached=parent.detached, persistence=parent.persistence, priority=parent.priority,
             idle_timeout=parent.idle_timeout, user=parent.user or None, seccomp=parent.seccomp, network=parent.network,
-            nested=parent.nested,
         )
         made = await asyncio.gather(*(
             self._create(params, tenant=row["tenant"], lease=_lease_of(row["owner"]),

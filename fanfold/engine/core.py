@@ -273,8 +273,8 @@ class Engine:
         if params.user:
             check_user(params.user)
         if params.nested and not self.backend.capabilities.nested:
-            raise InvalidRequest(f"nested=True (containers inside a sandbox) is not supported by the {self.backend.name}"
-                                 " backend: create the sandbox on the oci backend (crun)")
+            raise InvalidRequest(f"nested=True (containers inside a sandbox) is not supported by the"
+                                 f" {self.backend.name} backend: create the sandbox on the oci backend (crun)")
         env, labels = check_strings(params.env, "env"), check_labels(params.labels)
         wait = self.config.queue_timeout_s if params.queue_timeout is None else params.queue_timeout
         source, img, limits = await self.sources.source_limits(await self._scoped(params.image, tenant),

@@ -25,8 +25,9 @@ class Policies:
     async def apply(self) -> None:
         """Suspend (or destroy, if ephemeral) idle sandboxes; evict sticky ones under pressure.
 
-        On a backend without memory checkpoints, or holding a GPU or containers (nested), an idle sticky or persistent
-        sandbox stays running: suspending is how it would keep its processes, and it has no other way."""
+        On a backend without memory checkpoints, or holding a GPU or containers (nested), an idle sticky
+        or persistent sandbox stays running: suspending is how it would keep its processes, and it has
+        no other way."""
         life, now = self.life, dbmod.now()
         can_suspend = life.backend.capabilities.memory != "none"
         for row in life.db.rows():
@@ -36,7 +37,8 @@ class Policies:
                 continue
             if row["persistence"] == "ephemeral":
                 await life.destroy(row["id"])
-            elif can_suspend and row["gpu_ids"] == "[]" and not row["nested"] and life.db.claim(row["id"], life.claimer):
+            elif can_suspend and row["gpu_ids"] == "[]" and not row["nested"] \
+                    and life.db.claim(row["id"], life.claimer):
                 try:
                     await self._suspend(row["id"])
                 except FanfoldError as err:  # one sandbox's failure must not hold up the rest
