@@ -16,6 +16,7 @@ import shutil
 import pytest
 
 from fanfold import AsyncFleet, EngineConfig, Fleet, InvalidRequest
+from fanfold.host import cgroups
 
 from conftest import STATE_DIR, run_cli
 
@@ -62,7 +63,15 @@ def efleet(config: EngineConfig):
         yield fleet
 
 
-def test_podman_runs_a_container_inside_a_nested_sandbox(efleet):
+def sandbox_pids(config: EngineConfig, sandbox_id: str) -> set[int]:
+    """Host pids of every process of a sandbox (its containers' too: they get no cgroups of their own)."""
+    for folder in cgroups.sandbox_dirs(config.cgroup_parent, sandbox_id):
+        if (folder / "cgroup.procs").exists():
+            return {int(pid) for pid in (folder / "cgroup.procs").read_text().split()}
+    return set()
+
+
+def test_podman_runs_a_container_inside_a_nested_sandbox(efleet, config: EngineConfig):
     before = host_podman_state()
     with efleet.create(nested=True, memory_mb=1024, pids=1024, disk_mb=2048) as sandbox:
         assert sandbox.info.nested
@@ -94,6 +103,11 @@ def test_podman_runs_a_container_inside_a_nested_sandbox(efleet):
         # PID 1 (the agent) stays out of reach of the unmasked /proc
         agent = sh(sandbox, "head -c 1 /proc/1/mem")
         assert agent.exit_code != 0 and b"Permission denied" in agent.stderr
+        # killed with a container running: its conmon, fuse-overlayfs and slirp4netns go with it
+        assert sh(sandbox, "podman run -d localhost/tiny sleep 300").exit_code == 0
+        inner = sandbox_pids(config, sandbox.id)
+        assert len(inner) >= 5, inner  # the agent, conmon, sleep, fuse-overlayfs, slirp4netns, podman's pause
+    assert [pid for pid in inner if os.path.exists(f"/proc/{pid}")] == []
     assert host_podman_state() == before
     # The device nodes nested sandboxes get are open to all: only root may reach their folder.
     assert (STATE_DIR / "devices").stat().st_mode & 0o777 == 0o700
@@ -131,6 +145,9 @@ def test_memory_checkpoints_of_a_nested_sandbox_are_refused_disk_snapshots_work(
                 attempt()
         assert sandbox.exec(["true"]).exit_code == 0
         snap = sandbox.snapshot(memory=False)
+        sandbox.reset()  # back to its image, nested still: no image, podman's files written again
+        again = sh(sandbox, "podman images -q | wc -l; cat /etc/subuid")
+        assert again.stdout == b"0\nroot:1:65535\n", again.stderr
     try:
         with efleet.create(snap.id, nested=True, memory_mb=1024, pids=1024, disk_mb=2048) as copy:
             ran = sh(copy, "podman run --rm localhost/tiny echo again")  # the image came with the disk
