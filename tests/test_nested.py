@@ -9,6 +9,7 @@ their libraries, made inside the sandbox (``TINY_IMAGE``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -167,6 +168,14 @@ async def test_an_idle_nested_sandbox_is_kept_running_not_suspended(config: Engi
         assert (await fleet.get(sandbox.id)).info.state == "running"
         assert [r.getMessage() for r in caplog.records if sandbox.id in r.getMessage()] == []
         await sandbox.kill()
+
+
+async def test_nested_is_refused_without_user_namespaces(config: EngineConfig):
+    """Podman would run as the host's root there."""
+    async with AsyncFleet(config=dataclasses.replace(config, userns=False)) as fleet:
+        with pytest.raises(InvalidRequest, match="needs user namespaces"):
+            await fleet.create(nested=True)
+        assert await fleet.list() == []
 
 
 async def test_nested_is_refused_on_runsc():
