@@ -18,6 +18,7 @@ import pytest
 
 from fanfold import AsyncFleet, EngineConfig, Fleet, InvalidRequest
 from fanfold.host import cgroups
+from fanfold.runtime import nested
 
 from conftest import STATE_DIR, run_cli
 
@@ -39,14 +40,7 @@ tar -C "$root" -c . | podman import --quiet - localhost/tiny
 rm -rf "$root"
 """
 """A few host binaries and their libraries, imported as the image ``localhost/tiny``."""
-PODMAN_CONFIG = r"""
-mkdir -p /etc/containers
-echo '{"default": [{"type": "insecureAcceptAnything"}]}' > /etc/containers/policy.json
-echo root:1:65535 > /etc/subuid && echo root:1:65535 > /etc/subgid
-printf '[containers]\ncgroups = "disabled"\ndefault_sysctls = []\nkeyring = false\n' > /etc/containers/containers.conf
-"""
-"""What a nested sandbox gets written for podman: given to a plain sandbox, only the relaxations differ."""
-HOST_PODMAN_PATHS = ("/var/lib/containers", "/run/containers", "/run/libpod", "/run/user/0", "/var/tmp")
+HOST_PODMAN_PATHS = ("/var/lib/containers", "/run/containers", "/run/libpod")
 
 
 def sh(sandbox, script: str, timeout: float = 120):
@@ -117,7 +111,8 @@ def test_podman_runs_a_container_inside_a_nested_sandbox(efleet, config: EngineC
 def test_podman_fails_clearly_without_nested(efleet):
     with efleet.create(memory_mb=512) as sandbox:
         assert not sandbox.info.nested
-        assert sh(sandbox, PODMAN_CONFIG).exit_code == 0
+        for path, text in nested.FILES:  # what a nested sandbox gets: only the relaxations differ
+            sandbox.files.write(path, text)
         ran = sh(sandbox, TINY_IMAGE + "podman run --rm localhost/tiny echo hi")
         assert ran.exit_code != 0 and ran.stdout == b""
         # rootless podman's first step, a user namespace of its own, is what the default profile refuses
@@ -128,10 +123,10 @@ def test_nested_travels_every_transport(fleet):
     """The create body and the sandbox record carry it: a plain sandbox may not make a user namespace,
     a nested one may."""
     probe = ["unshare", "--user", "--map-root-user", "--mount", "true"]
-    with fleet.create(nested=True) as nested, fleet.create() as plain:
-        assert (nested.info.nested, plain.info.nested) == (True, False)
-        assert [i.nested for i in fleet.list() if i.id == nested.id] == [True]
-        assert nested.exec(probe).exit_code == 0
+    with fleet.create(nested=True) as holder, fleet.create() as plain:
+        assert (holder.info.nested, plain.info.nested) == (True, False)
+        assert [i.nested for i in fleet.list() if i.id == holder.id] == [True]
+        assert holder.exec(probe).exit_code == 0
         refused = plain.exec(probe)
         assert refused.exit_code != 0 and b"Operation not permitted" in refused.stderr
 
