@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
         Pty, SandboxInfo, SnapshotInfo,
     )
     from .spec import EnvSpec
+    from .ssh import SshAccess
 
 from .__version__ import __version__
 
@@ -61,6 +62,7 @@ _EXPORTS = {
         "PoolInfo", "Pty", "SandboxInfo", "SnapshotInfo",
     ),
     ".spec": ("EnvSpec",),
+    ".ssh": ("SshAccess",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -133,6 +135,7 @@ __all__ = [
     "SnapshotInUse",
     "SnapshotInfo",
     "SnapshotNotFound",
+    "SshAccess",
     "StepEvent",
     "ToolError",
     "Unauthorized",

@@ -69,6 +69,9 @@ def _sandbox_check(ctx: click.Context) -> Check:
 @click.option("--token", "tokens", multiple=True, help="Accept this bearer token, as its own tenant (repeatable).")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="File of 'TENANT TOKEN' lines: one tenant each.")
+@click.option("--ssh-keys", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="File of 'TENANT TYPE BASE64 [COMMENT]' lines: the SSH public keys each tenant's sandboxes"
+                   " authorize when it enables sshd in them (`fanfold ssh --sshd`, docs/ssh.md).")
 @click.option("--host-token", envvar="FANFOLD_HOST_TOKEN", default=None,
               help="Accept this bearer token as the host's own tenant, as root on the socket is "
                    "(a cluster's nodes and drivers use one; keep it secret).")
@@ -83,7 +86,7 @@ def _sandbox_check(ctx: click.Context) -> Check:
               help="A git host tenants' builds may clone from over https or http, at whatever address it has"
                    " (repeatable; FANFOLD_TENANT_GIT_HOSTS). Default: any host at a public address.")
 @click.pass_context
-def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_token, grace, pools,  # type: ignore[no-untyped-def]
+def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, ssh_keys, host_token, grace, pools,  # type: ignore[no-untyped-def]
           registries, git_hosts) -> None:
     """Serve the HTTP API for this host's sandboxes until SIGINT or SIGTERM.
 
@@ -102,6 +105,8 @@ def serve(ctx, socket_path, no_socket, host, port, tokens, tokens_file, host_tok
     tenants = Tenants.from_file(tokens_file) if tokens_file else Tenants()
     for token in tokens:
         tenants.add(token)
+    if ssh_keys:
+        tenants.load_ssh_keys(ssh_keys)
     if host_token:
         from ..web.auth import LOCAL_TENANT
 

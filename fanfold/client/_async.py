@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remot
     from ..images.builder import Network, OnStep
     from ..images.oci import OnPull
     from ..engine.api import EngineAPI as Transport
+    from ..ssh import SshAccess
 
 T = TypeVar("T")
 RAY_TRANSPORT = "fanfold.cluster.transport:RayTransport"
@@ -481,6 +482,12 @@ class AsyncSandbox:
         """A URL that reaches ``port`` inside: ``http://127.0.0.1:N`` (any TCP) on an embedded fleet,
         the server's ``/v1/sandboxes/ID/ports/PORT/`` route (HTTP, with the token) on a remote one."""
         return await self._transport.expose(self.id, port)
+
+    async def enable_ssh(self, authorized_keys: list[str] | tuple[str, ...], *, port: int = 22) -> SshAccess:
+        """Start sshd inside (or keep the one running) authorizing exactly these OpenSSH public keys
+        (and, on a server, the tenant's registered ones); returns its host key and, on an embedded
+        fleet or a server's unix socket, ``address``: ``127.0.0.1:N`` for ``ssh -p N``. See docs/ssh.md."""
+        return await self._transport.enable_ssh(self.id, authorized_keys, port=port)
 
     async def _life(self, verb: Callable[[str], Awaitable[SandboxInfo]]) -> SandboxInfo:
         self.info = await verb(self.id)

@@ -13,6 +13,7 @@ import os
 import tarfile
 import tempfile
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -33,6 +34,7 @@ from ..models import (
     CreateParams, ExecResult, FileEntry, ForkResult, LeaseInfo, Limits, PoolInfo, SandboxInfo, SnapshotInfo,
 )
 from ..spec import REMOTE_LOCAL_REPO, EnvSpec, is_repo_url
+from ..ssh import SshAccess, check_port, check_public_keys
 from ..transport.h1 import Client, ConnectionLost, Response
 
 if TYPE_CHECKING:
@@ -376,6 +378,14 @@ class HttpTransport:
         if self._socket is not None and made.get("direct"):
             return str(made["direct"])  # the host's own tenant, on the server's host: any TCP, no token
         return self._base + made["path"]  # through the server, with this client's token
+
+    async def enable_ssh(self, sandbox_id: str, authorized_keys: list[str] | tuple[str, ...], *,
+                         port: int = 22) -> SshAccess:
+        body = {"authorized_keys": list(check_public_keys(authorized_keys)), "port": check_port(port)}
+        access = SshAccess.from_dict(await self._json("POST", _sandbox(sandbox_id) + "/ssh", json=body))
+        if self._socket is None:  # an address on the server host's loopback is no use from here
+            access = replace(access, address=None)
+        return access
 
     async def kill(self, sandbox_id: str) -> None:
         await self._json("DELETE", _sandbox(sandbox_id))

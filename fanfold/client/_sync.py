@@ -15,6 +15,7 @@ from ..images import Image
 from ..images.builder import Network, OnStep
 from ..models import ExecResult, FileEntry, ForkResult, OutputChunk, Persistence, PoolInfo, Pty, SandboxInfo, SnapshotInfo
 from ..spec import EnvSpec
+from ..ssh import SshAccess
 from ._async import AsyncFiles, AsyncFleet, AsyncFork, AsyncSandbox
 from ._fanout import AsyncRollouts, RolloutFn, RolloutResult, RolloutStats
 from ._group import AsyncGroup
@@ -462,6 +463,12 @@ class Sandbox:
         """A URL that reaches ``port`` inside: ``http://127.0.0.1:N`` (any TCP) on an embedded fleet,
         the server's ``/v1/sandboxes/ID/ports/PORT/`` route (HTTP, with the token) on a remote one."""
         return self._fleet._call(self._async.expose(port))
+
+    def enable_ssh(self, authorized_keys: list[str] | tuple[str, ...], *, port: int = 22) -> SshAccess:
+        """Start sshd inside (or keep the one running) authorizing exactly these OpenSSH public keys
+        (and, on a server, the tenant's registered ones); returns its host key and, on an embedded
+        fleet or a server's unix socket, ``address``: ``127.0.0.1:N`` for ``ssh -p N``. See docs/ssh.md."""
+        return self._fleet._call(self._async.enable_ssh(authorized_keys, port=port))
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from .placement import NodeLoad, no_gpu_node, rank, split_pool
 
 if TYPE_CHECKING:
     from ..engine.api import OnOutput
+    from ..ssh import SshAccess
     from ..images.builder import Network, OnStep
     from ..images.oci import OnPull
     from ..spec import EnvSpec
@@ -431,6 +432,10 @@ class RayTransport:
 
     async def expose(self, sandbox_id: str, port: int) -> str:
         return await self._to(sandbox_id, lambda http: http.expose(sandbox_id, port))
+
+    async def enable_ssh(self, sandbox_id: str, authorized_keys: list[str] | tuple[str, ...], *,
+                         port: int = 22) -> SshAccess:
+        return await self._to(sandbox_id, lambda http: http.enable_ssh(sandbox_id, authorized_keys, port=port))
 
     async def recordings(self) -> list[dict[str, Any]]:
         nodes = self._alive()

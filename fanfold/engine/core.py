@@ -59,6 +59,7 @@ from .transfer import Transfers
 
 if TYPE_CHECKING:
     from ..images.oci import OnPull
+    from ..ssh import SshAccess
 
 
 class Engine:
@@ -391,6 +392,14 @@ class Engine:
                                  " the oci backend with crun or runc")
         host_port = await life.network.expose(row["id"], port, lambda: self.connect_port(row["id"], port))
         return f"http://127.0.0.1:{host_port}"
+
+    async def enable_ssh(self, sandbox_id: str, authorized_keys: list[str] | tuple[str, ...], *,
+                         port: int = 22) -> SshAccess:
+        """Start sshd in the sandbox, authorizing exactly these public keys, and expose its port
+        (``fanfold.ssh``)."""
+        from .ssh import enable_ssh
+
+        return await enable_ssh(self, sandbox_id, authorized_keys, port=port)
 
     async def connect_port(self, sandbox_id: str, port: int) -> Any:
         """A connected, non-blocking socket to ``port`` inside the sandbox (the server's port route)."""

@@ -35,6 +35,8 @@ class Tenants:
         self._by_digest: dict[str, str] = {}
         self.quotas: dict[str, Quota] = dict(quotas or {})
         """Each tenant's quota; a tenant not named here has none."""
+        self.ssh_keys: dict[str, tuple[str, ...]] = {}
+        """Each tenant's registered SSH public keys: what its sandboxes' sshd authorizes (``enable_ssh``)."""
         for token, tenant in (tokens or {}).items():
             self.add(token, tenant)
 
@@ -70,6 +72,16 @@ class Tenants:
                 except ValueError as err:
                     raise InvalidRequest(f"{path}:{number}: {err}") from None
         return tenants
+
+    def load_ssh_keys(self, path: str | Path) -> None:
+        """Register tenants' SSH public keys from lines of ``TENANT TYPE BASE64 [COMMENT]``."""
+        from ..ssh import parse_tenant_keys
+
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise InvalidRequest(f"cannot read the SSH keys file {path}: {err.strerror}") from None
+        self.ssh_keys = parse_tenant_keys(text, str(path))
 
     def __len__(self) -> int:
         return len(self._by_digest)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ...groups import GroupInfo, GroupParams, GroupSnapshotInfo
     from ...models import CreateParams, ExecResult, FileEntry, ForkResult, Limits, PoolInfo, SandboxInfo, SnapshotInfo
     from ...spec import EnvSpec
+    from ...ssh import SshAccess
     from ..api import OnOutput
 
 log = logging.getLogger("fanfold.engine")
@@ -331,6 +332,12 @@ class Router:
 
     async def expose(self, sandbox_id: str, port: int) -> str:
         return await self._call(self._of(sandbox_id), "expose", sandbox_id, port)
+
+    async def enable_ssh(self, sandbox_id: str, authorized_keys: list[str] | tuple[str, ...], *,
+                         port: int = 22) -> SshAccess:
+        from ..ssh import enable_ssh
+
+        return await enable_ssh(self, sandbox_id, authorized_keys, port=port)
 
     async def recordings(self) -> list[dict[str, Any]]:
         return await self._call(0, "recordings")
