@@ -215,6 +215,6 @@ def login_argv(command: tuple[str, ...]) -> list[str]:
 
 def stdio_argv() -> list[str]:
     """``fanfold ssh --stdio``: sshd in inetd mode, speaking SSH on its stdin and stdout."""
-    missing = f"ssh is not enabled in this sandbox: run `fanfold ssh --sshd ID` (or enable_ssh) first"
+    missing = "ssh is not enabled in this sandbox: run `fanfold ssh --sshd ID` (or enable_ssh) first"
     return ["/bin/sh", "-c", f"[ -s {SSHD_CONFIG} ] || {{ echo {shlex.quote(missing)} >&2; exit 255; }};"
             f" exec {SSHD} -i -f {SSHD_CONFIG} -E {SSHD_DIR}/sshd.log"]

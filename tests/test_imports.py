@@ -132,7 +132,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},                     # the backends: crun, runsc, fake
     {"store", "net"},                # layers and images on disk; sandbox networks and the egress proxy
     {"host", "transport", "_agent", "tools", "groups"},
-    {"spec", "models", "config", "_extras"},
+    {"spec", "models", "config", "_extras", "ssh"},
     {"refs", "ids", "errors", "gpu_request", "__version__"},
 ]
 

@@ -97,7 +97,7 @@ def test_ssh_as_another_user_gets_that_users_shell_and_home(cli_sandbox):
     assert done.returncode == 0 and done.stdout == "1234 /home/dev /bin/sh dev\n", done
 
 
-def test_ssh_through_a_server(server):
+def test_ssh_through_a_server(server, tmp_path):
     url = ["--url", server.unix_url]
     made = run_cli(*url, "create")
     assert made.returncode == 0, made.stderr
@@ -105,6 +105,14 @@ def test_ssh_through_a_server(server):
     try:
         shown, code = _cli_on_a_terminal(*url, "ssh", sandbox_id, steps=[(b"# ", b"echo h''i $PWD; exit 9\n")])
         assert code == 9 and b"hi /root\r\n" in shown, shown
+        key = keygen(tmp_path, "k")
+        enabled = run_cli(*url, "ssh", "--sshd", "--key", str(key.with_suffix(".pub")), sandbox_id)
+        assert enabled.returncode == 0 and "host key: ssh-ed25519 " in enabled.stderr, enabled
+        command = enabled.stdout.split()  # ssh -p N root@127.0.0.1: the server holds the port open
+        assert command[:2] == ["ssh", "-p"] and command[3] == "root@127.0.0.1", command
+        done = subprocess.run([*command[:3], "-i", str(key), *SSH_OPTIONS, command[3], "hostname"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout == f"{sandbox_id}\n", done
         tcp = run_cli("--url", server.tcp_url, "ssh", sandbox_id, "--", "true",
                       env={"FANFOLD_TOKEN": server.tokens["alice"]})
         assert tcp.returncode == 2 and "SandboxNotFound" in tcp.stderr  # the host's sandbox is not alice's
@@ -140,7 +148,7 @@ async def test_the_ssh_client_logs_into_sshd_through_the_exposed_port(transport,
             assert processes.text.split() == ["1", "sshd"]  # one listener, a child of the agent
 
 
-async def test_a_forks_children_keep_the_host_key_and_answer_on_their_own(config, tmp_path):
+async def test_sshd_survives_suspend_and_a_forks_children_keep_its_host_key(config, tmp_path):
     key = keygen(tmp_path, "k")
     async with AsyncFleet(config=config) as fleet:
         async with await fleet.create() as parent:
@@ -151,6 +159,9 @@ async def test_a_forks_children_keep_the_host_key_and_answer_on_their_own(config
                 assert reached.host_key == access.host_key and reached.address != access.address
                 code, out, err = await ssh(key, "-p", reached.address.rpartition(":")[2], "root@127.0.0.1")
                 assert code == 0 and out == f"{child.id}\nroot\n", err
+            await parent.suspend()  # sshd is checkpointed with the agent's tree; a connection resumes it
+            code, out, err = await ssh(key, "-p", access.address.rpartition(":")[2], "root@127.0.0.1")
+            assert code == 0 and out == f"{parent.id}\nroot\n", err
 
 
 @pytest.fixture(scope="module")

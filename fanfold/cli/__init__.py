@@ -55,8 +55,8 @@ class FanfoldGroup(click.Group):
                              " its URL (embedded: forward it until Ctrl-C)."),
         "group": _LazyCommand("group", "fanfold.cli.groups:group", "Sandbox groups on a private network of their"
                               " own: create, ls, rm, fork, snapshot, start, rm-snapshot."),
-        "ssh": _LazyCommand("ssh", "fanfold.cli.ssh:ssh", "Log in to a sandbox (a shell over fanfold's own channel),"
-                            " or start a real sshd in it (--sshd)."),
+        "ssh": _LazyCommand("ssh", "fanfold.cli.ssh:ssh", "Log in to SANDBOX over fanfold's own channel, or start"
+                            " a real sshd in it (--sshd)."),
         "ray": _LazyCommand("ray", "fanfold.cli.ray:ray", "fanfold on a Ray cluster: start, status, stop, metrics"
                             " (a `fanfold serve` on every node)."),
     }

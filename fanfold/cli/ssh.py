@@ -32,8 +32,10 @@ from .terminal import exit_code, interact
 @click.pass_context
 def ssh(ctx: click.Context, sandbox_id: str, user: str | None, force_tty: bool, no_tty: bool, sshd: bool,
         keys: tuple[str, ...], port: int, stdio: bool, command: tuple[str, ...]) -> None:
-    """Log in to SANDBOX: the user's shell from its /etc/passwd, as a login shell, on our terminal;
-    with COMMAND, run it with that shell (`sh -c` style, words joined as ssh does) and exit with its status.
+    """Log in to SANDBOX over fanfold's own channel, or start a real sshd in it (--sshd).
+
+    The user's shell from the sandbox's /etc/passwd runs as a login shell on our terminal; with
+    COMMAND, that shell runs it (`-c`, words joined as ssh does) and this exits with its status.
 
     No sshd is needed: this goes over fanfold's own channel, embedded or with --url. A terminal is
     used when no COMMAND is given and our stdin is one (-t forces it, -T refuses it); our TERM and
@@ -86,7 +88,8 @@ def _sshd(ctx: click.Context, sandbox_id: str, user: str | None, keys: list[str]
         access = fleet.get(sandbox_id).enable_ssh(keys, port=port)
         console.print(f"host key: {access.host_key}", highlight=False, soft_wrap=True)
         if access.address is None:  # through a server over TCP: SSH rides on its API
-            click.echo(f"ssh -o ProxyCommand='fanfold ssh --stdio %h' {login}@{sandbox_id}")
+            proxy = f"fanfold --url {ctx.obj['url']} ssh --stdio %h"  # the token comes from FANFOLD_TOKEN
+            click.echo(f"ssh -o ProxyCommand='{proxy}' {login}@{sandbox_id}")
             return
         host, _, host_port = access.address.rpartition(":")
         click.echo(f"ssh -p {host_port} {login}@{host}")
