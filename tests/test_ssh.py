@@ -42,6 +42,18 @@ async def ssh(key: Path, *where: str, command: str = "hostname; id -un",
     return proc.returncode, out.decode(), err.decode()
 
 
+def sshd_processes() -> list[int]:
+    """Host pids of the sshds that fanfold started in sandboxes (their config path says so)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"/etc/fanfold-ssh/sshd_config" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 # -- the plain logic -------------------------------------------------------------------------------
 
 
@@ -146,6 +158,8 @@ async def test_the_ssh_client_logs_into_sshd_through_the_exposed_port(transport,
             assert (await ssh(good, "-p", port, f"root@{host}"))[0] == 255
             processes = await sandbox.exec("ps -eo ppid=,comm= | grep sshd")
             assert processes.text.split() == ["1", "sshd"]  # one listener, a child of the agent
+            assert len(sshd_processes()) == 1
+    assert sshd_processes() == []  # it went with its sandbox
 
 
 async def test_sshd_survives_suspend_and_a_forks_children_keep_its_host_key(config, tmp_path):
