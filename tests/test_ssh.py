@@ -117,6 +117,8 @@ def test_ssh_through_a_server(server, tmp_path):
     try:
         shown, code = _cli_on_a_terminal(*url, "ssh", sandbox_id, steps=[(b"# ", b"echo h''i $PWD; exit 9\n")])
         assert code == 9 and b"hi /root\r\n" in shown, shown
+        big = run_cli(*url, "ssh", sandbox_id, "--", "head -c 70000000 /dev/zero")  # past any cap of kept output
+        assert big.returncode == 0 and len(big.stdout) == 70_000_000, big.stderr
         key = keygen(tmp_path, "k")
         enabled = run_cli(*url, "ssh", "--sshd", "--key", str(key.with_suffix(".pub")), sandbox_id)
         assert enabled.returncode == 0 and "host key: ssh-ed25519 " in enabled.stderr, enabled

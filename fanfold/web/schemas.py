@@ -167,14 +167,21 @@ class TerminalSize(_Body):
     cols: int = Field(ge=1, le=65535)
 
 
+KEPT_MAX_OUTPUT = 64 << 20
+"""The most output an exec's result keeps, per stream."""
+LIVE_MAX_OUTPUT = 1 << 62
+"""The most output a live exec (which keeps none) streams, per stream."""
+
+
 class ExecRequest(_Body):
     cmd: str | list[str] = Field(description="A shell string (run by /bin/sh -c) or an argv list.")
     cwd: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     stdin: str | None = Field(None, description="Standard input, base64.")
     timeout: float | None = Field(None, gt=0, le=86400, description="Seconds before the command is killed.")
-    max_output: int | None = Field(None, ge=0, le=64 << 20,
-                                   description="Bytes kept of each of stdout and stderr (default 16 MiB, at most 64 MiB).")
+    max_output: int | None = Field(None, ge=0, le=LIVE_MAX_OUTPUT, description=(
+        "Bytes kept of each of stdout and stderr (default 16 MiB, at most 64 MiB); of a live exec, which keeps"
+        " none, bytes streamed (at most 2**62: a long session, `fanfold ssh`)."))
     user: str | None = Field(None, max_length=65, description=(
         "name[:group] or uid[:gid] to run as, resolved in the sandbox's /etc/passwd (default: the sandbox's user)."))
     live: bool = Field(False, description=(
@@ -182,6 +189,12 @@ class ExecRequest(_Body):
         " `{\"started\": {\"pid\": N, \"exec\": ID}}`, and `POST .../exec/{ID}/input` feeds it. Output is streamed,"
         " not kept in the result."))
     pty: TerminalSize | None = Field(None, description="Run on a pseudo-terminal of this size (implies `live`).")
+
+    @model_validator(mode="after")
+    def _kept_output_fits(self) -> ExecRequest:
+        if not (self.live or self.pty) and (self.max_output or 0) > KEPT_MAX_OUTPUT:
+            raise ValueError(f"max_output is at most {KEPT_MAX_OUTPUT} bytes unless the exec is live (nothing kept)")
+        return self
 
 
 class ExecInput(_Body):
