@@ -51,7 +51,10 @@ class SshAccess:
 
     def known_hosts(self, host: str | None = None) -> str:
         """A known_hosts line for this sandbox's host key (``host``: as the client will name it)."""
-        name = host or (f"[127.0.0.1]:{self.address.rsplit(':', 1)[1]}" if self.address else self.sandbox_id)
+        if host is None and self.address is not None:
+            address, _, port = self.address.rpartition(":")
+            host = f"[{address}]:{port}"  # how ssh names a host on a port other than 22
+        name = host or self.sandbox_id
         return f"{name} {self.host_key}"
 
     def to_dict(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fanfold import AsyncFleet, InvalidRequest
+from fanfold import AsyncFleet, InvalidRequest, SshAccess
 from fanfold.ssh import check_public_keys, parse_tenant_keys
 
 from conftest import STATE_DIR, TOKENS, run_cli, start_server, stop_server
@@ -70,6 +70,9 @@ def test_public_keys_are_checked_and_options_refused(tmp_path):
     assert keys == {"alice": (line.strip(),), "bob": (line.strip(),)}
     with pytest.raises(InvalidRequest, match="keys:1"):
         parse_tenant_keys("alice not-a-key\n", "keys")
+    access = SshAccess(sandbox_id="sb-1", port=22, host_key="ssh-ed25519 AAAA", address="127.0.0.1:4022")
+    assert access.known_hosts() == "[127.0.0.1]:4022 ssh-ed25519 AAAA"  # as ssh looks a host on a port up
+    assert SshAccess.from_dict(access.to_dict()) == access
 
 
 # -- fanfold ssh: a login shell over the agent channel -----------------------------------------------

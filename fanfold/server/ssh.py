@@ -9,8 +9,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field, StringConstraints
 
-from ..ssh import DEFAULT_PORT, MAX_KEYS
+from ..ssh import DEFAULT_PORT, MAX_KEYS, SshAccess
 from ..web.deps import ERRORS, LOCAL_TENANT, engine, owned_sandbox, tenant
+from ..web.schemas import model_of
 
 router = APIRouter(prefix="/v1/sandboxes", tags=["ssh"])
 PublicKey = Annotated[str, StringConstraints(min_length=1, max_length=16384)]
@@ -22,12 +23,7 @@ class SshRequest(BaseModel):
     port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="sshd's port inside the sandbox.")
 
 
-class SshBody(BaseModel):
-    sandbox_id: str
-    port: int
-    host_key: str = Field(description="sshd's public host key, for known_hosts.")
-    address: str | None = Field(None, description=(
-        "For the host's own tenant: HOST:PORT on the server host's loopback reaching sshd."))
+SshBody = model_of(SshAccess, name="SshBody")
 
 
 @router.post("/{sandbox_id}/ssh", response_model=SshBody, responses=ERRORS)
