@@ -135,6 +135,7 @@ static char *empty_env[] = { NULL };
 static struct rlimit nofile; /* as inherited; restored in children */
 static int null_fd = -1;     /* opened once: the sandbox may delete /dev/null later */
 static const char *svc_root = ""; /* --root: where services run and log ("" is /) */
+static const char *init_path;     /* --init: what becomes PID 1 (systemd) once the host has locked us in */
 
 static int64_t now_us(void)
 {
@@ -1345,6 +1346,26 @@ static void services_next(void)
 
 /* ---- PID 1 duties ------------------------------------------------------ */
 
+/* --init PATH: PID 1 execs PATH (an init such as systemd, which must be PID 1), and the agent goes
+ * on as its child, with the listening socket: every process still descends from PID 1, so a
+ * checkpoint takes the whole tree. Called once the host has locked the channel dir, so nothing of
+ * the sandbox runs before that. Returns in the child. */
+static void hand_pid1_to(const char *path)
+{
+	char *argv[] = { (char *)path, NULL };
+	pid_t pid = fork();
+
+	if (pid < 0) {
+		perror("fanfold-agent: fork for --init");
+		exit(1);
+	}
+	if (pid == 0)
+		return;
+	close_range(3, ~0U, 0); /* the listener and every inherited fd stay with the agent */
+	execv(path, argv);
+	_exit(127); /* PID 1 gone ends the sandbox: the host reports the agent died */
+}
+
 static void listen_again(void);
 
 static void reap(void)
@@ -1529,6 +1550,8 @@ int main(int argc, char **argv)
 			listen_path = argv[++i];
 		} else if (!strcmp(argv[i], "--root") && i + 1 < argc) {
 			svc_root = strcmp(argv[++i], "/") ? argv[i] : "";
+		} else if (!strcmp(argv[i], "--init") && i + 1 < argc) {
+			init_path = argv[++i];
 		} else if (!strcmp(argv[i], "--hold")) {
 			/* no fd 3 to wait on (a runtime that cannot pass one): the host says `g` */
 			held = rebinds = 1;
@@ -1583,6 +1606,8 @@ int main(int argc, char **argv)
 			;
 		close(ready_fd);
 	}
+	if (init_path)
+		hand_pid1_to(init_path);
 	/* whatever we inherited (fd 3 included) must not leak into commands */
 	close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
 	fcntl(listen_fd, F_SETFD, FD_CLOEXEC);
