@@ -13,7 +13,7 @@ from ..gpu_request import parse as parse_gpus
 from ..refs import BASES, is_image_id, is_image_ref
 from . import words
 
-__all__ = ["BASES", "EnvSpec", "GPUS_LABEL", "GPU_EXCLUSIVE_LABEL", "Step", "check_user", "is_image_id", "is_image_ref",
+__all__ = ["BASES", "EnvSpec", "GPUS_LABEL", "GPU_EXCLUSIVE_LABEL", "INITS", "INIT_LABEL", "Step", "check_user", "is_image_id", "is_image_ref",
            "is_repo_url", "sandbox_path"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -23,6 +23,9 @@ GPUS_LABEL = "fanfold.gpus"
 """The image label naming the GPUs its sandboxes get unless their create names others (``EnvSpec.gpus``)."""
 GPU_EXCLUSIVE_LABEL = "fanfold.gpu_exclusive"
 """The image label saying those GPUs are held alone (``true``) or shared (``false``, the default)."""
+INIT_LABEL = "fanfold.init"
+"""The image label naming its sandboxes' PID 1 (``EnvSpec.init``): ``systemd``, or ``fanfold`` (the agent, the default)."""
+INITS = ("fanfold", "systemd")
 
 
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$")
@@ -238,6 +241,8 @@ class EnvSpec:
             if not key or not isinstance(value, str) or "\0" in key + value:
                 raise InvalidSpec(f"bad label {key}={value!r}: a non-empty key and a string value")
         _check_gpu_labels(labels)
+        if labels.get(INIT_LABEL, "fanfold") not in INITS:
+            raise InvalidSpec(f"label {INIT_LABEL}={labels[INIT_LABEL]!r} must be one of {', '.join(INITS)}")
         return self._add("label", labels=tuple(sorted(labels.items())))
 
     def gpus(self, gpus: str | int | None = "all", *, exclusive: bool = False) -> EnvSpec:
@@ -249,6 +254,15 @@ class EnvSpec:
         if not isinstance(exclusive, bool):
             raise InvalidSpec(f"gpus(exclusive=) is True or False, got {exclusive!r}")
         return self.label(**{GPUS_LABEL: value, GPU_EXCLUSIVE_LABEL: "true" if exclusive else "false"})
+
+    def init(self, init: str = "systemd") -> EnvSpec:
+        """What runs as its sandboxes' PID 1: ``systemd`` (the image must have it, as the ``host`` base
+        does), its ``service`` steps becoming systemd units that ``systemctl`` manages; or ``fanfold``,
+        fanfold's agent (the default), which starts them itself. Recorded as the label ``fanfold.init``,
+        which a Dockerfile's ``LABEL`` sets as well."""
+        if init not in INITS:
+            raise InvalidSpec(f"init must be one of {', '.join(INITS)}, got {init!r}")
+        return self.label(**{INIT_LABEL: init})
 
     def volume(self, *paths: str) -> EnvSpec:
         """Note paths the image keeps data in, as Docker's VOLUME does. fanfold records them (``inspect``
@@ -285,7 +299,8 @@ class EnvSpec:
                         gpus: str | int | None = None) -> EnvSpec:
         """The spec a Dockerfile describes (its last stage, or the stage ``target``): COPY sources come
         from ``context`` (default: the Dockerfile's directory), ``build_args`` override ARG defaults.
-        ``gpus`` gives its sandboxes GPUs (``EnvSpec.gpus``), as ``LABEL fanfold.gpus=...`` in it does."""
+        ``gpus`` gives its sandboxes GPUs (``EnvSpec.gpus``), as ``LABEL fanfold.gpus=...`` in it does;
+        ``LABEL fanfold.init=systemd`` makes systemd their init (``EnvSpec.init``)."""
         from .dockerfile import from_dockerfile  # buildkit's parser loads only for a Dockerfile
 
         spec = from_dockerfile(path, cls, context=context, build_args=build_args, target=target)

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from ..errors import ImageNotFound
 from ..host import disk, mounts
-from ..spec import BASES, GPU_EXCLUSIVE_LABEL, GPUS_LABEL
+from ..spec import BASES, GPU_EXCLUSIVE_LABEL, GPUS_LABEL, INIT_LABEL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +89,13 @@ class Image:
     def gpus(self) -> str | None:
         """The GPUs its sandboxes get when their create names none (its ``fanfold.gpus`` label, as written)."""
         return dict(self.labels).get(GPUS_LABEL)
+
+    @property
+    def init(self) -> str:
+        """What its sandboxes run as PID 1 besides the agent: ``systemd``, or ``""`` (the agent itself),
+        from its ``fanfold.init`` label (a pulled image's may say anything: the create refuses what is unknown)."""
+        value = dict(self.labels).get(INIT_LABEL, "fanfold")
+        return "" if value == "fanfold" else value
 
     @property
     def gpu_exclusive(self) -> bool:
