@@ -259,12 +259,13 @@ def _freezer(parent: str, sandbox_id: str) -> tuple[Path, str, str, str]:
 
 
 def blocked_tasks(parent: str, sandbox_id: str) -> list[int]:
-    """Processes of a sandbox in uninterruptible sleep (a vfork parent whose child froze before exec)."""
-    members = _freezer(parent, sandbox_id)[0].parent / "cgroup.procs"
+    """Processes of a sandbox in uninterruptible sleep (a vfork parent whose child froze before exec),
+    in its group or one below (systemd as init keeps its units' processes in groups of their own)."""
     blocked = []
-    for pid in _read(members).split():
-        if procs.stat_fields(pid)[:1] == ["D"]:
-            blocked.append(int(pid))
+    for directory, _, _ in os.walk(_freezer(parent, sandbox_id)[0].parent):
+        for pid in _read(Path(directory) / "cgroup.procs").split():
+            if procs.stat_fields(pid)[:1] == ["D"]:
+                blocked.append(int(pid))
     return blocked
 
 

@@ -40,15 +40,18 @@ def mount_tmpfs(target: Path, size_mb: int) -> None:
     mount("fanfold", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=0755")
 
 
-def mount_overlay(target: Path, lowers: list[Path], upper: Path, work: Path, *, volatile: bool = False) -> None:
+def mount_overlay(target: Path, lowers: list[Path], upper: Path, work: Path, *, volatile: bool = False,
+                  xino: bool = False) -> None:
     """Overlay ``lowers`` (topmost first) under a writable ``upper``; with ``volatile`` no
-    sync reaches the upper's filesystem (for uppers thrown away with the mount)."""
+    sync reaches the upper's filesystem (for uppers thrown away with the mount). ``xino``: every
+    file's inode number and device as stat gives them are the ones its inotify watches carry, which
+    CRIU needs to find a watched file by its path (``runtime.systemd``: systemd and dbus watch files)."""
     lower = ":".join(str(p) for p in lowers)
     # nosuid/nodev: a setuid binary or device node made inside must be inert when reached from the host.
     flags = MS_NOSUID | MS_NODEV
     extra = ",volatile" if volatile else ""
-    mount("overlay", target, "overlay", flags,
-          f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}{extra}")
+    options = OVERLAY_OPTIONS.replace("xino=off", "xino=on") if xino else OVERLAY_OPTIONS
+    mount("overlay", target, "overlay", flags, f"lowerdir={lower},upperdir={upper},workdir={work},{options}{extra}")
 
 
 def is_mount_point(path: Path) -> bool:

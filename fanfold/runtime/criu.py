@@ -27,6 +27,10 @@ NETNS_FD = 3
 # Restoring: CRIU's network lock would run iptables four times (~50 ms); nothing in a
 # frozen sandbox talks to the outside, so there is nothing to lock.
 COMMON = ["--network-lock", "skip", "--tcp-established", "--file-locks", "--manage-cgroups=full", "-v2"]
+IRMAP_PATHS = ("/usr/share/dbus-1",)
+"""Where CRIU also looks for a watched file it must name by its path (an overlay's file handles cannot be
+opened), besides its own list (/etc, /var/log, /var/spool, ...): dbus-daemon watches its config dirs there.
+Looked through only when a watch needs it."""
 
 
 YARDS = Path("/run/fanfold")
@@ -70,7 +74,7 @@ class Criu:
 
     async def dump(
         self, pid: int, images: Path, *, root: Path, mounts: Mounts, freezer: Path, leave_running: bool,
-        own_netns: bool = False,
+        own_netns: bool = False, cgroup: str | None = None,
     ) -> None:
         """Dump the tree under ``pid`` into ``images``; with ``leave_running`` it goes on, else it is killed.
         ``own_netns``: the image keeps the network namespace, for CRIU to rebuild (a tree in a user
@@ -78,11 +82,16 @@ class Criu:
         self.check_installed()
         argv = [self.binary, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--root", str(root),
                 "--freeze-cgroup", str(freezer), "--timeout", "5", *COMMON, *mounts.dump_args()]
+        argv += [arg for path in IRMAP_PATHS for arg in ("--irmap-scan-path", path)]
         if own_netns:  # nothing of it is kept but the namespace: a sandbox's has only lo
             argv += ["--empty-ns", "net"]
         else:
             # Restores get a fresh namespace of ours: CRIU's own rebuild runs ip and iptables (~40 ms).
             argv += ["--external", f"net[{netns_inode(pid)}]:{NETNS_KEY}"]
+        if cgroup is not None:
+            # the groups CRIU takes are those below this one, not only below PID 1's: systemd keeps its
+            # units' processes in groups of their own, and watches groups that hold none
+            argv += ["--cgroup-root", cgroup]
         if leave_running:
             argv.append("--leave-running")
         argv += yard_args()

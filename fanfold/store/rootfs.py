@@ -26,7 +26,7 @@ def _upper_name(host_dir: str) -> str:
 def mount_rootfs(
     store: LayerStore, layers: tuple[str, ...], host_dirs: tuple[str, ...], target: Path, scratch: Path, *,
     volatile: bool = False, remap: Callable[[Path], Path] | None = None, inherited: Path | None = None,
-    top: Path | None = None,
+    top: Path | None = None, xino: bool = False,
 ) -> None:
     """Mount ``layers`` (bottom first) at ``target``, writes going to dirs under ``scratch``
     (``volatile``: never synced, see ``mounts.mount_overlay``).
@@ -37,7 +37,7 @@ def mount_rootfs(
     use in place of each lower one (an idmapped clone of it, for a sandbox in a user namespace).
     ``inherited``: a disk made by ``inherit_layer``, whose copies of layers taken by reference
     (``.lower-<name>``) stand in for the layers themselves. ``top``: a directory laid over the layers
-    read-only, not one of them (``trust.Trust.layer``).
+    read-only, not one of them (``trust.Trust.layer``). ``xino``: as ``mounts.mount_overlay`` takes it.
     """
     same: Callable[[Path], Path] = lambda path: path  # noqa: E731
     mapped = remap or same
@@ -47,7 +47,7 @@ def mount_rootfs(
         (scratch / "work").mkdir(exist_ok=True)
         target.mkdir(exist_ok=True)
         mounts.mount_overlay(target, [mapped(p) for p in lowers], scratch / "upper", scratch / "work",
-                             volatile=volatile)
+                             volatile=volatile, xino=xino)
         for host_dir in host_dirs:
             name = _upper_name(host_dir)
             (scratch / f"{name}-upper").mkdir(exist_ok=True)
@@ -56,7 +56,7 @@ def mount_rootfs(
             dir_lowers = [p / rel for p in lowers if (p / rel).is_dir() and not (p / rel).is_symlink()]
             dir_lowers = [p for p in dir_lowers if any(p.iterdir())] + [Path(host_dir)]
             mounts.mount_overlay(target / rel, [mapped(p) for p in dir_lowers], scratch / f"{name}-upper",
-                                 scratch / f"{name}-work", volatile=volatile)
+                                 scratch / f"{name}-work", volatile=volatile, xino=xino)
     except BaseException as err:
         unmount_rootfs(target)
         if isinstance(err, OSError):
