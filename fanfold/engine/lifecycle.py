@@ -364,10 +364,10 @@ class Lifecycle:
             env=tuple(base_env(img, sandbox_id, extra, self.trust_env)), services=img.services, restore=restore,
             seccomp=seccomp, before_run=_both(self.group_hook(row), self.network.before_run(sandbox_id, policy, tenant)),
             devices=self.gpus.edits(gpu_ids, limits), addresses=self.group_addresses(row),
-            nested=row is not None and bool(row["nested"]),
+            nested=row is not None and bool(row["nested"]), init=img.init,
         )
         handle = await self.backend.bring_up(spec)
-        if img.services and (restore is None or self.backend.capabilities.memory != "live"):
+        if (img.services or img.init) and (restore is None or self.backend.capabilities.memory != "live"):
             await self._wait_services(handle, img)
         return handle.pid
 

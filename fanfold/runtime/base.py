@@ -64,6 +64,9 @@ class SandboxSpec:
     group member's): a restore binds them on lo first, so its restored sockets bound to them come back."""
     nested: bool = False
     """Containers may run inside it (``CreateParams.nested``): the relaxations ``runtime.nested`` lists."""
+    init: str = ""
+    """What becomes PID 1 once the agent is up: ``""`` (the agent stays PID 1) or ``systemd`` (the image's
+    ``fanfold.init`` label; the agent goes on as systemd's child and ``services`` become its units)."""
     before_run: Callable[[Handle], Awaitable[None]] | None = None
     """Awaited once the sandbox's processes exist but before any of them runs code of the sandbox's
     (services not yet started, restored processes still frozen): the engine opens what must be in

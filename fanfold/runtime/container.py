@@ -74,6 +74,8 @@ class ContainerSpec:
     """Devices it gets (a GPU's nodes, driver files, variables and hooks: ``host.gpus``)."""
     nested_nodes: Path | None = None
     """Set for a sandbox with containers inside: the folder of the device nodes it gets (``nested``)."""
+    systemd: bool = False
+    """systemd becomes its PID 1 (``runtime.systemd``): a cgroup namespace, /run and a cgroup2 mount for it."""
 
 
 class Runtime(Protocol):

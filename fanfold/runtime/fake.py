@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from .._agent.build import agent_binary
 from .._agent.client import AgentClient, ExecControl, ExecUser, OnChunk, RawExec
-from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
+from ..errors import CheckpointFailed, HostNotReady, InfrastructureError, InvalidRequest
 from ..host import procs, setup
 from ..host.offload import host_errors, on_thread, read_once
 from .base import Backend, Capabilities, CounterReader, Handle, SandboxSpec
@@ -116,6 +116,9 @@ class FakeBackend(Backend):
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         if self._agent_path is None:
             await self.prepare()
+        if spec.init:
+            raise InvalidRequest(f"the fake backend runs no init but its agent: an image with {spec.init} as init"
+                                 " (label fanfold.init) needs the oci backend")
         if spec.restore is not None and not (spec.restore / "fake.json").is_file():
             raise InfrastructureError(f"{spec.restore} is not a memory image of the fake backend")
         layers = [self.store.layer_path(layer) for layer in spec.layers]

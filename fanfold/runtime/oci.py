@@ -16,7 +16,7 @@ from ..host.cdi import Edits
 from ..host.idmap import RANGE as USERNS_RANGE
 from ..host.offload import to_the_end
 from ..host.spawn import Finished, log_tail, run
-from . import nested, seccomp
+from . import nested, seccomp, systemd
 from .container import CAPABILITIES, ContainerSpec
 
 MASKED = [
@@ -88,6 +88,9 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
         namespaces.append({"type": "user"} if spec.userns_path is None else {"type": "user", "path": spec.userns_path})
         mapping = [{"containerID": 0, "hostID": spec.uid_base, "size": USERNS_RANGE}]
         linux["uidMappings"] = linux["gidMappings"] = mapping
+    env = list(spec.env)
+    if spec.systemd:
+        systemd.container_parts(namespaces, mounts, env)
     hooks = {} if spec.devices is None else apply_devices(spec.devices, mounts, resources)
     annotations = {} if spec.seccomp_bpf is None else {seccomp.BPF_ANNOTATION: spec.seccomp_bpf}
     process_extra = {} if spec.oom_score_adj is None else {"oomScoreAdj": spec.oom_score_adj}
@@ -98,7 +101,7 @@ def oci_config(spec: ContainerSpec) -> dict[str, Any]:
     config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
-            "terminal": False, "user": user, "args": spec.args, "env": spec.env, "cwd": spec.cwd,
+            "terminal": False, "user": user, "args": spec.args, "env": env, "cwd": spec.cwd,
             "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True, **process_extra,
         },

@@ -24,7 +24,7 @@ from ..errors import CheckpointFailed, HostNotReady, InfrastructureError
 from ..host import cgroups, disk, idmap, mounts, netns, procs, setup, subids
 from ..host.offload import host_errors, on_thread
 from ..store.rootfs import copy_upper
-from . import get_runtime, lazy, oci_sandbox, seccomp
+from . import get_runtime, lazy, oci_sandbox, seccomp, systemd
 from .base import Backend, Capabilities, Handle, SandboxSpec
 from .criu import Criu
 
@@ -55,6 +55,8 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     images_used: dict[str, float]
     """When a restore last read each memory snapshot's images (``lazy.cool_images``)."""
     images_cooled: set[str]
+    systemd_services: dict[str, tuple[tuple[str, str, str], ...]]
+    """The services of each sandbox started with systemd as init, until ``wait_ready`` has asked systemd."""
 
     async def prepare(self) -> None:
         if not setup.is_root():
@@ -69,6 +71,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         self.criu = Criu(cfg.criu, lo_up=self.agent_path)
         self.page_sources, self.lost, self.images_used, self.images_cooled = {}, {}, {}, set()
         self.lazy_starting, self.draining = 0, set()
+        self.systemd_services = {}
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
         self.users = idmap.Namespaces()
         self.userns = cfg.userns and _reachable_from_userns(cfg.state_dir)
@@ -122,7 +125,20 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         else:
             pid = await oci_sandbox.provision(self.config, self.store, self.runtime, self.agent_path, spec,
                                               quota=self.quota, users=self.users if self.userns else None)
+        if spec.init == systemd.INIT:
+            self.systemd_services[spec.id] = spec.services
         return Handle(spec.id, pid)
+
+    async def wait_ready(self, handle: Handle) -> str:
+        services = self.systemd_services.pop(handle.id, None)
+        if services is None:
+            return await super().wait_ready(handle)
+
+        async def run(argv: list[str]):
+            return await self.exec(handle, argv, env=["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], cwd="/", timeout_ms=0,
+                                   max_output=1 << 20)
+
+        return await systemd.wait_ready(run, services)
 
     async def listen_inside(self, handle: Handle, port: int) -> socket.socket:
         assert handle.pid is not None
@@ -154,6 +170,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             # one a crashed engine started is killed as the rest is released, and its dir removed
             await oci_sandbox.release(self.config, self.runtime, sandbox_id, handle.pid if handle else None)
         self.lost.pop(sandbox_id, None)
+        self.systemd_services.pop(sandbox_id, None)
 
     def page_counts(self, sandbox_id: str) -> dict[str, int | str] | None:
         counts = lazy.read_counts(oci_sandbox.paths(self.config, sandbox_id).lazy)
@@ -242,7 +259,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     ) -> float:
         where = oci_sandbox.paths(self.config, handle.id)
         await self._memory_all_in(handle.id)
-        await _agent_settled(handle.pid)
+        await _agent_settled(systemd.agent_pid(handle.pid, oci_sandbox.AGENT_PATH) if handle.pid else None)
         if not frozen and where.subvolume.is_dir():
             # Snapshotting a subvolume first writes out its dirty pages: here, not in the pause.
             await on_thread(disk.sync, where.subvolume)
@@ -262,7 +279,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
                         handle.pid or 0, dest / "memory", root=where.rootfs,
                         mounts=oci_sandbox.criu_mounts(host_dirs),
                         freezer=cgroups.freezer_dir(self.config.cgroup_parent, handle.id), leave_running=leave_running,
-                        own_netns=own_netns,
+                        own_netns=own_netns, cgroup=f"/{self.config.cgroup_parent}/{handle.id}",
                     )
             finally:
                 if not frozen:

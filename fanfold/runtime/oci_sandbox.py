@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import itertools
 import fcntl
 import os
@@ -26,7 +27,7 @@ from ..store.rootfs import inherit_layer, mount_trusted
 from ..models import Limits
 from ..host.netns import alias_lo, new_netns, raise_lo, set_hostname
 from ..host.spawn import log_tail
-from . import criu_images, lazy, nested, seccomp
+from . import criu_images, lazy, nested, seccomp, systemd
 from .base import Handle, SandboxSpec
 from .container import Bind, ContainerSpec, Runtime
 from .criu import AGENT_KEY, CHANNEL_KEY, Criu, Mounts, host_dir_key
@@ -186,6 +187,8 @@ async def provision(
         if said != b"r":
             raise InfrastructureError(f"sandbox {sandbox_id}'s agent died at start: {log_tail(where.bundle / 'runtime.log')}")
         set_immutable(where.channel, True)
+        if container.systemd:  # the group crun made, before systemd starts in it
+            await on_thread(systemd.delegate, config.cgroup_parent, sandbox_id, container.uid_base)
         if spec.before_run is not None:
             await spec.before_run(Handle(sandbox_id, pid))
     return pid
@@ -199,14 +202,21 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
     if spec.nested and users is None:
         raise InvalidRequest(f"sandbox {sandbox_id} asks for nested=True, which needs user namespaces, and this"
                              " host runs sandboxes without them (FANFOLD_USERNS=0, or its kernel cannot)")
+    systemd.check_init(spec.init)  # a pulled image's label may name anything
     base = idmap.claim(sandbox_id, users.slots) if users is not None else None
-    where = mount_disk(config, store, sandbox_id, spec.layers, spec.host_dirs, spec.limits, quota, base, users)
+    where = mount_disk(config, store, sandbox_id, spec.layers, spec.host_dirs, spec.limits, quota, base, users,
+                       xino=spec.init == systemd.INIT)
     if spec.nested:
         with idmap.as_mapped_root(base):
             nested.write_files(where.rootfs)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
-    for name, cmd, mode in spec.services:
-        args += [f"--{mode}", name, cmd]
+    if spec.init == systemd.INIT:
+        args += ["--init", systemd.find_init(where.rootfs)]
+        with idmap.as_mapped_root(base):  # its root owns its units, as it owns what it writes
+            systemd.write_units(where.rootfs, spec.services, spec.env)
+    else:
+        for name, cmd, mode in spec.services:
+            args += [f"--{mode}", name, cmd]
     container = ContainerSpec(
         id=sandbox_id, rootfs=where.rootfs, args=args, env=list(spec.env), cwd="/", hostname=sandbox_id,
         limits=spec.limits, binds=channel_binds(agent, where),
@@ -214,6 +224,7 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
         oom_score_adj=-1000 if setup.can_protect_from_oom() else None,
         seccomp_bpf=seccomp.bpf(spec.seccomp, nested=spec.nested), uid_base=base, devices=spec.devices,
         nested_nodes=nested.device_nodes(config.state_dir) if spec.nested else None,
+        systemd=spec.init == systemd.INIT,
         # crun joins the range's kept namespace: making one costs it ~6 ms a create
         userns_path=None if users is None or base is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
     )
@@ -243,8 +254,9 @@ async def restore(
     serving = asyncio.ensure_future(_serve_pages(criu, images, paths(config, sandbox_id).lazy, sandbox_id,
                                                  page_sources))
     try:
-        where = await on_thread(mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota,
-                                base, users if in_userns else None)
+        where = await on_thread(functools.partial(
+            mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota, base,
+            users if in_userns else None, xino=spec.init == systemd.INIT))
     finally:
         await asyncio.wait([serving])  # started (kept in page_sources, so released with the sandbox) or failed
     lazy_ = serving.result()
@@ -280,6 +292,8 @@ async def restore(
                                      lazy=lazy_)
         finally:
             os.close(netns)  # the restored processes hold the namespace now
+    if spec.init == systemd.INIT:  # CRIU made its groups as the host's root
+        await on_thread(systemd.delegate, config.cgroup_parent, sandbox_id, base)
     if lazy_:
         await page_sources[sandbox_id].opened()  # a resume removes the images next
     # The image holds the source's freezer state (frozen while it was dumped) and hostname: the
@@ -329,7 +343,8 @@ def _fresh_dir(path: Path) -> None:
 
 def mount_disk(
     config: EngineConfig, store: LayerStore, sandbox_id: str, layers: tuple[str, ...], host_dirs: tuple[str, ...],
-    limits: Limits, quota: bool, base: int | None = None, users: idmap.Namespaces | None = None,
+    limits: Limits, quota: bool, base: int | None = None, users: idmap.Namespaces | None = None, *,
+    xino: bool = False,
 ) -> Paths:
     """The sandbox's disk, its root over ``layers``, and the empty channel dir; with ``base``, the
     layers and the disk idmapped into the range at ``base`` (``users`` has its namespace)."""
@@ -356,7 +371,7 @@ def mount_disk(
         scratch = remap(scratch)
     with idmap.as_mapped_root(base):  # the overlay's dirs and copy-ups: uid 0 on disk, root inside
         mount_trusted(store, layers, host_dirs, where.rootfs, scratch, trust.load(config.extra_ca_file, config.state_dir),
-                      volatile=quota, remap=remap, inherited=inherited)
+                      volatile=quota, remap=remap, inherited=inherited, xino=xino)
         name_host(where.rootfs, sandbox_id)
     where.channel.mkdir(mode=0o700)
     if base is not None:

@@ -128,6 +128,9 @@ class RunscBackend(oci_sandbox.OnHost, Backend):
 
     async def bring_up(self, spec: SandboxSpec) -> Handle:
         cfg = self.config
+        if spec.init:
+            raise InvalidRequest(f"gVisor sandboxes run no init but fanfold's agent: an image with {spec.init} as init"
+                                 " (label fanfold.init) needs the oci backend")
         if spec.devices is not None:
             await self._check_gpus(spec.id, spec.devices)  # before anything is made
         flags = (nvproxy.FLAG,) if spec.devices is not None else ()

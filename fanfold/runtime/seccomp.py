@@ -8,7 +8,8 @@ own default refuses and a sandbox of ours never needs: new namespaces (``unshare
 kernel keyring, mounts of any API, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the
 kernel log, modules, kexec, reboot, swap and quotas. ``ptrace`` stays (debuggers in a sandbox
 work), except of PID 1, fanfold's agent, which no ``ptrace``, ``process_vm_readv``/``writev`` or
-``pidfd_open`` may name (its ``/proc/1/mem`` is masked, ``oci.MASKED``). A non-dumpable agent
+``pidfd_open`` may name (its ``/proc/1/mem`` is masked, ``oci.MASKED``); in an image whose init is
+systemd, PID 1 is systemd and the agent its child, not shielded (``runtime.systemd``). A non-dumpable agent
 would do as much, but CRIU cannot checkpoint a restored one in a user namespace again.
 A sandbox with containers inside gets namespaces and mounts back (``NESTED_ALLOWED``).
 """
