@@ -107,6 +107,8 @@ async def test_fork_gives_children_whose_units_are_still_active(sfleet, config):
                 assert (await child.exec("systemd-run --unit=late sleep infinity && systemctl is-active late")).ok
                 names.add((await child.exec("hostname")).text)
             assert names == {f"{child.id}\n" for child in fork.children}
+            async with await fork.children[0].fork(1) as again:  # a restored tree checkpoints again
+                assert await active(again.children[0], "web", "late") == ["active", "active"]
             assert await active(parent, "web", "late") == ["active", "inactive"]
         assert await answers(parent) == "prepared hello\n"
         # the children's groups went with them, those systemd made below their own too

@@ -27,10 +27,11 @@ NETNS_FD = 3
 # Restoring: CRIU's network lock would run iptables four times (~50 ms); nothing in a
 # frozen sandbox talks to the outside, so there is nothing to lock.
 COMMON = ["--network-lock", "skip", "--tcp-established", "--file-locks", "--manage-cgroups=full", "-v2"]
-IRMAP_PATHS = ("/usr/share/dbus-1",)
+IRMAP_PATHS = ("/usr/share/dbus-1", "/usr/share/zoneinfo")
 """Where CRIU also looks for a watched file it must name by its path (an overlay's file handles cannot be
-opened), besides its own list (/etc, /var/log, /var/spool, ...): dbus-daemon watches its config dirs there.
-Looked through only when a watch needs it."""
+opened), besides its own list (/etc, /var/log, /var/spool, ...): dbus-daemon watches its config dirs, and
+systemd's watch on the /etc/localtime link comes back from a restore on the zone file it names (CRIU
+follows the link). Looked through only when a watch needs it."""
 
 
 YARDS = Path("/run/fanfold")

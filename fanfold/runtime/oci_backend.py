@@ -130,6 +130,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         return Handle(spec.id, pid)
 
     async def wait_ready(self, handle: Handle) -> str:
+        """Where systemd is init, systemd says how its start and each service's unit went; else the agent."""
         services = self.systemd_services.pop(handle.id, None)
         if services is None:
             return await super().wait_ready(handle)
