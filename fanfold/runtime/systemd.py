@@ -171,9 +171,10 @@ Exec = Callable[[list[str]], Awaitable[RawExec]]
 
 
 async def wait_ready(run: Exec, services: tuple[tuple[str, str, str], ...]) -> str:
-    """``ok`` once systemd has finished starting and each service's unit went well, else ``fail NAME
-    CODE`` for the first that did not (oneshots first), as the agent's ``w`` answers. ``run`` execs
-    a command in the sandbox."""
+    """``ok`` once systemd has finished starting (its oneshots done, its simple units started) and every
+    oneshot unit succeeded, else ``fail NAME CODE`` for the first that did not, as the agent's ``w``
+    answers. A simple unit that exits is left to ``systemctl status``, as the agent leaves it (whether it
+    did so yet would be a race). ``run`` execs a command in the sandbox."""
     deadline = time.monotonic() + BOOT_TIMEOUT_S
     while True:
         # --wait: until the boot's jobs are done; before systemd listens it says "offline" at once
@@ -187,8 +188,7 @@ async def wait_ready(run: Exec, services: tuple[tuple[str, str, str], ...]) -> s
             raise InfrastructureError(f"systemd did not answer within {BOOT_TIMEOUT_S:.0f} s of its start:"
                                       f" {done.stderr.decode(errors='replace').strip()[-300:] or state}")
         await asyncio.sleep(0.01)
-    names = [name for name, _, mode in services if mode == "oneshot"] + \
-            [name for name, _, mode in services if mode != "oneshot"]
+    names = [name for name, _, mode in services if mode == "oneshot"]
     if not names:
         return "ok"
     shown = await run(["systemctl", "show", "--property=Id,ActiveState,Result,ExecMainCode,ExecMainStatus",
