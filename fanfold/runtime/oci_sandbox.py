@@ -211,6 +211,7 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
             nested.write_files(where.rootfs)
     args = [AGENT_PATH, "--listen", f"{CHANNEL_PATH}/agent.sock"]
     if spec.init == systemd.INIT:
+        systemd.unified_dir(config.cgroup_parent, sandbox_id)  # HostNotReady without cgroup2
         args += ["--init", systemd.find_init(where.rootfs)]
         with idmap.as_mapped_root(base):  # its root owns its units, as it owns what it writes
             systemd.write_units(where.rootfs, spec.services, spec.env)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from .._agent.client import RawExec
-from ..errors import FanfoldError, InfrastructureError, InvalidRequest
+from ..errors import FanfoldError, HostNotReady, InfrastructureError, InvalidRequest
 from ..host import cgroups, safefs
 
 INIT = "systemd"
@@ -147,6 +147,9 @@ def container_parts(namespaces: list[dict[str, Any]], mounts: list[dict[str, Any
 def unified_dir(parent: str, sandbox_id: str) -> Path:
     """The sandbox's cgroup2 group (the one systemd sees as its root)."""
     roots = (Path("/sys/fs/cgroup"),) if cgroups.is_v2_only() else cgroups.v2_roots()
+    if not roots:
+        raise HostNotReady("systemd as a sandbox's init needs cgroup2, which this host has not mounted:"
+                           " boot it with the unified or hybrid cgroup layout")
     return roots[0] / parent / sandbox_id
 
 
