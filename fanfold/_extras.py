@@ -20,9 +20,11 @@ EXTRAS = {
     "net": ("dns", "cryptography"),
     "ray": ("ray",),
     "gpu": ("pynvml", "yaml"),
+    "compose": ("compose_spec", "yaml", "dotenv"),
 }
 """The packages each extra brings, as pyproject's ``[project.optional-dependencies]`` lists them (by module name)."""
-DISTRIBUTIONS = {"dns": "dnspython", "pynvml": "nvidia-ml-py", "yaml": "pyyaml"}
+DISTRIBUTIONS = {"compose_spec": "compose-spec", "dns": "dnspython", "dotenv": "python-dotenv", "pynvml": "nvidia-ml-py",
+                 "yaml": "pyyaml"}
 """Modules whose distribution on PyPI has another name."""
 
 
