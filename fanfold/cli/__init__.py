@@ -57,6 +57,8 @@ class FanfoldGroup(click.Group):
                               " own: create, ls, rm, fork, snapshot, start, rm-snapshot."),
         "ssh": _LazyCommand("ssh", "fanfold.cli.ssh:ssh", "Log in to SANDBOX over fanfold's own channel, or start"
                             " a real sshd in it (--sshd)."),
+        "compose": _LazyCommand("compose", "fanfold.cli.compose:compose", "Compose files as sandbox groups: up,"
+                                " down, ps (each service a sandbox, reached by its name)."),
         "ray": _LazyCommand("ray", "fanfold.cli.ray:ray", "fanfold on a Ray cluster: start, status, stop, metrics"
                             " (a `fanfold serve` on every node)."),
     }
