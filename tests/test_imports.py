@@ -126,6 +126,7 @@ LAYERS: list[set[str]] = [
     {"rl"},                          # envs, agents, trajectories
     {"web"},                         # what every HTTP route shares: tenancy, statuses, bodies, the rollout service
     {"client"},                      # the SDK, over the in-process engine or an HTTP transport
+    {"compose"},                     # Compose files read and planned as groups (the SDK's compose_up drives them)
     {"engine"},
     {"wire"},                        # the JSON forms of fanfold's data
     {"images"},                      # building and pulling images (build steps run in the runtime)

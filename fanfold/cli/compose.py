@@ -48,7 +48,7 @@ def up(ctx: click.Context, path: str | None, detach: bool, deadline: float | Non
     """Build each service's image and start the services as one group, in depends_on order.
 
     A line per service as it builds, then one per member: its sandbox, address on the group's
-    network and where each of its ports is exposed on this host.
+    network and where each of its ports is exposed on this host; the group's id goes to stdout.
     """
     compose_file = _compose_file(path)
     with _fleet(ctx) as fleet:
@@ -56,8 +56,8 @@ def up(ctx: click.Context, path: str | None, detach: bool, deadline: float | Non
                                  deadline=deadline, detached=detach, on_progress=_progress)
         try:
             _show_members(group.info)
+            click.echo(group.id)
             if detach:
-                click.echo(group.id)
                 return
             console.print(f"group {group.id} is up; Ctrl-C stops and removes it", highlight=False)
             threading.Event().wait()  # until Ctrl-C: nothing sets it
@@ -112,11 +112,11 @@ def _compose_file(path: str | None) -> Path:
 
 
 def _progress(service: str, what: str) -> None:
-    console.print(f"{service}: {what}" if service else what, highlight=False)
+    console.print(f"{service}: {what}" if service else what, highlight=False, soft_wrap=True)
 
 
 def _show_members(info: GroupInfo) -> None:
     for service, sandbox_id in info.members.items():
         ports = ", ".join(f"port {port} at {where}" for port, where in sorted(info.ports.get(service, {}).items()))
         console.print(f"{service}: running in {sandbox_id} at {info.addresses.get(service, '?')}"
-                      f"{'; ' + ports if ports else ''}", highlight=False)
+                      f"{'; ' + ports if ports else ''}", highlight=False, soft_wrap=True)

@@ -25,6 +25,7 @@ from ._group import AsyncGroup, group_params
 from ._process import AsyncProcess, spawn
 
 if TYPE_CHECKING:  # the transports are imported when a fleet picks one: a remote client never loads the engine
+    from ..compose.up import OnProgress
     from ..engine.api import OnOutput
     from ..images import Image
     from ..images.builder import Network, OnStep
@@ -311,6 +312,34 @@ class AsyncFleet:
     async def delete_group_snapshot(self, snapshot_id: str) -> None:
         """Forget a group snapshot (its members' snapshots go with ``gc`` once nothing needs them)."""
         await self._transport.delete_group_snapshot(snapshot_id)
+
+    # -- Compose --------------------------------------------------------------------------------
+
+    async def compose_up(
+        self, path: str | Path, *, env: dict[str, str] | None = None, network: Any = "none",
+        labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
+        on_progress: OnProgress | None = None,
+    ) -> AsyncGroup:
+        """Bring the Compose file at ``path`` up as a group (docs/compose.md): each service's image built
+        (cached by layers), the services started in ``depends_on`` order, each reaching the others by its
+        service name. ``env`` gives ``${VAR}`` its values (default: this process's environment over the
+        file's ``.env``); ``on_progress(service, what)`` hears each step. A key fanfold cannot honour
+        is an InvalidSpec naming it."""
+        from ..compose.up import up
+
+        return await up(self, path, env=env, network=network, labels=labels, deadline=deadline, detached=detached,
+                        on_progress=on_progress)
+
+    async def compose_down(self, path: str | Path | None = None, *, project: str | None = None) -> list[str]:
+        """Kill the groups brought up from the Compose file at ``path`` (or of the project named
+        ``project``); returns their ids."""
+        from ..compose.up import in_project, project_name
+
+        name = project_name(path, project)
+        killed = [info.id for info in await self.groups() if in_project(info, name)]
+        for group_id in killed:
+            await self._transport.kill_group(group_id)
+        return killed
 
 
 def ray_address(url: str) -> str | None:

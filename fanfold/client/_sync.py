@@ -23,6 +23,7 @@ from ._portal import Portal
 from ._process import AsyncProcess
 
 if TYPE_CHECKING:
+    from ..compose.up import OnProgress
     from ..images.oci import OnPull
 
 OnOutputSync = Callable[[str, bytes], None]
@@ -289,6 +290,20 @@ class Fleet:
     def delete_group_snapshot(self, snapshot_id: str) -> None:
         """Forget a group snapshot (its members' snapshots go with ``gc`` once nothing needs them)."""
         self._call(self._async.delete_group_snapshot(snapshot_id))
+
+    def compose_up(
+        self, path: str | Path, *, env: dict[str, str] | None = None, network: Any = "none",
+        labels: dict[str, str] | None = None, deadline: float | None = None, detached: bool = False,
+        on_progress: OnProgress | None = None,
+    ) -> Group:
+        """Bring the Compose file at ``path`` up as a group (``AsyncFleet.compose_up``); ``with`` kills it."""
+        return Group(self, self._call(self._async.compose_up(path, env=env, network=network, labels=labels,
+                                                             deadline=deadline, detached=detached,
+                                                             on_progress=on_progress)))
+
+    def compose_down(self, path: str | Path | None = None, *, project: str | None = None) -> list[str]:
+        """Kill the groups brought up from the Compose file at ``path`` (or of project ``project``); their ids."""
+        return self._call(self._async.compose_down(path, project=project))
 
 
 class Rollouts:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..errors import InvalidRequest
 from .load import load
 from .translate import PROJECT_LABEL, plan
 
@@ -33,11 +34,11 @@ async def up(fleet: Any, path: str | Path, *, env: Mapping[str, str] | None = No
     return await fleet.create_group(params)
 
 
-def project_of(path_or_name: str | Path, *, env: Mapping[str, str] | None = None) -> str:
-    """The project a Compose file names (read as ``up`` reads it), or ``path_or_name`` itself when no such file."""
-    if Path(path_or_name).is_file():
-        return load(path_or_name, env=env).name
-    return str(path_or_name)
+def project_name(path: str | Path | None, project: str | None) -> str:
+    """The project ``down`` acts on: ``project`` when given, else the one the Compose file at ``path`` names."""
+    if (path is None) == (project is None):
+        raise InvalidRequest("name the Compose project by its file or by its name, one of the two")
+    return project if project is not None else load(path).name
 
 
 def in_project(info: Any, project: str) -> bool:

@@ -15,7 +15,7 @@ def db(command: str) -> str:
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        body = f"visit {db('INCR visits')}\n".encode()
+        body = b"ok\n" if self.path == "/health" else f"visit {db('INCR visits')}\n".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
