@@ -11,6 +11,7 @@ import textwrap
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 
 from fanfold import AsyncFleet, InvalidSpec
@@ -64,6 +65,46 @@ async def test_a_refused_key_fails_before_anything_is_built_or_started(tmp_path,
         with pytest.raises(InvalidSpec, match=r"unsupported compose key 'services.app.privileged': remove it"):
             await fleet.compose_up(path)
         assert await fleet.groups() == before
+
+
+IMAGE_ONLY = """\
+services:
+  db:
+    image: host
+    command: python3 -m http.server 8000
+    healthcheck:
+      test: ["CMD", "python3", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000')"]
+      interval: 200ms
+  app:
+    image: host
+    depends_on: {db: {condition: service_healthy}}
+    environment: {DB_URL: "http://db:${DB_PORT}", FROM_SERVER: "${HOME}"}
+    command: sleep infinity
+"""
+
+
+async def test_the_http_route_brings_up_a_file_from_its_body_with_the_bodys_variables_only(server):
+    headers = {"Authorization": f"Bearer {server.tokens['alice']}"}
+    async with httpx.AsyncClient(base_url=server.tcp_url, headers=headers, timeout=120) as http:
+        made = await http.post("/v1/compose", json={"file": IMAGE_ONLY, "env": {"DB_PORT": "8000"}, "project": "shop"})
+        assert made.status_code == 201, made.text
+        info = made.json()
+        assert sorted(info["members"]) == ["app", "db"] and info["labels"][PROJECT_LABEL] == "shop"
+        async with AsyncFleet(server.tcp_url, token=server.tokens["alice"]) as fleet:
+            group = await fleet.group(info["id"])
+            async with group:
+                reached = await group["app"].exec(
+                    "python3 -c \"import os, urllib.request as u; print(u.urlopen(os.environ['DB_URL']).status)\";"
+                    " echo \"[$FROM_SERVER]\"")
+                assert reached.stdout.decode().split() == ["200", "[]"], reached  # ${HOME}: not the server's
+        restarting = IMAGE_ONLY.replace("    command: sleep infinity\n", "    command: sleep infinity\n    restart: always\n")
+        refused = await http.post("/v1/compose", json={"file": restarting})
+        assert refused.status_code == 422 and refused.json()["kind"] == "invalid_spec"
+        assert "unsupported compose key 'services.app.restart'" in refused.json()["message"]
+        built = await http.post("/v1/compose", json={"file": "services:\n  app: {build: .}\n"})
+        assert built.status_code == 422 and "services ['app'] have a build" in built.json()["message"]
+        odd = await http.post("/v1/compose", json={"file": IMAGE_ONLY, "volume": 1})
+        assert odd.status_code == 422 and "unknown fields ['volume']" in odd.json()["message"]
 
 
 def test_the_cli_brings_a_project_up_lists_it_and_takes_it_down(tmp_path: Path):

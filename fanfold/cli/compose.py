@@ -26,7 +26,7 @@ _PROJECT = click.option("-p", "--project-name", "project", default=None,
 
 @click.group()
 def compose() -> None:
-    """Compose files as sandbox groups: each service one sandbox, reaching the others by service name.
+    """Compose files as sandbox groups: up, down, ps (each service a sandbox, reached by its name).
 
     Supported service keys: image, build, environment, command, entrypoint, depends_on, healthcheck,
     ports, volumes (named), working_dir, user; anything else is refused by name. An `image` is a

@@ -79,7 +79,7 @@ def parse(text: str, *, env: Mapping[str, str], directory: Path) -> ComposeFile:
     tree = interpolate(tree, env)
     try:  # the spec's validation reads YAML, and names the offending key's path in what it says
         checked = compose_spec.PyCompose.from_yaml(yaml.safe_dump(tree, sort_keys=False)).to_dict()
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         raise InvalidSpec(f"not a valid compose file: {_without_position(str(err))}") from None
     _refuse_unsupported(checked)
     services = checked.get("services") or {}

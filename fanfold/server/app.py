@@ -25,7 +25,7 @@ from ..web.auth import Tenants
 from ..web.deps import ClientGone, seen_by, tenant
 from ..web.schemas import WhoAmI
 from ..web.status import bug_body, error_response
-from . import files, groups, host, images, network, sandboxes, snapshots, ssh
+from . import compose, files, groups, host, images, network, sandboxes, snapshots, ssh
 from .creates import CreateRegistry
 
 log = logging.getLogger("fanfold.server")
@@ -69,8 +69,9 @@ def create_app(config: EngineConfig | None = None, tenants: Tenants | None = Non
     _add_error_handlers(app)
     app.add_middleware(Gate, tenants=app.state.tenants, limit=MAX_JSON_BODY)
     app.add_middleware(e2b.SandboxHosts)  # outside the Gate: E2B's PORT-SANDBOX.DOMAIN hosts, to the port route
-    for router in (sandboxes.router, groups.router, snapshots.router, files.router, images.router, images.registries, host.router,
-                   rollouts.router, network.router, network.recordings_router, ssh.router):
+    for router in (sandboxes.router, groups.router, compose.router, snapshots.router, files.router, images.router,
+                   images.registries, host.router, rollouts.router, network.router, network.recordings_router,
+                   ssh.router):
         app.include_router(router)
     app.include_router(rft.router)  # Agent RFT's tool and grader endpoints
     app.include_router(openenv.router)  # OpenEnv environment servers: /openenv/{env}/ws
