@@ -137,6 +137,8 @@ def test_the_cli_in_the_foreground_removes_the_group_on_ctrl_c():
         assert process.stdout is not None
         group_id = process.stdout.readline().strip()  # printed once the group is up
         assert group_id in run_cli("compose", "ps", "-f", str(EXAMPLE)).stdout
+        logged = process.stdout.readline()  # then the services' logs: the app's health checks were requests
+        assert logged.startswith("app | ") and "GET /health" in logged, logged
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=120)
     finally:

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ..errors import FanfoldError, InvalidRequest
 from .common import _fleet, _pairs, console
 from .netopts import network_options
 
 if TYPE_CHECKING:
+    from ..client import Group, Process
     from ..groups import GroupInfo
 
 DEFAULT_FILES = ("compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml")
@@ -49,6 +51,7 @@ def up(ctx: click.Context, path: str | None, detach: bool, deadline: float | Non
 
     A line per service as it builds, then one per member: its sandbox, address on the group's
     network and where each of its ports is exposed on this host; the group's id goes to stdout.
+    Without -d each service's log follows on stdout, its lines prefixed with the service's name.
     """
     compose_file = _compose_file(path)
     with _fleet(ctx) as fleet:
@@ -60,6 +63,7 @@ def up(ctx: click.Context, path: str | None, detach: bool, deadline: float | Non
             if detach:
                 return
             console.print(f"group {group.id} is up; Ctrl-C stops and removes it", highlight=False)
+            _follow(group)
             threading.Event().wait()  # until Ctrl-C: nothing sets it
         finally:
             if not detach:
@@ -113,6 +117,30 @@ def _compose_file(path: str | None) -> Path:
 
 def _progress(service: str, what: str) -> None:
     console.print(f"{service}: {what}" if service else what, highlight=False, soft_wrap=True)
+
+
+def _follow(group: Group) -> None:
+    """Print each member's service log as it grows, as ``docker compose up`` does, until the group goes."""
+    width = max(map(len, group.members))
+    for name, sandbox in group.members.items():
+        try:  # the agent appends a service's output to its log; a member without a service has none, and waits
+            process = sandbox.spawn(["tail", "-n", "+1", "-F", f"/var/log/fanfold/{name}.log"], user="root")
+        except InvalidRequest as err:  # a fleet that cannot spawn (a multi-worker or Ray one)
+            console.print(f"not following the services' logs: {err}", highlight=False)
+            return
+        threading.Thread(target=_print_lines, args=(name.ljust(width), process), daemon=True).start()
+
+
+def _print_lines(prefix: str, process: Process) -> None:
+    pending = b""
+    try:
+        for chunk in process.output():
+            if chunk.stream == "stdout":
+                *lines, pending = (pending + chunk.data).split(b"\n")
+                for line in lines:
+                    click.echo(f"{prefix} | {line.decode(errors='replace')}")
+    except FanfoldError:  # the group went (Ctrl-C): its logs end with it
+        return
 
 
 def _show_members(info: GroupInfo) -> None:
