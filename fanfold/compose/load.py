@@ -94,12 +94,18 @@ def parse(text: str, *, env: Mapping[str, str], directory: Path) -> ComposeFile:
 
 
 def _inherit(keys: dict[str, Any], key: str, env: Mapping[str, str]) -> None:
-    """A name without a value (``- DEBUG`` or ``DEBUG:``) takes this environment's value, or stays unset."""
+    """``keys[key]`` (``environment``, ``build.args``: Compose's list-or-map) as a map of strings; a name
+    without a value (``- DEBUG``, ``DEBUG:``) takes this environment's value, or stays unset (None)."""
     value = keys.get(key)
+    if not value:
+        return
     if isinstance(value, list):
-        value = dict((name, text) if sep else (name, None) for name, sep, text in (str(v).partition("=") for v in value))
-    if value:
-        keys[key] = {name: env.get(name) if item is None else item for name, item in value.items()}
+        value = {name: text if sep else None for name, sep, text in (str(item).partition("=") for item in value)}
+    keys[key] = {name: env.get(name) if item is None else _scalar(item) for name, item in value.items()}
+
+
+def _scalar(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _without_position(message: str) -> str:

@@ -133,13 +133,14 @@ class _Service:
         dockerfile = directory / build.get("dockerfile", "Dockerfile")
         if not dockerfile.is_file():
             raise self.fail("build", f"no Dockerfile at {str(dockerfile)!r}")
-        args = _mapping(build.get("args"))
+        args = build.get("args") or {}  # load made it a map of strings
         return self._step("build", lambda: EnvSpec.from_dockerfile(
             dockerfile, context=directory, build_args={k: v for k, v in args.items() if v is not None},
             target=build.get("target"))), image or None
 
     def _environment(self) -> dict[str, str]:
-        return {name: value for name, value in _mapping(self.keys.get("environment")).items() if value is not None}
+        environment = self.keys.get("environment") or {}  # load made it a map of strings
+        return {name: value for name, value in environment.items() if value is not None}
 
     def _argv(self, spec: EnvSpec) -> list[str]:
         """Compose's rules: a service's ``entrypoint`` drops the image's command; ``command`` replaces it."""
@@ -218,19 +219,6 @@ class _Service:
             else:
                 anonymous.append(target)  # Compose's anonymous volume: a directory of the member's own disk
         return named, anonymous
-
-
-def _mapping(value: Any) -> dict[str, str | None]:
-    """A Compose list-or-map (``environment``, ``build.args``): ``NAME=value``, ``NAME`` (unset) or a mapping."""
-    if not value:
-        return {}
-    if isinstance(value, list):
-        return dict((name, text) if sep else (name, None) for name, sep, text in (str(v).partition("=") for v in value))
-    return {name: None if item is None else _scalar(item) for name, item in value.items()}
-
-
-def _scalar(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _words(value: Any) -> list[str] | None:

@@ -20,8 +20,9 @@ from ..web.deps import ERRORS, check_source, engine, tenant
 
 router = APIRouter(tags=["groups"])
 FIELDS = ("file", "env", "project", "network", "labels", "deadline", "detached", "lease")
-COMPOSE_BODY = Body(..., description="file: a Compose file's text; env: the values of its ${VAR}s; project: its name"
-                                     " when the file has none; network, labels, deadline, detached: as a group's; lease.")
+COMPOSE_BODY = Body(..., description="file: a Compose file's text; env: the values of its ${VAR}s; project: its"
+                                     " name when the file has none; network, labels, deadline, detached: as a"
+                                     " group's; lease.")
 
 
 @router.post("/v1/compose", status_code=201, responses=ERRORS)
@@ -32,12 +33,12 @@ async def compose_up(request: Request, body: dict[str, Any] = COMPOSE_BODY,
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise InvalidRequest(f"unknown fields {unknown}: a compose request takes {', '.join(FIELDS)}")
-    text, env, project, lease = body.get("file"), body.get("env") or {}, body.get("project") or "compose", body.get("lease")
-    labels = body.get("labels") or {}
+    text, env, labels = body.get("file"), body.get("env") or {}, body.get("labels") or {}
+    project, lease = body.get("project") or "compose", body.get("lease")
     if not isinstance(text, str):
         raise InvalidRequest("file must be the Compose file's text")
     for name, mapping in (("env", env), ("labels", labels)):
-        if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+        if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
             raise InvalidRequest(f"{name} must map names to strings")
     if not isinstance(project, str) or lease is not None and not isinstance(lease, str):
         raise InvalidRequest("project is a name and lease a lease id")
