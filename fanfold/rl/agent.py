@@ -66,7 +66,14 @@ class EpisodeRun:
     async def _act(self, reply: PolicyReply, call: ToolCall | None, policy_s: float) -> None:
         started = time.time()
         action = call if call is not None else reply.text
-        obs, reward, terminated, truncated, info = await self.env.step(action)
+        result = await self.env.step(action)
+        await self.record(reply, call, result, started=started, policy_s=policy_s)
+
+    async def record(self, reply: PolicyReply, call: ToolCall | None, result: tuple[str, float, bool, bool, dict],
+                     *, started: float, policy_s: float) -> None:
+        """Record one step: ``reply`` (its ``call``, or its text when it made none) ran in the env from
+        ``started`` and gave ``result`` (``step``'s five values); ends the episode when ``result`` does."""
+        obs, reward, terminated, truncated, info = result
         tool_s = time.time() - started
         if call is not None:
             self.messages.append({"role": "tool", "tool_call_id": call.call_id, "content": obs})
@@ -99,19 +106,25 @@ class EpisodeRun:
         envs = await self.env.fork(count)
         snapshot_id = self.env.fork_snapshot_id
         self._snapshot_id = snapshot_id
-        branches = []
-        for env in envs:
-            episode = Episode(task=self.episode.task, seed=self.episode.seed, rollout_id=self.episode.rollout_id,
-                              image_id=self.episode.image_id, snapshot_id=snapshot_id, parent_id=self.episode.id,
-                              fork_step=len(self.episode.steps), steps=[*self.episode.steps],
-                              total_reward=self.episode.total_reward, metadata=dict(self.episode.metadata))
-            if self.store is not None:
-                await asyncio.to_thread(self.store.begin, episode)
-            branch = EpisodeRun(env, self.policy, episode, [dict(m) for m in self.messages], self.store, owns_env=True,
-                                turns=self.turns, snapshot_id=snapshot_id)
-            branch.episode.metadata["branch"] = len(branches) + 1
-            branches.append(branch)
-        return branches
+        return [await self.branch(env, number, snapshot_id=snapshot_id) for number, env in enumerate(envs, 1)]
+
+    async def branch(self, env: Any, number: int, *, snapshot_id: str | None = None,
+                     metadata: dict[str, Any] | None = None) -> EpisodeRun:
+        """This run continued on ``env`` (a fork of its env), recorded as branch ``number`` of its episode
+        (``parent_id``, ``fork_step``, the steps so far); an ended run's branch is ended as it is."""
+        parent = self.episode
+        episode = Episode(task=parent.task, seed=parent.seed, rollout_id=parent.rollout_id, image_id=parent.image_id,
+                          snapshot_id=snapshot_id or parent.snapshot_id, parent_id=parent.id,
+                          fork_step=len(parent.steps), steps=[*parent.steps], total_reward=parent.total_reward,
+                          metadata={**parent.metadata, "branch": number, **(metadata or {})})
+        if self.done:
+            episode.outcome, episode.error, episode.finished_at = parent.outcome, parent.error, parent.finished_at
+        if self.store is not None:
+            await asyncio.to_thread(self.store.add if self.done else self.store.begin, episode)
+        branch = EpisodeRun(env, self.policy, episode, [dict(m) for m in self.messages], self.store, owns_env=True,
+                            turns=self.turns, snapshot_id=snapshot_id)
+        branch.done = self.done
+        return branch
 
     async def play(self, max_turns: int | None = None) -> Episode:
         """Turns until the episode ends; a failure is recorded, then raised."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from .._extras import require
@@ -11,8 +10,8 @@ require("rl", "fanfold's RL envs", "gymnasium", "numpy")
 import gymnasium  # noqa: E402  (after the check that names the extra to install)
 
 from ..client import AsyncFleet, Fleet
-from ..errors import InvalidRequest
 from .core import AsyncSandboxEnv, ToolCall
+from .registration import load_env
 
 ENVS = {
     "codefix": "fanfold.rl.envs.codefix:CodeFixEnv",
@@ -24,19 +23,7 @@ ENVS = {
 
 def env_class(name: str | type[AsyncSandboxEnv]) -> type[AsyncSandboxEnv]:
     """An env class from a short name (``codefix``, ``corpus``) or a ``module:Class`` path."""
-    if isinstance(name, type) and issubclass(name, AsyncSandboxEnv):
-        return name
-    target = ENVS.get(name, name) if isinstance(name, str) else None
-    if not target or ":" not in target:
-        raise InvalidRequest(f"unknown env {name!r}: use one of {', '.join(ENVS)} or 'package.module:Class'")
-    module, _, attr = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidRequest(f"cannot load env {target!r}: {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, AsyncSandboxEnv)):
-        raise InvalidRequest(f"{target} is not an AsyncSandboxEnv subclass")
-    return cls
+    return load_env(name, ENVS, AsyncSandboxEnv)
 
 
 def make_async(name: str | type[AsyncSandboxEnv], fleet: AsyncFleet, **kwargs: Any) -> AsyncSandboxEnv:

@@ -8,12 +8,35 @@ gymnasium is already loaded, else at the moment it is first imported.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
-from typing import Any
+from typing import Any, TypeVar
+
+from ..errors import InvalidRequest
+
+E = TypeVar("E", bound=type)
 
 GYM_IDS = {"fanfold/CodeFix-v0": "codefix", "fanfold/CorpusSearch-v0": "corpus", "fanfold/SWEFix-v0": "swefix"}
 """Gymnasium id -> the env's short name (``fanfold.rl.ENVS``)."""
+
+
+def load_env(name: str | E, table: dict[str, str], base: E) -> E:
+    """The env class ``name`` stands for: a short name of ``table``, a ``module:Class`` path, or a
+    subclass of ``base`` itself."""
+    if isinstance(name, type) and issubclass(name, base):
+        return name
+    target = table.get(name, name) if isinstance(name, str) else None
+    if not target or ":" not in target:
+        raise InvalidRequest(f"unknown env {name!r}: use one of {', '.join(table)} or 'package.module:Class'")
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidRequest(f"cannot load env {target!r}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise InvalidRequest(f"{target} is not an {base.__name__} subclass")
+    return cls
 
 
 def register_envs() -> None:
