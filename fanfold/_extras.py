@@ -14,7 +14,7 @@ from .errors import FanfoldError
 
 EXTRAS = {
     "server": ("fastapi", "uvicorn"),
-    "rl": ("gymnasium", "numpy", "aiohttp"),
+    "rl": ("gymnasium", "numpy", "aiohttp", "pettingzoo"),
     "parquet": ("pyarrow",),
     "report": ("matplotlib",),
     "net": ("dns", "cryptography"),
