@@ -112,3 +112,29 @@ def corpus(messages: list[dict[str, Any]], rng: random.Random) -> PolicyReply:
     elif rng.random() < 0.1:
         hits.append("/corpus/auth/faq.md")  # a wrong extra
     return reply("submit", {"paths": hits}, "These are the documents.")
+
+
+_URL = re.compile(r"http://server:(?P<port>\d+)/secret")
+HANDOFF_FETCH = ("python3 - <<'EOF'\nimport time, urllib.request\nfor _ in range(100):\n    try:\n"
+                 "        print(urllib.request.urlopen('{url}', timeout=2).read().decode().strip()); break\n"
+                 "    except OSError:\n        time.sleep(0.1)\nelse:\n    raise SystemExit('no answer')\nEOF")
+
+
+def handoff(messages: list[dict[str, Any]], rng: random.Random) -> PolicyReply:
+    """Either agent of the handoff env (told apart by its system prompt). The server starts an HTTP
+    server on the secret's directory, then waits; the client waits a step, fetches, and reports."""
+    task = next(m["content"] for m in messages if m.get("role") == "user")
+    port = _URL.search(task)["port"]
+    done = history(messages)
+    if "agent `server`" in messages[0]["content"]:
+        if not done:
+            return reply("shell", {"command": f"cd /srv && nohup python3 -m http.server {port} --bind 0.0.0.0 "
+                                              ">/dev/null 2>&1 & echo serving"}, "Serving the secret's directory.")
+        return reply("wait", {}, "Serving; waiting for the client.")
+    if not done:
+        return reply("wait", {}, "Giving the server a step to come up.")
+    name, _, result = done[-1]
+    status, _, body = result.partition("\n")
+    if name == "shell" and status == "exit code 0" and body.strip():
+        return reply("report", {"secret": body.strip()}, "Reporting what the server sent.")
+    return reply("shell", {"command": HANDOFF_FETCH.format(url=f"http://server:{port}/secret")}, "Fetching.")
