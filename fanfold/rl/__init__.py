@@ -7,10 +7,12 @@
         env = make_async("codefix", fleet)
         episodes = await run_episode(env, scripted("codefix"), seed=7, store=TrajectoryStore())
 
+Multi-agent envs (one sandbox per agent, in a group on a private network) take PettingZoo's
+``ParallelEnv`` shape: ``ParallelSandboxEnv("handoff")``, or ``run_parallel_episode`` for the async loop.
 Fan-out is ``fleet.map(rollout_fn, items)``; tools over HTTP live under ``/v1/rollouts``. A custom
 env grades with ``grade_submission``: only the submission, in a pristine sandbox of its image.
 Names load on first use: the trajectory store needs only the core install, the envs and
-policies the ``[rl]`` extra (gymnasium, numpy).
+policies the ``[rl]`` extra (gymnasium, numpy, pettingzoo).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ if TYPE_CHECKING:
     from .env import ENVS, SandboxEnv, env_class, make_async
     from .envs import default_policy, scripted
     from .grading import Graded, grade_submission
+    from .parallel import AsyncParallelSandboxEnv
+    from .parallel_agent import ParallelEpisodeRun, run_parallel_episode
+    from .parallel_env import PARALLEL_ENVS, ParallelSandboxEnv, make_parallel_async, parallel_env_class
     from .policy import OpenAIPolicy, Policy, PolicyReply, ScriptedPolicy
     from .store import TrajectoryStore
     from .trajectory import Episode, Step
@@ -36,6 +41,9 @@ _HOMES = {
     "env": ("ENVS", "SandboxEnv", "env_class", "make_async"),
     "envs": ("default_policy", "scripted"),
     "grading": ("Graded", "grade_submission"),
+    "parallel": ("AsyncParallelSandboxEnv",),
+    "parallel_agent": ("ParallelEpisodeRun", "run_parallel_episode"),
+    "parallel_env": ("PARALLEL_ENVS", "ParallelSandboxEnv", "make_parallel_async", "parallel_env_class"),
     "policy": ("OpenAIPolicy", "Policy", "PolicyReply", "ScriptedPolicy"),
     "store": ("TrajectoryStore",),
     "trajectory": ("Episode", "Step"),

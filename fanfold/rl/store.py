@@ -260,6 +260,16 @@ class TrajectoryStore:
             raise NotFound(f"no episode {episode_id} in {self.path}")
         return found[0]
 
+    def joint_episode(self, joint_id: str, *, with_steps: bool = True) -> dict[str, Episode]:
+        """A multi-agent episode's per-agent episodes (``metadata["joint_episode"]``), by agent; every
+        outcome, running ones included."""
+        with self._tx() as conn:
+            found = _episodes(conn, "WHERE json_extract(metadata, '$.joint_episode') = ? ORDER BY created_at, rowid",
+                              [joint_id], with_steps)
+        if not found:
+            raise NotFound(f"no multi-agent episode {joint_id} in {self.path}")
+        return {episode.metadata.get("agent", episode.id): episode for episode in found}
+
     def resolve(self, prefix: str) -> str:
         """The id of the one episode whose id starts with ``prefix``."""
         with self._tx() as conn:
