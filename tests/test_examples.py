@@ -18,7 +18,7 @@ from conftest import STATE_DIR, Server, start_server, stop_server
 from doc_blocks import ROOT, python_blocks
 
 EXAMPLES = ["quickstart.py", "async_fleet.py", "snapshots.py", "own_image.py", "pool.py", "network.py", "rl_fanout.py",
-            "remote.py", "e2b_sdk.py", "openenv_client.py"]
+            "remote.py", "e2b_sdk.py", "openenv_client.py", "multiagent.py"]
 
 
 def run_example(name: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -97,6 +97,16 @@ def test_rl_fanout_then_the_rl_guides_traj_commands(tmp_path):
                               cwd=tmp_path, env={**os.environ, "FANFOLD_STATE_DIR": str(STATE_DIR)}, timeout=120)
         assert done.returncode == 0, f"{command}: {done.stderr}"
     assert (tmp_path / "episodes.parquet").stat().st_size > 0
+
+
+def test_multiagent_scripted_policies_win_and_a_wrong_report_loses(tmp_path):
+    for _ in range(2):  # the second run adds to the same trajectory store
+        lines = run_example("multiagent.py", cwd=tmp_path).stdout.splitlines()
+        assert lines == ["server success 1.0 ['shell', 'wait', 'wait']",
+                         "client success 1.0 ['wait', 'shell', 'report']",
+                         "['client', 'server']",
+                         "['server', 'client'] ['shell', 'wait', 'report']",
+                         "{'server': 0.0, 'client': 0.0} {'server': True, 'client': True} []"]
 
 
 @pytest.fixture
