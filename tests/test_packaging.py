@@ -77,6 +77,13 @@ def test_rl_envs_without_the_rl_extra_name_it():
                            "pip install 'fanfold[rl]'\n"), done.stderr
 
 
+def test_multi_agent_envs_without_pettingzoo_name_the_rl_extra():
+    done = python("try:\n    from fanfold.rl import ParallelSandboxEnv\nexcept ImportError as err:\n"
+                  "    print(type(err).__name__, err)", blocked=["pettingzoo"])
+    assert done.stdout == ("MissingExtra fanfold's multi-agent envs needs pettingzoo, which is not installed: "
+                           "pip install 'fanfold[rl]'\n"), done.stderr
+
+
 def test_the_policy_client_without_aiohttp_names_the_rl_extra():
     done = python("try:\n    from fanfold.rl import OpenAIPolicy\nexcept ImportError as err:\n"
                   "    print(type(err).__name__, err)", blocked=["aiohttp"])

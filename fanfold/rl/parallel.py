@@ -12,7 +12,8 @@ that terminates or is truncated leaves ``agents``; the episode ends when none is
 A concrete env subclasses ``AsyncParallelSandboxEnv``: it names its agents and each one's tools
 and system prompt, its golden image (``env_spec``), what a seed makes of the task (``begin``),
 what each tool does (``call``) and, where agents' outcomes depend on each other (a shared reward,
-one agent's answer ending everyone's episode), how a step's outcomes are settled (``judge``).
+one agent's answer ending everyone's episode), how a step's outcomes are settled (``judge``). An
+agent with nothing to do this step calls ``wait`` where its tools include ``WAIT``.
 ``ParallelSandboxEnv`` (``fanfold.rl.parallel_env``) is the ``pettingzoo.ParallelEnv`` twin.
 """
 
@@ -28,9 +29,17 @@ from ..images import Image
 from ..models import CreateParams, Limits, SnapshotInfo
 from ..spec import EnvSpec
 from ..tools import check_arguments
-from .core import Tool, ToolCall, ToolOutcome, _shared_space, as_text, np, parse_action, seeding, spaces
+from .core import Tool, ToolCall, ToolOutcome, _shared_space, as_text, parse_action
 
-Step = tuple[dict[str, str], dict[str, float], dict[str, bool], dict[str, bool], dict[str, dict]]
+import numpy as np  # noqa: E402  (after .core, whose import names the extra to install when these are missing)
+from gymnasium import spaces  # noqa: E402
+from gymnasium.utils import seeding  # noqa: E402
+
+WAIT = Tool("wait", "Do nothing this step (the other agents act meanwhile).",
+            {"type": "object", "properties": {}, "additionalProperties": False})
+"""The no-op of lockstep play: an env that lists it among an agent's tools gets it handled here."""
+
+StepResult = tuple[dict[str, str], dict[str, float], dict[str, bool], dict[str, bool], dict[str, dict]]
 """What ``step`` returns: observations, rewards, terminations, truncations and infos, by agent."""
 
 
@@ -143,7 +152,7 @@ class AsyncParallelSandboxEnv:
                  for agent in self.agents}
         return {agent: as_text(prompts[agent]) for agent in self.agents}, infos
 
-    async def step(self, actions: dict[str, str | dict[str, Any] | ToolCall]) -> Step:
+    async def step(self, actions: dict[str, str | dict[str, Any] | ToolCall]) -> StepResult:
         """Run every live agent's tool call at once; returns ``(observations, rewards, terminations,
         truncations, infos)`` for the agents that were live."""
         if self.group is None or not self.agents:
@@ -177,6 +186,8 @@ class AsyncParallelSandboxEnv:
                 names = ", ".join(t.name for t in self.tools.get(agent, ()))
                 raise ToolError(f"unknown tool {tool.name!r}; {agent}'s tools are {names}")
             tool = ToolCall(tool.name, check_arguments(spec, tool.arguments), tool.call_id)
+            if spec is WAIT:
+                return tool.name, ToolOutcome("waited")
             return tool.name, await self.call(agent, tool)
         except ToolError as exc:
             return None, ToolOutcome(f"error: {exc}", error=True)

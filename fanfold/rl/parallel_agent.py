@@ -22,7 +22,7 @@ from .policy import Policy, PolicyReply
 from .store import TrajectoryStore
 from .trajectory import Episode
 
-Choice = tuple[PolicyReply, "ToolCall | None", float]
+Choice = tuple[PolicyReply, ToolCall | None, float]
 """An agent's next action: the reply it comes from, its tool call (None: the reply's text), the policy's seconds."""
 
 

@@ -8,13 +8,14 @@ from typing import Any
 from .._extras import require
 
 require("rl", "fanfold's multi-agent envs", "gymnasium", "pettingzoo")
-from gymnasium.utils import seeding  # noqa: E402  (after the check that names the extra to install)
+from gymnasium import spaces  # noqa: E402  (after the check that names the extra to install)
+from gymnasium.utils import seeding
 from pettingzoo import ParallelEnv
 
 from ..client import AsyncFleet, Fleet
 from ..errors import InvalidRequest
-from .core import ToolCall, spaces
-from .parallel import AsyncParallelSandboxEnv, Step
+from .core import ToolCall
+from .parallel import AsyncParallelSandboxEnv, StepResult
 from .registration import load_env
 
 PARALLEL_ENVS = {"handoff": "fanfold.rl.envs.handoff:HandoffEnv"}
@@ -96,7 +97,7 @@ class ParallelSandboxEnv(ParallelEnv):
         self._last = dict(observations)
         return observations, infos
 
-    def step(self, actions: dict[str, str | dict[str, Any] | ToolCall]) -> Step:
+    def step(self, actions: dict[str, str | dict[str, Any] | ToolCall]) -> StepResult:
         """Every live agent's tool call at once; returns ``(observations, rewards, terminations,
         truncations, infos)`` by agent."""
         result = self.fleet.call(self.inner.step(actions))

@@ -18,15 +18,13 @@ from typing import Any
 from ... import tools as generic
 from ...spec import EnvSpec
 from ..core import Tool, ToolCall, ToolOutcome
-from ..parallel import AsyncParallelSandboxEnv
+from ..parallel import WAIT, AsyncParallelSandboxEnv
 
 SECRET_PATH = "/srv/secret"
 MASK = "[secret]"
 SHELL_TIMEOUT_S = 30.0
 """The longest a shell command may hold up a lockstep step."""
 
-WAIT = Tool("wait", "Do nothing this step (the other agent acts meanwhile).",
-            {"type": "object", "properties": {}, "additionalProperties": False})
 REPORT = Tool("report", "Report the secret; this ends the episode for both agents (reward 1 each if right).",
               {"type": "object", "properties": {"secret": {"type": "string"}}, "required": ["secret"],
                "additionalProperties": False})
@@ -67,8 +65,6 @@ class HandoffEnv(AsyncParallelSandboxEnv):
         }
 
     async def call(self, agent: str, tool: ToolCall) -> ToolOutcome:
-        if tool.name == "wait":
-            return ToolOutcome("waited")
         if tool.name == "report":
             right = self.grade(tool.arguments["secret"])
             return ToolOutcome(f"reported: {'right' if right else 'wrong'}", reward=float(right), done=True)
