@@ -3,7 +3,8 @@
 Gymnasium 1.x dropped its entry-point plugins (``gymnasium.envs``), so a package registers
 its envs when it is imported. Importing gymnasium costs ~0.4 s, which the CLI and a remote
 client should not pay, so ``register_when_gymnasium_loads`` registers right away when
-gymnasium is already loaded, else at the moment it is first imported.
+gymnasium is already loaded, else at the moment it is first imported. ``load_env`` looks an env
+class up by its short name or ``module:Class`` path, for the single- and the multi-agent tables.
 """
 
 from __future__ import annotations
