@@ -214,8 +214,10 @@ async def test_a_policy_that_raises_ends_every_agents_episode_as_an_error(config
     assert all(len(e.steps) == 1 for e in stored.values())
 
 
-def test_envs_by_name_and_nothing_left_behind(config):
+def test_envs_by_name_and_nothing_left_behind(config, sync_fleet):
     assert parallel_env_class("handoff") is HandoffEnv
+    with pytest.raises(InvalidRequest, match="unknown env 'codefix'"):
+        ParallelSandboxEnv("codefix", fleet=sync_fleet)  # a single-agent env's name
     assert parallel_env_class("fanfold.rl.envs.handoff:HandoffEnv") is HandoffEnv
     with pytest.raises(InvalidRequest, match="unknown env 'nope'"):
         parallel_env_class("nope")

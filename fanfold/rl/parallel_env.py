@@ -48,11 +48,12 @@ class ParallelSandboxEnv(ParallelEnv):
         if render_mode not in (None, *self.metadata["render_modes"]):
             raise InvalidRequest(f"render_mode must be None or one of {self.metadata['render_modes']}, "
                                  f"got {render_mode!r}")
+        env_type = parallel_env_class(env)  # before a fleet is made: an unknown name leaves nothing behind
         self._owns_fleet = fleet is None
         self.fleet = fleet if fleet is not None else Fleet()
         self.fleet.start()
         self.render_mode = render_mode
-        self._wrap(make_parallel_async(env, self.fleet.aio, **kwargs))
+        self._wrap(env_type(self.fleet.aio, **kwargs))
 
     def _wrap(self, inner: AsyncParallelSandboxEnv) -> None:
         self.inner = inner
