@@ -27,7 +27,7 @@ done
 PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 nftables procps python3 python3-venv ca-certificates
           skopeo containers-storage golang-github-containers-common libseccomp2 btrfs-progs docker-registry
           apache2-utils openssl
-          systemd dbus openssh-server podman uidmap fuse-overlayfs slirp4netns)
+          systemd dbus openssh-server podman podman-compose uidmap fuse-overlayfs slirp4netns)
 # systemd, sshd and podman run inside sandboxes built on the host base (init="systemd", SSH, nested=True)
 if (( bench )); then
     PACKAGES+=(bubblewrap)

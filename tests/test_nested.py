@@ -108,6 +108,31 @@ def test_podman_runs_a_container_inside_a_nested_sandbox(efleet, config: EngineC
     assert (STATE_DIR / "devices").stat().st_mode & 0o777 == 0o700
 
 
+COMPOSE_UP = """
+cat > /tmp/compose.yaml <<'YAML'
+services:
+  one:
+    image: localhost/tiny
+    command: ["sh", "-c", "echo one-says-hi; sleep 300"]
+  two:
+    image: localhost/tiny
+    command: ["sh", "-c", "echo two-says-hi; sleep 300"]
+    depends_on: [one]
+YAML
+cd /tmp && podman-compose -f compose.yaml up -d >/dev/null 2>&1 && podman ps --format '{{.Names}}' | sort && podman logs tmp_two_1
+"""
+
+
+@pytest.mark.skipif(shutil.which("podman-compose") is None, reason="podman-compose is not installed (`make setup`)")
+def test_podman_compose_brings_a_project_up_and_down_inside(efleet):
+    with efleet.create(nested=True, memory_mb=1024, pids=1024, disk_mb=2048) as sandbox:
+        assert sh(sandbox, TINY_IMAGE).exit_code == 0
+        up = sh(sandbox, COMPOSE_UP, timeout=300)
+        assert (up.exit_code, up.stdout) == (0, b"tmp_one_1\ntmp_two_1\ntwo-says-hi\n"), up.stderr
+        down = sh(sandbox, "cd /tmp && podman-compose -f compose.yaml down >/dev/null 2>&1 && podman ps -aq | wc -l")
+        assert down.stdout == b"0\n", down.stderr
+
+
 def test_podman_fails_clearly_without_nested(efleet):
     with efleet.create(memory_mb=512) as sandbox:
         assert not sandbox.info.nested

@@ -144,6 +144,9 @@ def test_init_is_a_label_that_a_dockerfile_sets_too(tmp_path):
     (tmp_path / "Dockerfile").write_text("FROM host\nLABEL fanfold.init=systemd\n")
     spec = EnvSpec.from_dockerfile(tmp_path / "Dockerfile")
     assert spec.steps[-1].arg("labels") == ((INIT_LABEL, "systemd"),)
+    unit = EnvSpec("host").systemd_service("seed", "echo seeded > /seeded")  # Freestyle's spelling
+    assert [step.kind for step in unit.steps] == ["label", "service"]
+    assert (unit.steps[0].arg("labels"), unit.steps[1].arg("mode")) == (((INIT_LABEL, "systemd"),), "oneshot")
 
 
 async def test_backends_without_systemd_refuse_it(tmp_path: Path):

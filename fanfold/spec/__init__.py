@@ -217,6 +217,12 @@ class EnvSpec:
             raise InvalidSpec(f"service {name!r} needs a non-empty command")
         return self._add("service", name=name, cmd=cmd, mode=mode)
 
+    def systemd_service(self, name: str, exec: str, mode: str = "oneshot") -> EnvSpec:
+        """A systemd unit ``name.service`` running ``exec`` (``oneshot`` or ``simple``), as Freestyle's spec
+        names it: ``init("systemd")`` and ``service(name, exec, mode)`` in one step each. Its sandboxes run
+        systemd as init, and the unit is active before the create returns."""
+        return self.init("systemd").service(name, exec, mode)
+
     def user(self, user: str) -> EnvSpec:
         """Run later ``run`` steps and every exec as ``user`` (name or uid, optionally ``:group``); services
         still start as root (a service can drop to a user itself, e.g. with ``runuser``)."""
