@@ -151,6 +151,24 @@ async def test_fork_and_memory_snapshot_stay_on_their_node(fleet):
     await fleet.delete_snapshot(snap.id)
 
 
+async def test_a_group_lives_on_one_node_and_forks_there(fleet):
+    from fanfold import CreateParams, GroupMember, Limits
+
+    small = CreateParams(limits=Limits(memory_mb=128))
+    group = await fleet.create_group([GroupMember(name="db", params=small), GroupMember(name="app", params=small)])
+    try:
+        node = ids.node_of(group.id)
+        assert node in _tags(fleet) and {ids.node_of(box.id) for box in group.members.values()} == {node}
+        assert (await group["app"].exec("getent hosts db")).stdout.split() == [b"10.250.0.2", b"db"]
+        (copy,) = await group.fork(1)
+        assert ids.node_of(copy.id) == node and (await copy["app"].exec("getent hosts db")).ok
+        assert {g.id for g in await fleet.groups()} == {group.id, copy.id}
+        await copy.kill()
+    finally:
+        await group.kill()
+    assert await fleet.groups() == []
+
+
 async def test_create_from_a_snapshot_taken_on_another_node(fleet):
     tags = _tags(fleet)
     parent = await fleet.create(memory_mb=256)
