@@ -38,8 +38,9 @@ class HealthCheck:
 
     def __post_init__(self) -> None:
         check_bounds(self, "health.")
-        if isinstance(self.cmd, str) and not self.cmd.strip() or isinstance(self.cmd, list) and not self.cmd:
-            raise InvalidRequest("a health check needs a command")
+        if not (isinstance(self.cmd, str) and self.cmd.strip() or isinstance(self.cmd, list) and self.cmd
+                and all(isinstance(word, str) for word in self.cmd)):
+            raise InvalidRequest(f"a health check needs a command: a shell string or a list of words, got {self.cmd!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,8 @@ class GroupMember:
         if self.params.network != "none":
             raise InvalidRequest(f"member {self.name!r} names its own network: a group's network policy is the"
                                  " group's (create_group(..., network=...))")
+        if isinstance(self.after, str) or not isinstance(self.volumes, dict):
+            raise InvalidRequest(f"member {self.name!r}: after is a list of member names, volumes a name -> path map")
         object.__setattr__(self, "after", tuple(self.after))
         object.__setattr__(self, "ports", tuple(self.ports))
         for port in self.ports:
@@ -98,6 +101,10 @@ class GroupParams:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        if not isinstance(self.labels, dict) or not isinstance(self.detached, bool):
+            raise InvalidRequest("a group's labels are a name -> value map and detached is true or false")
+        if self.source is not None and not isinstance(self.source, str):
+            raise InvalidRequest(f"source is a group snapshot's id or name, got {self.source!r}")
         object.__setattr__(self, "members", tuple(self.members))
         if self.source is None and not self.members:
             raise InvalidRequest("a group needs members (or a group snapshot as its source)")
@@ -175,8 +182,11 @@ class GroupSnapshotInfo:
 
 
 def params_to_wire(params: GroupParams) -> dict[str, Any]:
-    """GroupParams as JSON-ready data (``params_from_wire`` reads it back)."""
-    return asdict(params)
+    """GroupParams as JSON-ready data (``params_from_wire`` reads it back); a policy object in its wire form."""
+    data = asdict(params)
+    if hasattr(params.network, "to_wire"):  # a fanfold.net.policy.NetworkPolicy
+        data["network"] = params.network.to_wire()
+    return data
 
 
 def params_from_wire(data: Any) -> GroupParams:
@@ -186,6 +196,8 @@ def params_from_wire(data: Any) -> GroupParams:
     try:
         members = []
         for item in data.get("members") or ():
+            if not isinstance(item, dict):
+                raise InvalidRequest(f"a group member is an object (name, params, ...), got {item!r}")
             item = dict(item)
             create = dict(item.pop("params", None) or {})
             limits = create.pop("limits", None)
@@ -195,7 +207,7 @@ def params_from_wire(data: Any) -> GroupParams:
                 health=None if health is None else HealthCheck(**health)))
         rest = {key: value for key, value in data.items() if key != "members"}
         return GroupParams(members=tuple(members), **rest)
-    except TypeError as err:
+    except (TypeError, ValueError, AttributeError) as err:
         raise InvalidRequest(f"bad group params: {err}") from None
 
 

@@ -204,3 +204,39 @@ async def test_a_connection_open_between_members_goes_on_in_each_copy_of_a_fork(
             finally:
                 await asyncio.gather(*(copy.kill() for copy in copies))
             assert (await group["app"].exec(SAY.format(word="parent"), timeout=30)).stdout == b"echo parent\n"
+
+
+async def test_a_group_snapshot_survives_gc_and_a_member_is_forked_only_with_its_group(config):
+    async with AsyncFleet(config=config) as fleet:
+        async with await fleet.create_group([GroupMember(name="a", params=SMALL),
+                                             GroupMember(name="b", params=SMALL)]) as group:
+            snap = await group.snapshot()
+            await fleet.gc()  # the members' snapshots are unnamed, but the group snapshot holds them
+            with pytest.raises(InvalidRequest, match="fork the whole group"):
+                await group["a"].fork(1)
+            with pytest.raises(InvalidRequest, match="memory must be True or False"):
+                await group.snapshot(memory="yes")
+            await group["b"].kill()
+            with pytest.raises(InvalidRequest, match=r"has lost members \['b'\]"):
+                await group.fork(1)
+        async with await fleet.create_group(source=snap.id) as again:
+            assert sorted(again.members) == ["a", "b"]
+        with pytest.raises(Exception, match="in use by gsnap-"):
+            await fleet.delete_snapshot(snap.members["a"])
+        await fleet.delete_group_snapshot(snap.id)
+        await fleet.gc()
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"members": ["x"]}, "a group member is an object"),
+    ({"members": [{"name": "a", "volumes": 5}]}, "volumes a name -> path map"),
+    ({"members": [{"name": "a"}], "labels": 5}, "labels are a name -> value map"),
+    ({"members": [{"name": "a"}], "detached": "no"}, "detached is true or false"),
+    ({"members": [{"name": "a", "health": {"cmd": 5}}]}, "needs a command"),
+    ({"members": [{"name": "a", "params": {"memory_mb": 5}}]}, "bad group params"),
+])
+def test_a_bad_group_body_is_a_clear_invalid_request(body, match):
+    from fanfold.groups import params_from_wire
+
+    with pytest.raises(InvalidRequest, match=match):
+        params_from_wire(body)

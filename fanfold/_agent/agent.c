@@ -1447,6 +1447,9 @@ static void lo_aliases(const char *list)
 		sin->sin_family = AF_INET;
 		if (prefix < 1 || prefix > 32 || inet_pton(AF_INET, item, &sin->sin_addr) != 1 || ioctl(s, SIOCSIFADDR, &ifr) < 0)
 			continue;
+		sin->sin_addr.s_addr = 0xffffffffu; /* a /32: SIOCSIFADDR alone gives 10.x the classful /8 */
+		ioctl(s, SIOCSIFNETMASK, &ifr);
+		inet_pton(AF_INET, item, &sin->sin_addr);
 		mask = htonl(0xffffffffu << (32 - prefix));
 		memset(&rt, 0, sizeof rt);
 		((struct sockaddr_in *)&rt.rt_dst)->sin_family = AF_INET;

@@ -140,6 +140,9 @@ class Checkpoints:
             check_exec_args(cmd, None, None, None, 0)  # before any child exists to leak
         check_deadline(deadline)
         self._check_memory_checkpoints("fork", sandbox_id)
+        if not groups and (row := self.life.db.get(sandbox_id)) is not None and row["group_id"]:
+            raise InvalidRequest(f"sandbox {sandbox_id} is member {row['member']!r} of group {row['group_id']}: its"
+                                 " copy would have no group to join; fork the whole group (group.fork(n))")
         started = time.perf_counter()
         async with self.life.changing(sandbox_id, interrupt=True) as row:
             snap, pause_ms = await self._take(row, memory=True, kind="fork", leave_running=True)

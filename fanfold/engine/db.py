@@ -77,7 +77,8 @@ CREATE TABLE IF NOT EXISTS groups (
     ports TEXT NOT NULL DEFAULT '{}',
     created_at REAL NOT NULL,
     deadline_at REAL,
-    source TEXT NOT NULL DEFAULT ''
+    source TEXT NOT NULL DEFAULT '',
+    claimed_by TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS group_snapshots (
     id TEXT PRIMARY KEY,
@@ -172,6 +173,8 @@ class Database:
         for name, kind in LATER_COLUMNS:
             if name not in columns:
                 self.conn.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {kind}")
+        if "claimed_by" not in {row[1] for row in self.conn.execute("PRAGMA table_info(groups)")}:
+            self.conn.execute("ALTER TABLE groups ADD COLUMN claimed_by TEXT NOT NULL DEFAULT ''")
         self._names_per_tenant()
         self.conn.row_factory = sqlite3.Row
 

@@ -25,6 +25,7 @@ from ..groups import params_from_wire, params_to_wire
 from ..host import groupnet, safefs
 from ..models import CreateParams, ExecResult, SandboxInfo
 from . import db as dbmod
+from .lifecycle import process_alive
 from .snapshots import check_name
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class Groups:
         self.life, self.db = life, life.db
         self._create, self._exec, self._snapshot, self._fork, self._expose = create, exec_, snapshot, fork, expose
         self._ending: dict[str, asyncio.Future[None]] = {}
+        self._holds: dict[str, asyncio.Lock] = {}
         life.group_hook = self.hook
         life.group_addresses = self.addresses
         life.group_env = self.env
@@ -104,10 +106,10 @@ class Groups:
         addresses = {member.name: groupnet.address(index) for index, member in enumerate(params.members)}
         now = dbmod.now()
         self.db.conn.execute(
-            "INSERT INTO groups (id, tenant, state, params, addresses, created_at, deadline_at, source)"
-            " VALUES (?, ?, 'creating', ?, ?, ?, ?, ?)",
+            "INSERT INTO groups (id, tenant, state, params, addresses, created_at, deadline_at, source, claimed_by)"
+            " VALUES (?, ?, 'creating', ?, ?, ?, ?, ?, ?)",
             (group_id, tenant, json.dumps(params_to_wire(params)), json.dumps(addresses), now,
-             now + params.deadline if params.deadline else None, source))
+             now + params.deadline if params.deadline else None, source, self.life.claimer))
         try:
             await asyncio.to_thread(groupnet.make_hub, self._pin(group_id))
             for wave in start_order(params.members):
@@ -205,16 +207,23 @@ class Groups:
     async def snapshot(self, group_id: str, *, memory: bool = False, name: str | None = None,
                        tenant: str | None = None) -> GroupSnapshotInfo:
         """A snapshot of every member at once, kept as one: ``create_group(source=...)`` starts a copy."""
+        if not isinstance(memory, bool):
+            raise InvalidRequest(f"memory must be True or False, got {memory!r}")
         row = self._row(group_id, tenant)
         name = check_name(name)
         if name is not None and self.db.conn.execute("SELECT 1 FROM group_snapshots WHERE name = ? AND tenant = ?",
                                                      (name, row["tenant"])).fetchone():
             raise InvalidRequest(f"a group snapshot named {name!r} exists already: pick another name")
-        members = self.members(group_id)
+        members = self._whole(row)
         async with self._held(group_id, memory):
-            snaps = await _all(self._snapshot(sandbox_id, memory=memory) for sandbox_id in members.values())
+            made = await asyncio.gather(*(self._snapshot(sandbox_id, memory=memory) for sandbox_id in members.values()),
+                                        return_exceptions=True)
+        failed = [item for item in made if isinstance(item, BaseException)]
+        if failed:  # the members' snapshots taken go again: none of them is a group snapshot's
+            await self.life.collect({item.id for item in made if not isinstance(item, BaseException)})
+            raise failed[0]
         snapshot_id = ids.new_id(ids.GROUP_SNAPSHOT, self.life.config.node_tag)
-        taken = {member: snap.id for member, snap in zip(members, snaps)}
+        taken = {member: snap.id for member, snap in zip(members, made)}
         now = dbmod.now()
         self.db.conn.execute(
             "INSERT INTO group_snapshots (id, tenant, group_id, name, members, params, memory, created_at)"
@@ -227,13 +236,30 @@ class Groups:
     async def _held(self, group_id: str, hold: bool = True) -> AsyncIterator[None]:
         """No traffic between the members inside: their memory checkpoints, taken one by one, then hold
         both ends of each connection between them at the same point, and a copy's connections go on."""
-        if hold:
-            await asyncio.to_thread(groupnet.hold_traffic, self._pin(group_id), True)
-        try:
+        if not hold:
             yield
-        finally:
-            if hold:
-                await asyncio.to_thread(groupnet.hold_traffic, self._pin(group_id), False)
+            return
+        async with self._holds.setdefault(group_id, asyncio.Lock()):  # one checkpointing of a group at a time
+            await asyncio.to_thread(groupnet.hold_traffic, self._pin(group_id), True)
+            try:
+                yield
+            finally:
+                try:
+                    await asyncio.to_thread(groupnet.hold_traffic, self._pin(group_id), False)
+                except FanfoldError as err:  # the group went meanwhile: the error that matters is the caller's
+                    log.warning("fanfold: letting group %s's traffic go again failed: %s", group_id, err)
+
+    def _whole(self, row: Any) -> dict[str, str]:
+        """A running group's members, all of them (a group with one gone is snapshotted or forked no more)."""
+        if row["state"] != "running":
+            raise InvalidRequest(f"group {row['id']} is {row['state']}: only a running group is snapshotted or forked")
+        members = self.members(row["id"])
+        names = [member.name for member in params_from_wire(json.loads(row["params"])).members]
+        missing = [name for name in names if name not in members]
+        if missing:
+            raise InvalidRequest(f"group {row['id']} has lost members {missing} (killed on their own): it can no"
+                                 " longer be snapshotted or forked whole; start a new group")
+        return {name: members[name] for name in names}
 
     def snapshots(self, tenant: str | None = None) -> list[GroupSnapshotInfo]:
         rows = self.db.conn.execute("SELECT * FROM group_snapshots ORDER BY created_at").fetchall()
@@ -246,19 +272,18 @@ class Groups:
         """``count`` live copies of the whole group, each on a private network of its own with the
         members' names and addresses; every member pauses only while its memory is dumped."""
         row = self._row(group_id, tenant)
-        if row["state"] != "running":
-            raise InvalidRequest(f"group {group_id} is {row['state']}: only a running group forks")
         params = params_from_wire(json.loads(row["params"]))
-        members = self.members(group_id)
+        members = self._whole(row)
         copies = []
         now = dbmod.now()
         try:
             for _ in range(count):
                 copy_id = ids.new_id(ids.GROUP, self.life.config.node_tag, self.life.shard)
                 self.db.conn.execute(
-                    "INSERT INTO groups (id, tenant, state, params, addresses, created_at, deadline_at, source)"
-                    " VALUES (?, ?, 'creating', ?, ?, ?, ?, ?)",
-                    (copy_id, row["tenant"], row["params"], row["addresses"], now, row["deadline_at"], group_id))
+                    "INSERT INTO groups (id, tenant, state, params, addresses, created_at, deadline_at, source,"
+                    " claimed_by) VALUES (?, ?, 'creating', ?, ?, ?, ?, ?, ?)",
+                    (copy_id, row["tenant"], row["params"], row["addresses"], now, row["deadline_at"], group_id,
+                     self.life.claimer))
                 copies.append(copy_id)
                 await asyncio.to_thread(groupnet.make_hub, self._pin(copy_id))
             async with self._held(group_id):
@@ -293,7 +318,9 @@ class Groups:
         await asyncio.shield(task)
 
     async def _release(self, group_id: str) -> None:
-        self.db.conn.execute("UPDATE groups SET state = 'destroying' WHERE id = ?", (group_id,))
+        self._holds.pop(group_id, None)
+        self.db.conn.execute("UPDATE groups SET state = 'destroying', claimed_by = ? WHERE id = ?",
+                             (self.life.claimer, group_id))
         await asyncio.gather(*(self.life.destroy(s) for s in self.members(group_id).values()), return_exceptions=True)
         await asyncio.to_thread(groupnet.release_hub, self._pin(group_id))
         self.db.conn.execute("DELETE FROM groups WHERE id = ?", (group_id,))
@@ -306,8 +333,11 @@ class Groups:
 
     async def reconcile(self) -> int:
         """At start: release each group of this engine's with no member left, and pins no group owns."""
-        rows = self.db.conn.execute("SELECT id FROM groups").fetchall()
-        gone = [row["id"] for row in rows if self._mine(row["id"]) and not self.members(row["id"])]
+        rows = self.db.conn.execute("SELECT id, state, claimed_by FROM groups").fetchall()
+        # with no member left, or left half made or half destroyed by an engine that died
+        gone = [row["id"] for row in rows if self._mine(row["id"]) and (
+            not self.members(row["id"]) and row["state"] == "running"
+            or row["state"] != "running" and not process_alive(row["claimed_by"]))]
         for group_id in gone:
             await self.destroy(group_id)
         known = {row["id"] for row in self.db.conn.execute("SELECT id FROM groups").fetchall()}
@@ -318,9 +348,12 @@ class Groups:
         return len(gone)
 
     async def delete_snapshot(self, snapshot_id: str, *, tenant: str | None = None) -> None:
-        row = self.db.conn.execute("SELECT * FROM group_snapshots WHERE id = ? OR name = ?",
-                                   (snapshot_id, snapshot_id)).fetchone()
-        if row is None or (tenant is not None and row["tenant"] != tenant):
+        rows = self.db.conn.execute("SELECT * FROM group_snapshots WHERE id = ? OR name = ?",
+                                    (snapshot_id, snapshot_id)).fetchall()
+        # an id is anyone's (the host's tenant sees all); a name is each tenant's own ("" the host's)
+        row = next((r for r in rows if r["id"] == snapshot_id and (tenant is None or r["tenant"] == tenant)), None) \
+            or next((r for r in rows if r["tenant"] == (tenant or "")), None)
+        if row is None:
             raise GroupNotFound(f"no group snapshot {snapshot_id!r}")
         self.db.conn.execute("DELETE FROM group_snapshots WHERE id = ?", (row["id"],))
 

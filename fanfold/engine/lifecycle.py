@@ -435,7 +435,10 @@ class Lifecycle:
         self.db.delete(sandbox_id)
         self._gates.pop(sandbox_id, None)
         if row is not None and row["group_id"] and self.group_gone is not None:
-            await self.group_gone(row["group_id"])
+            try:
+                await self.group_gone(row["group_id"])
+            except FanfoldError as err:  # the sandbox is gone all the same; an engine's start releases the rest
+                log.warning("fanfold: releasing group %s after its last member failed: %s", row["group_id"], err)
         self.admission.released()
         # A sandbox's suspend images die with it, and so does a fork's snapshot with its last child.
         spent = self.own_suspends(sandbox_id)

@@ -123,6 +123,7 @@ class SnapshotStore:
             if sandbox["suspended_to"]:
                 needed.add(sandbox["suspended_to"])
         needed.update(row["id"] for row in rows if row["name"])
+        needed.update(self._in_group_snapshots())
         by_id = {row["id"]: row for row in rows}
         for snapshot_id in list(needed):
             if snapshot_id in by_id:
@@ -135,12 +136,21 @@ class SnapshotStore:
         row = self.row(ref)
         users = [s["id"] for s in self.db.rows() if s["source"] == row["id"] or row["id"] in json.loads(s["layers"])]
         later = [s["id"] for s in self.db.snapshot_rows() if s["id"] != row["id"] and row["id"] in json.loads(s["layers"])]
+        later += [group for group, members in self._group_snapshots() if row["id"] in members]
         if users or later:
             raise SnapshotInUse(
                 f"snapshot {row['id']} is in use by {', '.join((users + later)[:5])}: kill those sandboxes"
                 " and delete those snapshots first"
             )
         self._remove(row["id"])
+
+    def _group_snapshots(self) -> list[tuple[str, set[str]]]:
+        """Each group snapshot and the member snapshots it holds (``engine.groups``)."""
+        rows = self.db.conn.execute("SELECT id, members FROM group_snapshots").fetchall()
+        return [(row["id"], set(json.loads(row["members"]).values())) for row in rows]
+
+    def _in_group_snapshots(self) -> set[str]:
+        return {member for _, members in self._group_snapshots() for member in members}
 
     def collect(self, only: set[str] | None = None, tenant: str | None = None) -> list[str]:
         """Remove snapshots nothing needs (of ``only``, or all); return their ids."""

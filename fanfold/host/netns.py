@@ -32,6 +32,8 @@ def _on_a_thread(work: Callable[[], int | None], what: str) -> int | None:
             result["value"] = work()
         except OSError as err:
             result["error"] = err
+        except Exception as err:  # noqa: BLE001 (a thread's error is lost unless handed over)
+            result["error"] = OSError(0, f"{type(err).__name__}: {err}")
 
     thread = threading.Thread(target=run, name="fanfold-netns")
     thread.start()
