@@ -105,6 +105,8 @@ async def test_the_http_route_brings_up_a_file_from_its_body_with_the_bodys_vari
         assert built.status_code == 422 and "services ['app'] have a build" in built.json()["message"]
         odd = await http.post("/v1/compose", json={"file": IMAGE_ONLY, "volume": 1})
         assert odd.status_code == 422 and "unknown fields ['volume']" in odd.json()["message"]
+        quoted = await http.post("/v1/compose", json={"file": IMAGE_ONLY, "env": {"DB_PORT": "8000"}, "detached": "false"})
+        assert quoted.status_code == 422 and "detached is true or false" in quoted.json()["message"]
 
 
 def test_the_cli_brings_a_project_up_lists_it_and_takes_it_down(tmp_path: Path):

@@ -69,7 +69,9 @@ async def test_resize_reaches_a_running_shell_and_ctrl_c_interrupts(afleet):
         result = await asyncio.wait_for(shell.wait(), 30)
         assert result.outcome is Outcome.KILLED and result.signal == signal.SIGINT
 
-        sleeper = await sandbox.spawn("sleep 100", pty=Pty())
+        # ^C reaches a command once the terminal is its own: it says so before it sleeps
+        sleeper = await sandbox.spawn(["sh", "-c", "echo up; exec sleep 100"], pty=Pty())
+        await Screen(sleeper).until("up")
         await sleeper.write(b"\x03")
         result = await asyncio.wait_for(sleeper.wait(), 30)
         assert result.outcome is Outcome.KILLED and result.signal == signal.SIGINT

@@ -629,6 +629,10 @@ async def test_a_pty_exec_under_gvisor(rfleet):
             text += (await asyncio.wait_for(anext(chunks), 30)).data.decode()
         assert "/dev/pts/" in text
         assert (await asyncio.wait_for(shell.wait(), 30)).exit_code == 6
-        sleeper = await sandbox.spawn("sleep 100", pty=Pty())
+        # ^C reaches a command once the terminal is its own: it says so before it sleeps
+        sleeper = await sandbox.spawn(["sh", "-c", "echo up; exec sleep 100"], pty=Pty())
+        ready, said = sleeper.output(), ""
+        while "up" not in said:
+            said += (await asyncio.wait_for(anext(ready), 30)).data.decode()
         await sleeper.write(b"\x03")
         assert (await asyncio.wait_for(sleeper.wait(), 30)).signal == 2  # SIGINT

@@ -33,7 +33,7 @@ from .node import NAMESPACE, connect
 
 STORE_NAME = "fanfold-trajectories"
 METHODS = ("begin", "add_step", "finish", "add", "recover", "delete", "dedupe", "expire",
-           "get", "resolve", "episodes", "count", "steps", "step_counts", "export")
+           "get", "joint_episode", "resolve", "episodes", "count", "steps", "step_counts", "export")
 """The ``TrajectoryStore`` methods served: writers call the first four, trainers the reads."""
 
 
@@ -150,6 +150,9 @@ class ClusterTrajectoryStore:
 
     def get(self, episode_id: str, *, with_steps: bool = True) -> Episode:
         return self._call("get", episode_id, with_steps=with_steps)
+
+    def joint_episode(self, joint_id: str, *, with_steps: bool = True) -> dict[str, Episode]:
+        return self._call("joint_episode", joint_id, with_steps=with_steps)
 
     def resolve(self, prefix: str) -> str:
         return self._call("resolve", prefix)

@@ -275,8 +275,10 @@ class Lifecycle:
                            backend=self.backend.name)
         try:
             with host_errors("creating sandbox failed"):
+                facts = {"id": sandbox_id, "group_id": info.group_id, "member": info.member, "nested": info.nested}
                 pid, layers = await self.start(sandbox_id, info.source, info.limits, info.seccomp,
-                                               network=(wire_policy(info.network), tenant), gpu_ids=info.gpu_ids)
+                                               network=(wire_policy(info.network), tenant), gpu_ids=info.gpu_ids,
+                                               row=facts)
         except BaseException as err:
             raced = sandbox_id in self.destroying or self.db.get(sandbox_id) is None
             await asyncio.shield(self.destroy(sandbox_id))
@@ -336,19 +338,20 @@ class Lifecycle:
 
     async def start(self, sandbox_id: str, source: str, limits: Limits, seccomp: str = "default", *,
                     network: tuple[NetworkPolicy | None, str] | None = None,
-                    gpu_ids: list[str] | None = None) -> tuple[int | None, tuple[str, ...]]:
+                    gpu_ids: list[str] | None = None, row: Any = None) -> tuple[int | None, tuple[str, ...]]:
         """Bring up a sandbox's disk and processes from its source; return PID 1 and its layers."""
         img, restore = self.sources.start_point(source)
         return await self.bring_up_from(sandbox_id, img, limits, restore, seccomp, network=network,
-                                        gpu_ids=gpu_ids), img.layers
+                                        gpu_ids=gpu_ids, row=row), img.layers
 
     async def bring_up_from(self, sandbox_id: str, img: Image, limits: Limits, restore: Path | None,
                             seccomp: str = "default", *, network: tuple[NetworkPolicy | None, str] | None = None,
-                            gpu_ids: list[str] | None = None) -> int | None:
+                            gpu_ids: list[str] | None = None, row: Any = None) -> int | None:
         """Start the sandbox over ``img``'s layers (restoring ``restore``'s processes when given).
-        ``network`` (its policy and tenant) and ``gpu_ids``: when the caller has them at hand; else its row says."""
-        row = self.db.get(sandbox_id)
-        if network is None or gpu_ids is None:
+        ``network`` (its policy and tenant), ``gpu_ids`` and ``row`` (its group and ``nested``, as a mapping):
+        when the caller has them at hand (a create: no query on its way); else its row says."""
+        if row is None or network is None or gpu_ids is None:
+            row = self.db.get(sandbox_id)
             if network is None:
                 network = (None, "") if row is None else (row_policy(row), row["tenant"])
             if gpu_ids is None:

@@ -52,7 +52,7 @@ async def compose_up(request: Request, body: dict[str, Any] = COMPOSE_BODY,
     images = {service.name: (await fleet.build(await fleet.catalog.scoped(service.spec, caller), None,
                                                tenant=caller)).id for service in planned.services}
     params = planned.group_params(images, network=body.get("network", "none"), labels=labels,
-                                  deadline=body.get("deadline"), detached=bool(body.get("detached", False)))
+                                  deadline=body.get("deadline"), detached=body.get("detached", False))
     for member in params.members:
         check_source(request, member.params.image, caller)
     return info_to_wire(await fleet.create_group(params, tenant=caller, lease=lease))
