@@ -166,6 +166,8 @@ def _cli_on_a_terminal(*args: str, steps: list[tuple[bytes, bytes | tuple[int, i
                 if not data:
                     break
                 shown += data
+        if todo:  # what it waits for never came: it would wait for its input for ever
+            os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         assert not todo, f"never saw {todo[0][0]!r} in {shown!r}"
         return shown, os.waitstatus_to_exitcode(status)
@@ -197,12 +199,14 @@ def test_exec_it_gives_a_working_shell_with_its_exit_code(cli_sandbox):
     shown, code = _cli_on_a_terminal("exec", "-it", cli_sandbox, "--", "sh", steps=[
         (b"# ", b"stty size; echo h''i\n"),  # h''i: the output, not the typed line's echo, says hi
         (b"\r\nhi\r\n", (30, 100)),
-        (b"# ", b"stty size; sleep 100\n"),
-        (b"30 100\r\n", b"\x03"),  # Ctrl-C: to the command, not to the CLI
+        # Ctrl-C goes to the command, not to the CLI: once the command holds the terminal (it says so), else
+        # the shell, between commands, would take it
+        (b"# ", b"stty size; sh -c 'echo u''p; exec sleep 100'\n"),
+        (b"\r\nup\r\n", b"\x03"),
         (b"# ", b"echo again; exit 3\n"),
     ])
     assert code == 3, shown
-    assert b"24 80\r\n" in shown and b"\r\nagain\r\n" in shown
+    assert b"24 80\r\n" in shown and b"30 100\r\n" in shown and b"\r\nagain\r\n" in shown
 
 
 def test_run_it_runs_a_command_on_a_terminal_in_a_sandbox_of_its_own():
