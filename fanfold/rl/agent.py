@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..errors import Retryable
 from ..images import Image
@@ -18,6 +19,26 @@ from .core import AsyncSandboxEnv, ToolCall
 from .policy import Policy, PolicyReply
 from .store import TrajectoryStore
 from .trajectory import Episode, Step
+
+
+@asynccontextmanager
+async def recorded_failure(finish: Callable[..., Awaitable[None]], closing: Any = None) -> AsyncIterator[None]:
+    """Record how a run inside ended if it failed (``finish(outcome, error=...)``: ``infra_error`` for a
+    retryable error, ``partial`` when cancelled, else ``error``), then raise; close ``closing`` (an env) always."""
+    try:
+        yield
+    except Retryable as exc:
+        await finish("infra_error", error=f"{type(exc).__name__}: {exc}")
+        raise
+    except asyncio.CancelledError:
+        await finish("partial", error="cancelled (deadline or shutdown) before the episode ended")
+        raise
+    except Exception as exc:
+        await finish("error", error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if closing is not None:
+            await asyncio.shield(closing.close())
 
 
 class EpisodeRun:
@@ -128,22 +149,10 @@ class EpisodeRun:
 
     async def play(self, max_turns: int | None = None) -> Episode:
         """Turns until the episode ends; a failure is recorded, then raised."""
-        try:
+        async with recorded_failure(self.finish, self.env if self.owns_env else None):
             # The env truncates at its max_steps, so this ends without max_turns too.
             while not self.done and (max_turns is None or self.turns < max_turns):
                 await self.turn()
-        except Retryable as exc:
-            await self.finish("infra_error", error=f"{type(exc).__name__}: {exc}")
-            raise
-        except asyncio.CancelledError:
-            await self.finish("partial", error="cancelled (deadline or shutdown) before the episode ended")
-            raise
-        except Exception as exc:
-            await self.finish("error", error=f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            if self.owns_env:
-                await asyncio.shield(self.env.close())
         return self.episode
 
     async def finish(self, outcome: str, *, error: str | None = None) -> None:

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from ..errors import InvalidRequest, Retryable
-from .agent import EpisodeRun, _assistant_message, _source_ids
+from .agent import EpisodeRun, _assistant_message, _source_ids, recorded_failure
 from .core import ToolCall
 from .parallel import AsyncParallelSandboxEnv
 from .policy import Policy, PolicyReply
@@ -106,21 +106,9 @@ class ParallelEpisodeRun:
 
     async def play(self, max_turns: int | None = None) -> dict[str, Episode]:
         """Steps until every agent is done; a failure is recorded in every agent's episode, then raised."""
-        try:
+        async with recorded_failure(self._finish_all, self.env if self.owns_env else None):
             while self.env.agents and (max_turns is None or self.turns < max_turns):
                 await self.turn()
-        except Retryable as exc:
-            await self._finish_all("infra_error", error=f"{type(exc).__name__}: {exc}")
-            raise
-        except asyncio.CancelledError:
-            await self._finish_all("partial", error="cancelled (deadline or shutdown) before the episode ended")
-            raise
-        except Exception as exc:
-            await self._finish_all("error", error=f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            if self.owns_env:
-                await asyncio.shield(self.env.close())
         return self.episodes
 
     async def fork(self, count: int) -> list[ParallelEpisodeRun]:
