@@ -1,6 +1,6 @@
 """Memory-state benchmark: fork, memory snapshots, suspend/resume, pause/unpause, reset; lazy and eager restore.
 
-    python bench/fork.py [--sizes 64,256,1024] [--state-mb 256] [--rounds 10] [--state-dir DIR] [--json]
+    python bench/fork.py [--sizes 64,256,1024] [--state-mb 256] [--rounds 10] [--state-dir DIR] [--frozen-dump] [--json]
 
 A sandbox runs a Python process (the holder) holding N MB of live, touched memory, for each N of
 ``--sizes``. Measured for each size, with lazy restore on (``DIR``) and off (a second engine on
@@ -9,7 +9,8 @@ long the parent was frozen), then each child's holder reading 1% of its pages (e
 then all of them, timed inside the holder, and the fork plus all eight children's touches as the
 caller sees them; ``snapshot(memory=True)`` (time and size), ``create`` from that snapshot,
 ``suspend``/``resume`` and the resumed holder's 1% and 100% touches, ``pause``/``unpause``. A lazy
-sandbox's page counters (``metrics()``) are read after its restore and after each touch. The peer is
+sandbox's page counters (``metrics()``) are read after its restore and after each touch, and the page
+server's resident memory while it serves a fork's children (``page_server_kb_serving_8``). The peer is
 what you would do without memory checkpoints: create a sandbox and rebuild the state (start Python,
 touch the memory), the cold start. ``reset`` (of a sandbox made from the image) is measured once,
 lazy engine. Forks get a third of ``--rounds``; sizes above 256 MB fewer rounds (``--rounds * 256 /
@@ -20,7 +21,8 @@ children are killed as soon as measured.
 
 The flat keys of the old report (``fork8_total_ms``, ``resume_p50_ms``, ...) describe the lazy
 engine at the size nearest ``--state-mb``; ``..._by_mb`` keys give the medians per size,
-``..._eager`` the same with lazy restore off, ``eager_over_lazy_by_mb`` their ratios and ``p99_by_mb``
+``..._eager`` the same with lazy restore off, ``copy_on_write_dump`` whether forks and memory
+snapshots wrote pages after the parent ran again (the default) or while it was frozen (``--frozen-dump``), ``eager_over_lazy_by_mb`` their ratios and ``p99_by_mb``
 the p99s. Progress goes to stderr; the last line is one JSON object.
 """
 
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import leaked, pct  # noqa: E402
 from fanfold import AsyncFleet, EngineConfig  # noqa: E402
+from fanfold.host import census  # noqa: E402
 
 # Reads one byte of every `step`-th page of its bytearray each time a step arrives on /tmp/touch.in
 # and answers on /tmp/touch.out with the time it took and how many of those bytes were still 1.
@@ -85,6 +88,7 @@ class Engine:
 
     name: str
     fleet: AsyncFleet
+    config: EngineConfig
     times: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     pages: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     sizes: dict[int, list[int]] = field(default_factory=dict)
@@ -147,6 +151,18 @@ async def note_pages(engine: Engine, mb: int, stage: str, ids: list[str]) -> Non
         engine.count_pages(mb, f"{stage}_faults", counts["faults"])
 
 
+def page_server_kb(config: EngineConfig) -> int:
+    """Resident anonymous memory of the state dir's page servers, kB (0: none runs)."""
+    total = 0
+    for pid in census.page_servers(config):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("RssAnon:")), 0)
+    return total
+
+
 async def fork_round(engine: Engine, parent, mb: int) -> None:  # type: ignore[no-untyped-def]
     """fork(8), then every child touches 1% of the state, then all of it; the children are killed."""
     start = time.perf_counter()
@@ -157,6 +173,8 @@ async def fork_round(engine: Engine, parent, mb: int) -> None:  # type: ignore[n
         engine.record(mb, "fork8_parent_pause", fork.result.parent_pause_ms)
         ids = [child.id for child in fork.children]
         await note_pages(engine, mb, "fork_restored", ids)
+        if serving := page_server_kb(engine.config):  # its whole resident memory: malloc keeps what it freed
+            engine.count_pages(mb, "page_server_kb_serving_8", serving)
         spent = forked
         for step, stage in ((ONE_PCT, "1pct"), (ALL, "100pct")):
             start = time.perf_counter()
@@ -312,15 +330,17 @@ async def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict
     sizes = sorted({int(size) for size in args.sizes.split(",")})
     reference = min(sizes, key=lambda mb: abs(mb - args.state_mb))
     base = EngineConfig(state_dir=args.state_dir) if args.state_dir else EngineConfig()
-    configs = (EngineConfig(state_dir=base.state_dir, lazy_restore=True),
-               EngineConfig(state_dir=f"{base.state_dir}-eager", lazy_restore=False))
+    cow = not args.frozen_dump
+    configs = (EngineConfig(state_dir=base.state_dir, lazy_restore=True, copy_on_write_dump=cow),
+               EngineConfig(state_dir=f"{base.state_dir}-eager", lazy_restore=False, copy_on_write_dump=cow))
     async with AsyncFleet(config=configs[0]) as lazy_fleet, AsyncFleet(config=configs[1]) as eager_fleet:
-        lazy, eager = Engine("lazy", lazy_fleet), Engine("eager", eager_fleet)
+        lazy, eager = Engine("lazy", lazy_fleet, configs[0]), Engine("eager", eager_fleet, configs[1])
         await asyncio.gather(warm_up(lazy_fleet), warm_up(eager_fleet))
         for mb in sizes:
             await measure_size([lazy, eager], mb, args.rounds, progress)
         await measure_reset(lazy, reference, args.rounds * 3)
     out = report(lazy, eager, sizes, reference, args.rounds)
+    out["copy_on_write_dump"] = cow
     out["leaked"] = leaked(configs[0])
     out["leaked_eager"] = leaked(configs[1])
     return out
@@ -333,6 +353,8 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="repetitions of each measurement up to 256 MB (fewer above)")
     parser.add_argument("--state-dir", default=None,
                         help="lazy engine's state directory (default: FANFOLD_STATE_DIR or /var/lib/fanfold); the eager one's is DIR-eager")
+    parser.add_argument("--frozen-dump", action="store_true",
+                        help="write every page while the parent is frozen, as before copy-on-write dumps (FANFOLD_COW_DUMP=0)")
     parser.add_argument("--json", action="store_true", help="print only the final JSON line")
     args = parser.parse_args()
     started = time.perf_counter()

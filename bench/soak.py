@@ -14,8 +14,9 @@ step in the state dir's trajectory store.
 With probability ``--fault-rate`` a cycle is disturbed by one fault of ``--faults``: ``sigkill``
 (the sandbox's PID 1), ``kill_race`` (``kill()`` racing an exec), ``disk_full`` (the sandbox writes
 past its ``disk_mb``), ``state_full`` (the state filesystem filled for a moment, then freed),
-``netd_kill`` (the egress proxy SIGKILLed mid-fetch), ``page_server_kill`` (a lazy restore's page
-server SIGKILLed), ``registry_stall`` (a pull from the stalling registry). ``engine_sigkill``: the
+``netd_kill`` (the egress proxy SIGKILLed mid-fetch), ``page_server_kill`` (the page server of a
+lazy restore SIGKILLed: it serves every lazily restored sandbox, so those of other cycles it had not
+finished end ``gone`` too), ``registry_stall`` (a pull from the stalling registry). ``engine_sigkill``: the
 first half runs in a child process; the server is SIGKILLed at a random cycle, the child (its
 clients and trajectory writer) a second later, and a new server on the same state dir reconciles
 and serves the rest.

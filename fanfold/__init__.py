@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # what type checkers and readers see; _EXPORTS below must say
     )
     from .config import EngineConfig
     from .errors import (
-        BuildFailed, CapacityExceeded, CheckpointFailed, CommandFailed, ExecTimeout, FanfoldError,
+        BuildFailed, CapacityExceeded, CheckpointFailed, CheckpointRaced, CommandFailed, ExecTimeout, FanfoldError,
         FileNotFoundInSandbox, GroupNotFound, HostNotReady, ImageCorrupt, ImageInUse, ImageNotFound, InfrastructureError, InvalidPath,
         InvalidRequest, InvalidSpec, LeaseNotFound, LimitExceeded, NotFound, PolicyUnavailable, PortUnreachable,
         QuotaExceeded, RecordingNotFound, RegistryDenied, RegistryUnavailable, Retryable, SandboxGone, SandboxNotFound, ServiceFailed, SnapshotInUse, SnapshotNotFound,
@@ -48,7 +48,7 @@ _EXPORTS = {
     ),
     ".config": ("EngineConfig",),
     ".errors": (
-        "BuildFailed", "CapacityExceeded", "CheckpointFailed", "CommandFailed", "ExecTimeout", "FanfoldError",
+        "BuildFailed", "CapacityExceeded", "CheckpointFailed", "CheckpointRaced", "CommandFailed", "ExecTimeout", "FanfoldError",
         "FileNotFoundInSandbox", "GroupNotFound", "HostNotReady", "ImageCorrupt", "ImageInUse", "ImageNotFound", "InfrastructureError",
         "InvalidPath", "InvalidRequest", "InvalidSpec", "LeaseNotFound", "LimitExceeded", "NotFound",
         "PolicyUnavailable", "PortUnreachable", "QuotaExceeded", "RecordingNotFound", "RegistryDenied", "RegistryUnavailable", "Retryable", "SandboxGone", "SandboxNotFound", "ServiceFailed", "SnapshotInUse", "SnapshotNotFound",
@@ -77,6 +77,7 @@ __all__ = [
     "BuildFailed",
     "CapacityExceeded",
     "CheckpointFailed",
+    "CheckpointRaced",
     "CommandFailed",
     "CreateParams",
     "EngineConfig",

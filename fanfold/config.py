@@ -75,6 +75,12 @@ class EngineConfig:
     """Default cap on each of stdout and stderr kept per exec."""
     criu: str = field(default_factory=lambda: os.environ.get("FANFOLD_CRIU", DEFAULT_CRIU))
     """The CRIU binary that checkpoints memory (snapshot with memory, fork, suspend)."""
+    copy_on_write_dump: bool = field(
+        default_factory=lambda: os.environ.get("FANFOLD_COW_DUMP", "1") not in ("0", "false", "no"))
+    """A fork or a memory snapshot of a running sandbox stops it only while CRIU dumps all but its memory
+    (default): a fork of each process keeps the memory as it was, and the pages are written after the
+    sandbox runs again, so the pause does not grow with memory. ``FANFOLD_COW_DUMP=0``: every page is
+    written while the sandbox is frozen."""
     pressure_memory_mb: int = 512
     """Below this much available host memory the reaper evicts sticky sandboxes, lowest priority first."""
     pressure_disk_mb: int = 1024
@@ -131,11 +137,16 @@ class EngineConfig:
     """Memory snapshots' images no restore used for this long are dropped from the page cache (they stay
     on disk); hot ones are read from it."""
     page_servers_max: int = field(default_factory=lambda: _env_int("FANFOLD_PAGE_SERVERS_MAX", 128))
-    """Page servers (one process and about 1 MB for each lazily restored sandbox whose memory is not all in)
-    running at once (``FANFOLD_PAGE_SERVERS_MAX``); a restore past it copies every page before it returns."""
+    """Lazily restored sandboxes whose memory is not all in that the page server serves at once (about 25 kB
+    and a few file descriptors each; ``FANFOLD_PAGE_SERVERS_MAX``); a restore past it copies every page
+    before it returns."""
+    page_server_processes: int = field(default_factory=lambda: _env_int("FANFOLD_PAGE_SERVER_PROCESSES", 1))
+    """Processes of the page server (``FANFOLD_PAGE_SERVER_PROCESSES``): one serves every lazily restored
+    sandbox, its faults one at a time; more spread the sandboxes over them, for hosts where many
+    sandboxes fault at once (after a fork, say) and cores are free. Each costs about 1 MB."""
     page_server_idle_s: float = field(default_factory=lambda: _env_float_or("FANFOLD_PAGE_SERVER_IDLE_S", 60.0))
-    """A page server that copied no page for this long copies the rest in and exits
-    (``FANFOLD_PAGE_SERVER_IDLE_S``): an idle sandbox stops holding a process for pages it may never touch."""
+    """A sandbox whose page server copied no page for it for this long gets the rest copied in
+    (``FANFOLD_PAGE_SERVER_IDLE_S``): an idle sandbox stops being served for pages it may never touch."""
     pool_auto_max: int = 64
     """The most sandboxes a demand-sized pool (``size=None``) keeps warm."""
     pool_window_s: float = 60.0

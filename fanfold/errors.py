@@ -31,6 +31,7 @@
         ├── RegistryUnavailable the registry did not answer or broke off mid-pull
         └── InfrastructureError the runtime, the kernel or the agent failed
             ├── CheckpointFailed CRIU could not dump or restore; the sandbox runs on
+            │   └── CheckpointRaced a dump met a moment that passes (a connection not yet accepted)
             └── PolicyUnavailable the policy server failed or did not answer
 
 Errors from crun, the kernel, the agent and HTTP are translated into these at the edge,
@@ -248,6 +249,14 @@ class InfrastructureError(Retryable):
 
 class CheckpointFailed(InfrastructureError):
     """CRIU could not checkpoint or restore; the sandbox keeps running and nothing is left behind."""
+
+    kind = "checkpoint_failed"
+
+
+class CheckpointRaced(CheckpointFailed):
+    """The dump met a state that passes by itself in a moment: a process connected to a listening
+    unix socket and wrote, and the listener had not accepted yet (CRIU cannot carry the bytes). The
+    engine thaws the sandbox and tries again a few times before it lets this through."""
 
     kind = "checkpoint_failed"
 

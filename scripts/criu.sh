@@ -38,8 +38,13 @@ for arg in "$@"; do
 done
 (( check )) || (( EUID == 0 )) || die "must run as root"
 
+# Neither TLS for a remote page server nor nftables for the network lock (fanfold passes
+# --network-lock skip): without gnutls and libnftables, CRIU loads 8 shared libraries instead
+# of 22, and each of its runs (one inside every dump's pause, one per restore) and each process it
+# forks starts ~4 ms sooner.
+LEAN="without=gnutls,nftables"
 # What the build depends on: build options and patches (the version is added once known).
-recipe="rundir=$RUNDIR"
+recipe="rundir=$RUNDIR $LEAN"
 shopt -s nullglob
 patches=("$here"/criu/*.patch)
 shopt -u nullglob
@@ -73,7 +78,7 @@ current && exit 0
 # namespaces with `ip` and `iptables-restore`.
 PACKAGES=(gcc libc6-dev make pkg-config xz-utils patch ca-certificates
           libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf
-          libnl-3-dev libcap-dev libnet1-dev libbsd-dev libgnutls28-dev libaio-dev uuid-dev libnftables-dev
+          libnl-3-dev libcap-dev libnet1-dev libbsd-dev libaio-dev uuid-dev
           iproute2 iptables)
 mapfile -t missing < <(missing_packages "${PACKAGES[@]}")
 if (( ${#missing[@]} )); then
@@ -122,7 +127,11 @@ for p in "${patches[@]}"; do
     patch -d "$work/src" -p1 --batch --forward --quiet <"$p" >"$work/patch.log" 2>&1 \
         || { cat "$work/patch.log" >&2; die "patch $(basename "$p") does not apply to criu $version"; }
 done
-make -C "$work/src" -j"$(nproc)" criu RUNDIR="$RUNDIR" >"$work/build.log" 2>&1 \
+# CRIU's build takes libnftables wherever pkg-config finds it, with no switch to say no.
+printf '#!/bin/sh\nfor a in "$@"; do case "$a" in libnftables*) exit 1;; esac; done\nexec pkg-config "$@"\n' \
+    >"$work/pkg-config"
+chmod +x "$work/pkg-config"
+make -C "$work/src" -j"$(nproc)" criu RUNDIR="$RUNDIR" NO_GNUTLS=1 PKG_CONFIG="$work/pkg-config" >"$work/build.log" 2>&1 \
     || { tail -n 40 "$work/build.log" >&2; die "build of criu $version failed (make criu)"; }
 built="$work/src/criu/criu"
 [[ "$(binary_version "$built")" == "$version" ]] \

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fanfold._agent.client import AgentClient
+from fanfold._agent.client import AgentClient, AgentGone, AgentUnreachable
 
 
 def agent_of(commit: str, where: Path, protocol: int) -> Path:
@@ -27,6 +27,19 @@ def agent_of(commit: str, where: Path, protocol: int) -> Path:
     return binary
 
 
+async def until_listening(socket: Path, agent: subprocess.Popen[bytes], give_up_s: float = 10) -> AgentClient:
+    """A client of the agent at ``socket`` once it answers: the socket's file appears at bind, a
+    moment before the agent listens, so its existence alone does not say a connect will be taken."""
+    client, give_up = AgentClient(str(socket)), time.monotonic() + give_up_s
+    while True:
+        try:
+            await client.ping()
+            return client
+        except (AgentGone, AgentUnreachable):
+            assert agent.poll() is None and time.monotonic() < give_up, f"the agent never listened on {socket}"
+            await asyncio.sleep(0.01)
+
+
 class running:
     """The agent at ``binary`` listening in ``where`` (its own session), killed with its children on exit."""
 
@@ -37,11 +50,7 @@ class running:
         self.process = subprocess.Popen([str(self.binary), "--listen", str(self.socket), "--subreaper"],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
-        give_up = time.monotonic() + 10
-        while not self.socket.exists():
-            assert self.process.poll() is None and time.monotonic() < give_up
-            await asyncio.sleep(0.01)
-        return AgentClient(str(self.socket))
+        return await until_listening(self.socket, self.process)
 
     async def __aexit__(self, *exc: object) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)

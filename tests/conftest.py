@@ -148,7 +148,7 @@ def leaks(config: EngineConfig) -> dict[str, int]:
     runtime_root = config.run_dir / config.runtime
     return {
         "mounts": sum(len(mounts.mounts_under(config.state_dir / part)) for part in ("sandboxes", "groups")),
-        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent)),
+        "cgroups": len(cgroups.leftover_ids(config.cgroup_parent)) + len(cgroups.top_groups(f"build-{os.getpid()}-")),
         "containers": len([p for p in runtime_root.iterdir()]) if runtime_root.is_dir() else 0,
     }
 

@@ -121,9 +121,9 @@ async def test_a_lease_not_renewed_takes_its_sandboxes_with_it(config):
     engine = Engine(config)
     await engine.start()
     try:
+        kept = await engine.create(CreateParams())  # before the 1 s lease opens: a slow create would outlast it
         lease = await engine.open_lease(1)
         info = await engine.create(CreateParams(), lease=lease.id)
-        kept = await engine.create(CreateParams())
         renewed = await engine.renew_lease(lease.id)
         assert renewed.sandboxes == 1 and renewed.expires_at > lease.expires_at
         deadline = time.monotonic() + 15

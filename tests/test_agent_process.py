@@ -18,10 +18,13 @@ import pytest
 
 from fanfold._agent.build import agent_binary
 from fanfold._agent.client import PROTOCOL_VERSION, AgentClient, AgentGone, AgentProtocolError, ExecControl
+from fanfold.host import procs
+
+from agents import until_listening
 
 
 def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    return int(procs.stat_fields(pid)[1])
 
 
 def start_agent(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
@@ -38,11 +41,7 @@ def start_agent(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Pa
 async def test_the_agent_as_a_plain_process_keeps_services_and_orphans_at_home(tmp_path):
     agent, root, socket = start_agent(tmp_path, "--subreaper", "--oneshot", "setup", "echo ready; pwd")
     try:
-        client = AgentClient(str(socket))
-        give_up = time.monotonic() + 10
-        while not socket.exists():  # the agent binds its socket as it starts
-            assert agent.poll() is None and time.monotonic() < give_up, agent.stderr.read() if agent.stderr else ""
-            await asyncio.sleep(0.01)
+        client = await until_listening(socket, agent)
         assert await client.wait_ready() == "ok"
         assert (root / "var/log/fanfold/setup.log").read_text() == f"ready\n{root}\n"
         started = await client.exec(["/bin/sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], env=["PATH=/usr/bin:/bin"],
@@ -59,13 +58,6 @@ async def test_the_agent_as_a_plain_process_keeps_services_and_orphans_at_home(t
         agent.wait()
 
 
-async def _until(condition, what: str, agent: subprocess.Popen[bytes]) -> None:
-    give_up = time.monotonic() + 10
-    while not condition():
-        assert agent.poll() is None and time.monotonic() < give_up, f"waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 KEY = "5e" * 32
 
 
@@ -77,8 +69,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
     agent, root, socket = start_agent(tmp_path, "--hold", "--oneshot", "setup", "echo ran")
     log = root / "var/log/fanfold/setup.log"
     try:
-        client = AgentClient(str(socket))
-        await _until(socket.exists, "the socket", agent)
+        client = await until_listening(socket, agent)
         assert await client.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
         assert not log.exists()  # held: nothing ran
         await client.release_services(KEY)
@@ -99,7 +90,7 @@ async def test_a_held_agent_starts_services_on_g_and_drops_and_rebinds_its_liste
             await client.ping()
         socket.unlink()  # the stale socket file: the agent may not find its dir writable (gVisor's is locked)
         os.kill(agent.pid, signal.SIGUSR2)
-        await _until(socket.exists, "the rebound socket", agent)
+        await until_listening(socket, agent)
         assert await client.ping() == f"fanfold-agent {PROTOCOL_VERSION}"
         assert await client.proves(KEY) and not await client.proves("0" * 64)
         assert await client.token() == ""  # nothing secret for whoever asks
@@ -132,7 +123,7 @@ async def test_a_process_relaying_the_hosts_check_to_the_agent_gets_no_proof(tmp
         await client.drop_listener(KEY)
         path.unlink()
         os.kill(agent.pid, signal.SIGUSR2)
-        await _until(path.exists, "the rebound socket", agent)
+        await until_listening(path, agent)
         made_before = [socket.socket(socket.AF_UNIX) for _ in range(2)]
         for conn in made_before:
             conn.connect(str(path))
@@ -181,8 +172,7 @@ async def test_signal_requests_reach_only_running_execs(tmp_path):
 
 async def _started_agent(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], AgentClient, Path]:
     agent, root, socket = start_agent(tmp_path, *args)
-    await _until(socket.exists, "the socket", agent)
-    return agent, AgentClient(str(socket)), socket
+    return agent, await until_listening(socket, agent), socket
 
 
 async def _exec_with_stdin_pending(client: AgentClient, command: str, timeout_ms: int = 0):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fanfold import BuildFailed, EnvSpec, Fleet, ImageNotFound, InvalidRequest, InvalidSpec, ServiceFailed
-from fanfold.host import cgroups, mounts, procs
+from fanfold.host import census, cgroups, mounts
 from fanfold.images import LayerStore
 from fanfold.images.builder import StepEvent
 
@@ -76,15 +76,7 @@ def test_failed_step_names_step_code_and_tail_and_leaves_no_layer(fleet, config)
 
 def _processes_running(marker: str) -> list[int]:
     """Live processes whose command line holds ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                if marker.encode() in handle.read() and procs.running(entry):
-                    found.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return found
+    return [pid for pid, argv in census.processes() if marker.encode() in b"\0".join(argv)]
 
 
 async def _within(seconds: float, holds) -> bool:  # type: ignore[no-untyped-def]

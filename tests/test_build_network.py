@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import glob
 import http.server
 import ipaddress
 import json
@@ -30,7 +31,7 @@ from fanfold import AsyncFleet, EnvSpec, InvalidRequest, Unauthorized
 from fanfold.engine import Engine
 from fanfold.engine.network import build_refused
 from fanfold.images import Image, LayerStore
-from fanfold.host import stepnet
+from fanfold.host import cgroups, stepnet
 from outside import ADDRESS, PRIVATE_ADDRESS
 
 OUTSIDE_NS = f"fanfold-test-outside-{os.getpid()}"
@@ -290,15 +291,30 @@ def test_a_tenants_build_network_refuses_the_proxys_special_ranges_less_the_reac
 async def test_a_dead_builders_network_is_swept_when_an_engine_starts(config):
     made = subprocess.run(
         [sys.executable, "-c", "import asyncio, os, sys\nfrom fanfold.host import stepnet\n"
-         "net = stepnet.StepNetwork(sys.argv[1])\nprint(asyncio.run(net.netns()), flush=True)\nos._exit(0)",
+         "net = stepnet.StepNetwork(sys.argv[1])\nprint(asyncio.run(net.netns()), os.getpid(), flush=True)\n"
+         "os._exit(0)",
          config.tag], capture_output=True, text=True, timeout=60, check=True)
-    left = Path(made.stdout.strip())
+    path, builder = made.stdout.split()
+    left = Path(path)
     assert left.exists() and ours(config)["tables"], "the dead builder left nothing to sweep"
-    engine = Engine(config)
-    await engine.start()  # reconciles: sweeps what dead owners left
-    await engine.close()
+    # And a step its runtime never recorded (killed mid-create): its process lives on in its cgroup.
+    step = subprocess.Popen(["sleep", "60"])
+    group = f"build-{builder}-0000dead"
+    for directory in cgroups.sandbox_dirs(group):
+        directory.mkdir()
+        if "cpuset" not in directory.parent.name:  # an empty cpuset takes no task
+            (directory / "cgroup.procs").write_text(str(step.pid))
+    try:
+        engine = Engine(config)
+        await engine.start()  # reconciles: sweeps what dead owners left
+        await engine.close()
+        assert step.wait(timeout=10) == -9
+    finally:
+        step.kill()
+        cgroups.remove_group(group)
     assert not left.exists()
     assert ours(config) == {"netns": [], "tables": []}
+    assert not cgroups.top_groups(group)
 
 
 async def test_a_cancelled_build_removes_its_network(config):
@@ -316,6 +332,9 @@ async def test_a_cancelled_build_removes_its_network(config):
     while in_netns(inode):
         assert time.monotonic() < deadline, "the cancelled step still runs"
         time.sleep(0.05)
+    # However early the cancel came (before the runtime recorded the container, too), no group is left.
+    assert not [d for root in ("/sys/fs/cgroup", *map(str, cgroups.v1_roots().values()), *map(str, cgroups.v2_roots()))
+                for d in glob.glob(f"{root}/build-{os.getpid()}-*")]
 
 
 def in_netns(inode: int) -> list[str]:

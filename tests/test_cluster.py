@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STATE_DIR, leaks, run_cli, settle, stray_processes
+from test_snapshots import COUNTER, advances
 
 ray = pytest.importorskip("ray")
 
@@ -138,15 +139,13 @@ async def test_fork_and_memory_snapshot_stay_on_their_node(fleet):
         assert {ids.node_of(child.id) for child in fork.children} == {ids.node_of(parent.id)}
         for child in fork.children:
             assert (await child.exec("cat /state")).stdout == b"parent\n"
-    await parent.exec("nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /count; sleep 0.05; done' >/dev/null 2>&1 &")
+    await parent.exec(COUNTER)
     snap = await parent.snapshot(memory=True, name="cluster-snap")
     assert ids.node_of(snap.id) == ids.node_of(parent.id)
     assert (await fleet.get_snapshot("cluster-snap")).id == snap.id
     async with await fleet.create("cluster-snap", memory_mb=256) as restored:  # by name: found on its node
         assert ids.node_of(restored.id) == ids.node_of(parent.id), "locality: the holder has room"
-        first = int((await restored.exec("cat /count")).stdout)
-        await restored.exec("sleep 0.3")
-        assert int((await restored.exec("cat /count")).stdout) > first, "the loop runs on: memory was restored"
+        assert await advances(restored), "the loop runs on: memory was restored"
     await parent.kill()
     await fleet.delete_snapshot(snap.id)
 
@@ -449,7 +448,7 @@ def test_cli_ray_with_no_cluster_at_the_address_is_one_line_at_once():
     assert done.stderr.startswith("error: InfrastructureError: no Ray cluster answers at 127.0.0.1:1"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "start one on this machine with `ray start --head`, then `fanfold ray start`" in done.stderr
-    assert time.monotonic() - started < 10, "not Ray's own minutes of retries"
+    assert time.monotonic() - started < 30, "not Ray's own minutes of retries"
 
 
 def test_joining_silences_rays_token_notice_and_nothing_else(tmp_path):

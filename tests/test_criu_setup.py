@@ -50,6 +50,6 @@ def test_lazy_restore_check_sees_the_patched_page_server_and_says_what_the_kerne
     check = doctor.check_lazy_restore()
     if not check.ok and "no CRIU" in check.detail:
         pytest.skip("CRIU is not built here")
-    assert check.ok and "on-demand page server" in check.detail and "dirty tracking" in check.detail
+    assert check.ok and "on-demand, shared page server" in check.detail and "dirty tracking" in check.detail
     stock = doctor.check_lazy_restore(str(fake_criu(tmp_path, "Looks good.", 0)))
-    assert not stock.ok and "lacks fanfold's on-demand page server" in stock.detail and "criu.sh" in stock.fix
+    assert not stock.ok and "lacks fanfold's on-demand, shared page server" in stock.detail and "criu.sh" in stock.fix

@@ -688,7 +688,7 @@ async def test_fake_no_memory_backend_still_reaps_idle_sandboxes_past_a_sticky_o
         sticky = None
     try:
         ephemeral = await no_memory.create(idle_timeout=0.3)
-        await until(gone(engine, ephemeral.id), "the idle ephemeral sandbox to be destroyed", timeout=5)
+        await until(gone(engine, ephemeral.id), "the idle ephemeral sandbox to be destroyed", timeout=15)
         if sticky is not None:
             assert (await sticky.refresh()).state == "running"  # cannot be suspended: left as it is
     finally:

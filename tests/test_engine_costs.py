@@ -10,16 +10,18 @@ import contextlib
 import os
 import re
 import sqlite3
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from conftest import leaks
-from fanfold import AsyncFleet, InvalidRequest, SandboxInfo
+from fanfold import AsyncFleet, EnvSpec, InvalidRequest, SandboxInfo
 from fanfold.engine import Engine
 from fanfold.engine import db as dbmod
-from fanfold.host import procs, spawn
+from fanfold.host import procs, setup, spawn
 from fanfold.models import Limits
 
 CLEAN = {"mounts": 0, "cgroups": 0, "containers": 0}
@@ -58,25 +60,42 @@ async def test_a_lifecycle_runs_nine_statements_two_thread_calls_and_one_runtime
             handed.append(getattr(fn, "__name__", fn))
             return real_executor(executor, fn, *args)
 
-        spawned: list[list[str]] = []
-        real_run = spawn.run
+        spawned: list[tuple[str, bool]] = []  # (runtime command, started on the event loop's thread)
+        real_run, real_start = spawn.run, spawn.start_logged
 
         async def run(argv: list[str], **kwargs: Any) -> spawn.Finished:
-            spawned.append(argv)
+            spawned.append((argv[3], True))
             return await real_run(argv, **kwargs)
+
+        def start_logged(argv: list[str], **kwargs: Any) -> int:
+            spawned.append((argv[3], threading.current_thread() is threading.main_thread()))
+            return real_start(argv, **kwargs)
 
         monkeypatch.setattr(loop, "run_in_executor", counted)
         monkeypatch.setattr("fanfold.runtime.oci.run", run)
+        monkeypatch.setattr("fanfold.runtime.oci.start_logged", start_logged)
         made: list[str] = []
         with statements(engine, made) as sql:
             sandbox = await fleet.create()
             made.append(sandbox.id)
             assert (await sandbox.exec(["true"])).ok
             await sandbox.kill()
-        thread_calls, runtime_calls = list(handed), [argv[3] for argv in spawned]
+        thread_calls, runtime_calls = list(handed), list(spawned)
     assert len(sql) == STATEMENTS_PER_LIFECYCLE, sql
     assert thread_calls == ["_make_root", "_end_and_release"]  # a create's file system work, then a release's
-    assert runtime_calls == ["run"]  # no `crun delete`: the engine forgets a container whose processes are gone
+    # The runtime starts from the create's one thread call, whose file system work goes on while it runs: its
+    # spawn, which waits out the runtime's exec, holds neither the event loop nor the GIL (see below). No
+    # `crun delete`: the engine forgets a container whose processes are gone.
+    assert runtime_calls == [("run", False)]
+    assert leaks(config) == CLEAN
+
+
+async def test_a_created_sandbox_is_named_before_its_services_start(config):
+    # /etc/hostname is written while the runtime starts: a service (started once that is done) reads it written.
+    async with AsyncFleet(config=config) as fleet:
+        image = await fleet.build(EnvSpec("host").service("name", "cat /etc/hostname > /tmp/seen", mode="oneshot"))
+        async with await fleet.create(image) as sandbox:
+            assert (await sandbox.exec(["cat", "/etc/hostname", "/tmp/seen"])).stdout.decode() == f"{sandbox.id}\n" * 2
     assert leaks(config) == CLEAN
 
 
@@ -134,3 +153,57 @@ def test_read_small_reads_a_file_whole(tmp_path: Path):
     assert re.match(rb"MemTotal:\s+\d+ kB", procs.read_small("/proc/meminfo"))
     with pytest.raises(FileNotFoundError):
         procs.read_small(str(tmp_path / "missing"))
+
+
+def test_a_spawn_lets_go_of_the_gil_while_its_child_starts(monkeypatch):
+    # With a switch interval this long, the GIL changes hands only when its holder blocks: the main thread,
+    # waking every 0.1 ms, sees the other thread inside posix_spawn only if the call let go of the GIL
+    # (os.posix_spawnp holds it while the child executes, and every other thread, the event loop's among
+    # them, waits that long).
+    inside, seen, done, real = [False], [False], threading.Event(), spawn._posix_spawnp
+
+    def marked(*args: Any) -> int:
+        inside[0] = True
+        try:
+            return real(*args)
+        finally:
+            inside[0] = False
+
+    def spawner() -> None:
+        for _ in range(20):
+            pid = spawn.start_logged(["true"], log=os.devnull)
+            os.waitpid(pid, 0)
+            spawn.WAITING.discard(pid)
+        done.set()
+
+    monkeypatch.setattr(spawn, "_posix_spawnp", marked)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000)
+    try:
+        thread = threading.Thread(target=spawner)
+        thread.start()
+        while not done.wait(0.0001):
+            seen[0] = seen[0] or inside[0]
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert seen[0]
+
+
+async def test_a_runtime_that_exits_before_its_starter_records_it_is_not_reaped_as_an_orphan(monkeypatch, tmp_path):
+    # The starter gets the GIL back only after the child (named as a runtime, so orphan reaping looks
+    # at it) is already a zombie, and a reaper pass runs in between, as under a burst of creates.
+    runtime = tmp_path / "crun"
+    runtime.symlink_to("/bin/true")
+    real = spawn._posix_spawnp
+
+    def slow_to_record(*args: Any) -> int:
+        pid = real(*args)
+        while procs.stat_fields(pid)[:1] != ["Z"]:
+            os.sched_yield()
+        setup.reap_orphans()
+        return pid
+
+    monkeypatch.setattr(spawn, "_posix_spawnp", slow_to_record)
+    done = await spawn.run([str(runtime)], timeout=10)
+    assert done.returncode == 0

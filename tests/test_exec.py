@@ -124,7 +124,9 @@ async def test_killed_by_a_signal(afleet):
 
 async def test_background_processes_do_not_hold_the_exec(afleet):
     async with await afleet.create() as sandbox:
-        result = await sandbox.exec("sleep 100 & echo started", timeout=10)
+        # waits for the child to be sleep: a pgrep right after could find it still a forked sh
+        result = await sandbox.exec("sleep 100 & while [ \"$(cat /proc/$!/comm)\" != sleep ]; do :; done; echo started",
+                                    timeout=10)
         still = await sandbox.exec("pgrep -c sleep")
     assert result.ok and result.duration_s < 2 and still.text.strip() == "1"
 

@@ -24,14 +24,20 @@ async def embedded(config):
 
 
 async def test_map_runs_concurrently_and_yields_as_finished(embedded):
-    running, peak = 0, 0
+    running, peak, created = 0, 0, 0
+    first_four_created = asyncio.Event()
 
     async def rollout(item):
-        nonlocal running, peak
+        nonlocal running, peak, created
         running += 1
         peak = max(peak, running)
         try:
             async with await embedded.create(labels={"rollout_id": f"map-{item}"}) as sandbox:
+                created += 1
+                if created == 4:
+                    first_four_created.set()
+                if item < 4:  # the first four sleep from the same instant, however long each create took
+                    await first_four_created.wait()
                 result = await sandbox.exec(f"sleep {0.15 * (4 - item % 4)}; echo {item}")
                 return int(result.text)
         finally:

@@ -243,3 +243,51 @@ def test_a_sandbox_group_a_dead_checkpointer_left_frozen_is_removed_whole(config
             task.kill()
             task.wait()
             cgroups.remove(config.cgroup_parent, sandbox_id)
+
+
+async def test_a_create_failing_while_its_runtime_starts_leaves_nothing(config, monkeypatch):
+    # The runtime starts from the create's thread before /etc/hostname is written: a failure there (here once
+    # the sandbox's agent runs) waits the runtime out, and the create's usual release removes all it made.
+    from fanfold.host import census
+    from fanfold.runtime import oci_sandbox as resources
+
+    def full(*args):
+        give_up = time.monotonic() + 30
+        while not census.agent_pids(config):
+            assert time.monotonic() < give_up, "the runtime never started the agent"
+            time.sleep(0.005)
+        raise OSError(28, "No space left on device")
+
+    async with AsyncFleet(config=config) as fleet:
+        await (await fleet.create()).kill()  # the base is built
+        monkeypatch.setattr(resources, "name_host", full)
+        with pytest.raises(CapacityExceeded, match="creating sandbox failed: .*No space"):
+            await fleet.create()
+        assert await fleet.list() == []
+    assert census.census(config)["agents"] == 0 and leaks(config) == CLEAN
+
+
+async def test_a_create_cancelled_while_its_runtime_starts_leaves_nothing(config, monkeypatch):
+    import threading
+
+    from fanfold.host import census
+    from fanfold.runtime import oci_sandbox as resources
+
+    entered, release, real = threading.Event(), threading.Event(), resources.name_host
+
+    def held(*args):
+        entered.set()
+        release.wait(30)
+        real(*args)
+
+    async with AsyncFleet(config=config) as fleet:
+        await (await fleet.create()).kill()  # the base is built
+        monkeypatch.setattr(resources, "name_host", held)
+        creating = asyncio.ensure_future(fleet.create())
+        assert await asyncio.to_thread(entered.wait, 30)  # the runtime is starting, the thread still busy
+        creating.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await creating
+        assert await fleet.list() == []
+    assert census.census(config)["agents"] == 0 and leaks(config) == CLEAN

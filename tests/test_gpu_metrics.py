@@ -38,6 +38,8 @@ GPU = "GPU-5d1a2c3e-0000-4000-8000-00000000f00d"
 GiB = 2**30
 TOKENS = {"alice": "alice-gpu-token-0123456789", "bob": "bob-gpu-token-0123456789ab", "": "host-gpu-token-0123456789"}
 HAS_GPU = Path("/dev/nvidia0").exists()
+# a background sleep, returned once it is named sleep (a forked sh before its exec is not found by name)
+SLEEPER = "sleep 600 >/dev/null 2>&1 & while [ \"$(cat /proc/$!/comm)\" != sleep ]; do :; done"
 
 
 class StandIn:
@@ -138,7 +140,7 @@ async def test_a_sandboxs_processes_add_up_and_a_gpu_counts_its_holders(gpu_conf
         idle = await fleet.create(gpus=f"device={UUIDS[0]}")
         stray, plain = await fleet.create(), await fleet.create()  # no GPU held; NVML sees ``stray`` on one
         for sandbox in (busy, stray):
-            await sandbox.exec("sleep 600 >/dev/null 2>&1 &")
+            await sandbox.exec(SLEEPER)
         pids = sandbox_pids(gpu_config, busy.id)
         stand_in.uses = {pids["sleep"]: (GiB, 70), pids["agent"]: (GiB // 2, 60), os.getpid(): (4 * GiB, 50),
                          sandbox_pids(gpu_config, stray.id)["sleep"]: (GiB // 4, 5)}
@@ -226,8 +228,8 @@ async def test_each_tenant_sees_its_own_sandboxes_gpu_use_over_http(config, stan
     async with AsyncFleet(gpu_server, token=TOKENS["alice"]) as alice, \
             AsyncFleet(gpu_server, token=TOKENS["bob"]) as bob:
         mine, theirs = await alice.create(), await bob.create()
-        await mine.exec("sleep 600 >/dev/null 2>&1 &")
-        await theirs.exec("sleep 600 >/dev/null 2>&1 &")
+        await mine.exec(SLEEPER)
+        await theirs.exec(SLEEPER)
         stand_in.uses = {sandbox_pids(config, mine.id)["sleep"]: (GiB, 40),
                          sandbox_pids(config, theirs.id)["sleep"]: (2 * GiB, 25)}
         stats = await alice.metrics()

@@ -98,7 +98,7 @@ async def test_pull_by_tag_then_by_digest_stores_layers_once(images: ImageStore,
     again = await images.pull(pushed, tls_verify=False, on_progress=events.append)
     warm = time.monotonic() - start
     assert again.id == first.id and again.layers == first.layers
-    assert [e.status for e in events] == ["exists", "exists"] and warm < 1.0
+    assert [e.status for e in events] == ["exists", "exists"] and warm < 5.0
     assert images.store.resolve_ref(pushed) == first.id
     assert images.store.resolve_ref(f"{registry.host}/app:v1") == first.id
     assert len(storage_layers(images)) == 2

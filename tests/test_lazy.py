@@ -1,7 +1,7 @@
 """Lazy restore against real CRIU and crun: a sandbox restored from memory images gets each page
-when it first touches it, from a page server (`criu lazy-pages`, patched) whose counters say
-what it copied; a page server's death ends its sandbox with the reason, never leaves it running
-on zero-filled memory.
+when it first touches it, from the engine's one page server (`criu lazy-pages`, patched to serve
+every restore), whose counters say what it copied for each; the page server's death ends the
+sandboxes it had not finished with the reason, never leaves them running on zero-filled memory.
 
 A holder process keeps MB MiB whose pages each carry a known byte; on cue it reads every STEP-th
 page and writes how many were wrong, so every touch also checks the memory came back intact.
@@ -17,7 +17,8 @@ import subprocess
 
 import pytest
 
-from fanfold import AsyncFleet, CheckpointFailed, EngineConfig, SandboxGone
+from fanfold import AsyncFleet, CheckpointFailed, EngineConfig, InfrastructureError, SandboxGone
+from fanfold.host import census, procs
 from fanfold.runtime import lazy, oci_sandbox
 
 MB = 64
@@ -63,6 +64,26 @@ async def pages(fleet, sandbox_id: str) -> dict | None:
 
 def lazy_dir(config: EngineConfig, sandbox_id: str):
     return oci_sandbox.paths(config, sandbox_id).lazy
+
+
+def our_page_servers(config: EngineConfig) -> list[int]:
+    """The page servers of this process's engine: a server the session started on the same state dir
+    (the unix and tcp transports' engine) has its own."""
+    return [pid for pid in census.page_servers(config) if procs.stat_fields(pid)[1:2] == [str(os.getpid())]]
+
+
+def server_pid(config: EngineConfig, sandbox_id: str) -> int:
+    """The pid of the page server serving ``sandbox_id``."""
+    return int((lazy_dir(config, sandbox_id) / lazy.PID_FILE).read_text().split()[0])
+
+
+async def kill_page_server(pid: int, sandbox) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL page server ``pid`` and see ``sandbox``, which it had not finished, end for it."""
+    os.kill(pid, 9)
+    assert wait_gone(pid)
+    with pytest.raises(SandboxGone, match="page server .* was killed by signal 9 after copying"):
+        for _ in range(100):  # a call the engine took before it saw the kill may still finish
+            await sandbox.exec("true")
 
 
 def wait_gone(pid: int, timeout: float = 60) -> bool:
@@ -127,16 +148,107 @@ async def test_a_lazy_sandbox_is_drained_before_a_checkpoint_and_loses_nothing(h
         assert await touch(child, 1, 1) == 0
 
 
+async def test_one_page_server_serves_every_lazy_restore(holder_snapshot, config):
+    fleet, snapshot = holder_snapshot
+    async with await fleet.create(snapshot.id, memory_mb=MB + 192) as first, \
+            await fleet.create(snapshot.id, memory_mb=MB + 192) as second:
+        pid = server_pid(config, first.id)
+        assert server_pid(config, second.id) == pid
+        assert our_page_servers(config) == [pid]
+        assert await touch(first, 1, 100) == 0
+        assert (await pages(fleet, second.id))["copied"] < PAGES // 20, "each sandbox counts its own pages"
+        assert await touch(second, 1, 1) == 0
+        assert (await pages(fleet, second.id))["copied"] >= PAGES
+        assert (await pages(fleet, first.id))["copied"] < PAGES // 20
+        async with await first.fork(2) as fork:  # drains first alone, its children served by the same daemon
+            assert (await pages(fleet, first.id))["state"] == "done"
+            assert (await pages(fleet, second.id))["state"] == "serving"
+            assert {server_pid(config, c.id) for c in fork.children} == {pid}
+            assert await touch(fork.children[0], 1, 1) == 0
+
+
+async def test_execs_in_a_served_sandbox_leave_the_page_server_nothing(holder_snapshot, config):
+    """Each exec forks the agent, whose uffd the page server gets for the child: it lets go of it
+    once the child exec'd, not at the sandbox's end."""
+    fleet, snapshot = holder_snapshot
+    async with await fleet.create(snapshot.id, memory_mb=MB + 192) as child:
+        fds = f"/proc/{server_pid(config, child.id)}/fd"
+        before = len(os.listdir(fds))
+        for _ in range(20):
+            assert (await child.exec("true")).ok
+        assert len(os.listdir(fds)) - before < 5
+        assert await touch(child, 1, 1) == 0
+
+
+async def test_a_restore_the_page_server_cannot_serve_fails_alone(holder_snapshot, config, tmp_path):
+    fleet, snapshot = holder_snapshot
+    async with await fleet.create(snapshot.id, memory_mb=MB + 192) as served:
+        pages_ = fleet._transport.backend.pages  # type: ignore[attr-defined]
+        with pytest.raises(InfrastructureError, match="cannot serve sandbox sb-none: cannot open the images dir"):
+            await pages_.serve("sb-none", tmp_path / "missing", tmp_path)
+        assert await touch(served, 1, 1) == 0
+        async with await fleet.create(snapshot.id, memory_mb=MB + 192) as later:
+            assert server_pid(config, later.id) == server_pid(config, served.id)
+            assert await touch(later, 1, 10) == 0
+
+
+async def test_a_sandbox_whose_pages_cannot_be_read_ends_alone(holder_snapshot, config):
+    """The page server fails that sandbox's session, not itself: the sandbox ends with the reason,
+    another it serves goes on."""
+    fleet, snapshot = holder_snapshot
+    async with await fleet.create() as plain:
+        other = await plain.snapshot(memory=True)
+    try:
+        async with await fleet.create(other.id) as bystander:
+            broken = await fleet.create(snapshot.id, memory_mb=MB + 192)
+            assert server_pid(config, broken.id) == server_pid(config, bystander.id)
+            for image in (config.state_dir / "snapshots" / snapshot.id / "memory").glob("pages-*.img"):
+                os.truncate(image, 0)
+            with pytest.raises(SandboxGone, match="page server .* failed to serve it"):
+                await touch(broken, 1, 1)
+                for _ in range(100):
+                    await broken.exec("true")
+            assert (await bystander.exec("echo on")).text == "on\n"
+            assert our_page_servers(config) == [server_pid(config, bystander.id)]
+    finally:
+        await fleet.delete_snapshot(other.id)
+
+
+async def test_page_server_processes_share_the_sandboxes_and_die_alone(config, holder_snapshot):
+    _, snapshot = holder_snapshot
+    two = EngineConfig(state_dir=config.state_dir, page_server_processes=2)
+    async with AsyncFleet(config=two) as fleet:
+        first, second = await asyncio.gather(*(fleet.create(snapshot.id, memory_mb=MB + 192) for _ in range(2)))
+        async with first, second:  # restored at once, on one server each
+            pid = server_pid(config, first.id)
+            assert server_pid(config, second.id) != pid
+            assert sorted(our_page_servers(config)) == sorted([pid, server_pid(config, second.id)])
+            await kill_page_server(pid, first)
+            assert await touch(second, 1, 1) == 0
+
+
 async def test_a_killed_page_server_ends_its_sandbox_and_says_why(holder_snapshot, config):
     fleet, snapshot = holder_snapshot
     child = await fleet.create(snapshot.id, memory_mb=MB + 192)
-    pid = int((lazy_dir(config, child.id) / lazy.PID_FILE).read_text().split()[0])
-    os.kill(pid, 9)
-    assert wait_gone(pid)
-    with pytest.raises(SandboxGone, match="page server .* was killed by signal 9 after copying"):
-        for _ in range(100):  # a call the engine took before it saw the kill may still finish
-            await child.exec("true")
+    pid = server_pid(config, child.id)
+    await kill_page_server(pid, child)
     assert child.id not in {s.id for s in await fleet.list()}
+
+
+async def test_a_killed_page_server_ends_only_the_sandboxes_it_had_not_finished(holder_snapshot, config):
+    """A sandbox whose memory is all in keeps running; the next lazy restore gets a new page server."""
+    fleet, snapshot = holder_snapshot
+    async with await fleet.create(snapshot.id, memory_mb=MB + 192) as finished:
+        pid = server_pid(config, finished.id)
+        await fleet.delete_snapshot((await finished.snapshot(memory=True)).id)  # drains it first
+        assert (await pages(fleet, finished.id))["state"] == "done"
+        unfinished = await fleet.create(snapshot.id, memory_mb=MB + 192)
+        assert server_pid(config, unfinished.id) == pid
+        await kill_page_server(pid, unfinished)
+        assert await touch(finished, 1, 1) == 0
+        async with await fleet.create(snapshot.id, memory_mb=MB + 192) as later:
+            assert server_pid(config, later.id) != pid
+            assert await touch(later, 1, 1) == 0
 
 
 async def test_a_page_server_killed_mid_restore_fails_the_restore_cleanly(holder_snapshot, config, tmp_path):
@@ -165,7 +277,7 @@ async def test_a_sandbox_outliving_its_engine_gets_all_its_memory(holder_snapsho
     fleet, snapshot = holder_snapshot
     async with AsyncFleet(config=config) as other:
         kept = await other.create(snapshot.id, memory_mb=MB + 192, detached=True)
-        pid = int((lazy_dir(config, kept.id) / lazy.PID_FILE).read_text().split()[0])
+        pid = server_pid(config, kept.id)
     try:
         assert wait_gone(pid), "the page server did not finish after its engine closed"
         assert (await pages(fleet, kept.id))["copied"] >= PAGES
@@ -187,30 +299,29 @@ async def test_eager_restore_is_a_switch(config, holder_snapshot):
             assert await touch(child, 1, 1) == 0
 
 
-async def test_an_idle_page_server_copies_the_rest_in_and_ends(config, holder_snapshot):
-    """A sandbox that stops touching new pages does not keep a page server for the rest."""
+async def test_an_idle_sandbox_gets_the_rest_of_its_memory(config, holder_snapshot):
+    """A sandbox that stops touching new pages does not keep the page server serving it."""
     _, snapshot = holder_snapshot
     idle = EngineConfig(state_dir=config.state_dir, page_server_idle_s=0.5)
     async with AsyncFleet(config=idle) as fleet:
         async with await fleet.create(snapshot.id, memory_mb=MB + 192) as child:
-            try:
-                pid = int((lazy_dir(config, child.id) / lazy.PID_FILE).read_text().split()[0])
-            except FileNotFoundError:
-                pid = None  # drained already
-            assert pid is None or await asyncio.to_thread(wait_gone, pid, 30), "the idle page server still runs"
+            source = fleet._transport.backend.page_sources.get(child.id)  # type: ignore[attr-defined]
+            if source is not None:  # else drained already
+                assert await asyncio.wait_for(source.ended(), 30) is None
+            assert not (lazy_dir(config, child.id) / lazy.PID_FILE).exists()
             counts = await pages(fleet, child.id)
             assert counts["state"] == "done" and counts["copied"] >= PAGES
             assert await touch(child, 1, 1) == 0
 
 
-async def test_restores_past_the_page_server_cap_copy_every_page_at_once(config, holder_snapshot):
+async def test_restores_past_the_cap_on_lazy_sandboxes_copy_every_page_at_once(config, holder_snapshot):
     _, snapshot = holder_snapshot
     capped = EngineConfig(state_dir=config.state_dir, page_servers_max=1)
     async with AsyncFleet(config=capped) as fleet:
         async with await fleet.create(snapshot.id, memory_mb=MB + 192) as first, \
                 await fleet.create(snapshot.id, memory_mb=MB + 192) as second:
             assert (await pages(fleet, first.id))["state"] == "serving"
-            assert await pages(fleet, second.id) is None  # restored eagerly: no page server of its own
+            assert await pages(fleet, second.id) is None  # restored eagerly: not served
             assert list(fleet._transport.backend.page_sources) == [first.id]  # type: ignore[attr-defined]
             assert await touch(first, 1, 1) == 0 and await touch(second, 1, 1) == 0
         async with await fleet.create(snapshot.id, memory_mb=MB + 192) as third:  # room again: lazy

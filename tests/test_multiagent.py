@@ -164,6 +164,7 @@ def test_a_fork_mid_episode_continues_independently(sync_fleet):
         first, second = copies
         first.step({"server": shell("echo only-in-the-first > /srv/note"), "client": WAIT})
         second.step({"server": WAIT, "client": WAIT})
+        assert fetched(second.step({"server": WAIT, "client": fetch(port, "")})[0]["client"])  # its server answers
         assert fetched(first.step({"server": WAIT, "client": fetch(port, "note")})[0]["client"]) == "only-in-the-first"
         missing = second.step({"server": WAIT, "client": shell(
             f"python3 -c \"import urllib.request as u; u.urlopen('http://server:{port}/note', timeout=5)\"")})

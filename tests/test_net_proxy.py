@@ -569,9 +569,9 @@ async def test_raw_tunnel_echoes_half_closes_and_cut_ends_it(servers: Servers) -
 
 
 async def test_an_idle_tunnel_is_closed_and_counted_a_busy_one_is_not(servers: Servers) -> None:
-    async with running({"allow": ["allowed.test"]}, idle_timeout=0.5) as run:
+    async with running({"allow": ["allowed.test"]}, idle_timeout=1.0) as run:
         _, reader, writer = await connect(run, f"allowed.test:{servers.echo}")
-        for i in range(8):  # 1.2 s of traffic, never 0.5 s apart: the tunnel stays
+        for i in range(12):  # 1.8 s of traffic, never 1 s apart: the tunnel stays
             writer.write(b"ping")
             assert await reader.readexactly(4) == b"ping"
             await asyncio.sleep(0.15)

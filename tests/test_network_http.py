@@ -321,6 +321,7 @@ def start_slow(sandbox: Sandbox, outside: Outside, key: str) -> None:
 def slow_result(sandbox: Sandbox, key: str) -> tuple[str, str]:
     """The detached curl's exit status and output, once it ended."""
     done = sandbox.exec(f"while ! test -s /tmp/{key}.rc; do sleep 0.02; done; cat /tmp/{key}.rc", timeout=30)
+    assert done.ok, done  # else the curl did not end within its own 30 s
     return done.stdout.decode().strip(), sandbox.exec(f"cat /tmp/{key}.out").stdout.decode()
 
 

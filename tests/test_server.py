@@ -460,6 +460,10 @@ async def test_calls_a_stopping_server_cannot_finish_get_a_retryable_answer_and_
             stream = asyncio.create_task(streamed())
             sdk = asyncio.create_task(other.exec("echo started; sleep 60", on_output=seen))
             await asyncio.wait_for(started.wait(), 20)
+            # the plain and the streamed call are running too (each one sleep) before the server stops
+            both = await (await fleet.get(sandbox)).exec(
+                "until [ \"$(pgrep -c -x sleep)\" -ge 2 ]; do sleep 0.02; done", timeout=20)
+            assert both.ok, both
             code = await asyncio.to_thread(stop_server, private)
             answered, lines = await plain, await stream
             with pytest.raises(Retryable, match="the server stopped before the call finished"):

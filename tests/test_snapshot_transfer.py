@@ -32,13 +32,12 @@ from fanfold.host import cgroups, disk, mounts
 from fanfold.images import LayerStore
 
 from conftest import STATE_DIR, TOKENS, leaks, start_server, stop_server
+from test_snapshots import COUNTER, advances, count
 
 STATE_B = STATE_DIR.with_name(STATE_DIR.name + "-node-b")
 ALICE = TOKENS["alice"]
 HOST = "cluster-host-token-0123456789"
 """Both nodes take it as their host's own tenant, as a cluster's nodes do."""
-COUNTER = ("echo 0 > /tmp/count; nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new;"
-           " mv /tmp/count.new /tmp/count; sleep 0.02; done' >/dev/null 2>&1 &")
 
 
 def _remove_state(path: Path) -> None:
@@ -143,16 +142,14 @@ async def test_a_disk_snapshot_taken_on_a_starts_a_sandbox_on_b(on_a, on_b, impo
 async def test_a_memory_snapshot_keeps_its_processes_on_b(on_a, on_b, importer):
     async with await on_a.create(memory_mb=256) as sandbox:
         await sandbox.exec(COUNTER)
-        await sandbox.exec("sleep 0.2")
-        before = int((await sandbox.exec("cat /tmp/count")).text)
+        assert await advances(sandbox)
+        before = await count(sandbox)
         snapshot = await sandbox.snapshot(memory=True)
     imported = await importer(snapshot.id)
     assert imported.memory and imported.limits.memory_mb == 256
     async with await on_b.create(snapshot.id) as copy:
-        first = int((await copy.exec("cat /tmp/count")).text)
-        assert first >= before  # the loop goes on from where it was: a disk snapshot would start none
-        await copy.exec("sleep 0.2")
-        assert int((await copy.exec("cat /tmp/count")).text) > first
+        assert await count(copy) >= before  # the loop goes on from where it was: a disk snapshot would start none
+        assert await advances(copy)
 
 
 async def test_a_memory_snapshot_restores_as_a_nodes_first_sandbox(on_a, on_b, importer):

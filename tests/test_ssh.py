@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fanfold import AsyncFleet, InvalidRequest, SshAccess
+from fanfold.host import census
 from fanfold.ssh import check_public_keys, parse_tenant_keys
 
 from conftest import STATE_DIR, TOKENS, run_cli, start_server, stop_server
@@ -44,14 +45,7 @@ async def ssh(key: Path, *where: str, command: str = "hostname; id -un",
 
 def sshd_processes() -> list[int]:
     """Host pids of the sshds that fanfold started in sandboxes (their config path says so)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and b"/etc/fanfold-ssh/sshd_config" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:  # gone meanwhile
-            continue
-    return found
+    return [pid for pid, argv in census.processes() if b"/etc/fanfold-ssh/sshd_config" in b"\0".join(argv)]
 
 
 # -- the plain logic -------------------------------------------------------------------------------

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ..errors import CheckpointFailed, InfrastructureError, InvalidRequest, SandboxGone
+from ..errors import CheckpointFailed, CheckpointRaced, InfrastructureError, InvalidRequest, SandboxGone
 from ..host.offload import host_errors, on_thread
 from ..models import CreateParams, ExecResult, ForkResult, SandboxInfo, SnapshotInfo
 from . import db as dbmod
@@ -21,6 +23,13 @@ from .execution import check_exec_args
 from .lifecycle import Lifecycle
 from .leases import LEASE_PREFIX
 from . import snapshots as snapmod
+
+log = logging.getLogger("fanfold.engine")
+
+RACED_RETRIES = 3
+"""Dumps tried again when each met a moment that passes (``CheckpointRaced``)."""
+RACED_WAIT_S = 0.01
+"""The sandbox runs this long before the second try, four times longer before each next (10, 40, 160 ms)."""
 
 
 class Checkpoints:
@@ -59,10 +68,7 @@ class Checkpoints:
         with host_errors(f"staging the snapshot of {sandbox_id} failed"):
             staged = self.life.snaps.staging(snapshot_id)
         try:
-            pause_ms = await self.life.backend.checkpoint(
-                dbmod.row_handle(row), staged, img.host_dirs, memory=memory, leave_running=leave_running,
-                frozen=row["state"] == "paused",
-            )
+            pause_ms = await self._checkpoint(row, staged, img.host_dirs, memory=memory, leave_running=leave_running)
             if (staged / "memory").is_dir():  # whose checkpoint it is: no other backend can restore it
                 (staged / "memory" / snapmod.TIER_FILE).write_text(self.life.backend.name)
             layers = dbmod.row_layers(row)
@@ -82,6 +88,29 @@ class Checkpoints:
             raise
         finally:
             await on_thread(self.life.snaps.discard, staged, executor=None)  # and a layer taken by reference
+
+    async def _checkpoint(self, row: Any, staged: Path, host_dirs: tuple[str, ...], *, memory: bool,
+                          leave_running: bool) -> float:
+        """The backend's checkpoint into ``staged``; the pause in ms. One that met a moment that passes
+        (``CheckpointRaced``) is tried again, the sandbox running in between, unless its owner paused it."""
+        paused = row["state"] == "paused"
+
+        async def checkpoint() -> float:
+            return await self.life.backend.checkpoint(
+                dbmod.row_handle(row), staged, host_dirs, memory=memory, leave_running=leave_running, frozen=paused)
+
+        for attempt in range(RACED_RETRIES):
+            try:
+                return await checkpoint()
+            except CheckpointRaced as err:
+                if paused:
+                    raise
+                log.info("%s: %s; trying again", row["id"], err)
+            with host_errors(f"staging the snapshot of {row['id']} again failed"):
+                await on_thread(self.life.snaps.discard, staged, executor=None)
+                await on_thread(staged.mkdir, executor=None)
+            await asyncio.sleep(RACED_WAIT_S * 4 ** attempt)  # the listener accepts meanwhile
+        return await checkpoint()
 
     def _check_memory_checkpoints(self, what: str, sandbox_id: str) -> None:
         if self.life.backend.capabilities.memory == "none":

@@ -48,7 +48,7 @@ def agent_pids(config: EngineConfig) -> list[int]:
     """Host pids of this state dir's agents: a binary named ``agent`` started with ``--listen``, in
     one of its cgroups."""
     found = []
-    for pid, argv in _processes():
+    for pid, argv in processes():
         if argv and argv[0].endswith(b"agent") and b"--listen" in argv:
             try:
                 ours = config.cgroup_parent in Path(f"/proc/{pid}/cgroup").read_text()
@@ -134,7 +134,7 @@ def page_servers(config: EngineConfig) -> list[int]:
     """Pids of CRIU ``lazy-pages`` daemons serving a restore of this state dir."""
     root = str(config.state_dir).encode()
     found = []
-    for pid, argv in _processes():
+    for pid, argv in processes():
         if b"lazy-pages" in argv and any(arg == root or arg.startswith(root + b"/") for arg in argv):
             found.append(pid)
     return found
@@ -154,7 +154,7 @@ def _sandboxes_with_cgroups() -> set[str]:
     return found
 
 
-def _processes() -> list[tuple[int, list[bytes]]]:
+def processes() -> list[tuple[int, list[bytes]]]:
     """Every live process's pid and argv (kernel threads, with none, left out)."""
     found = []
     for name in os.listdir("/proc"):

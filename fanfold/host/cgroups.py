@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -9,6 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import procs
+
+log = logging.getLogger("fanfold.engine")
 
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "cpuset", "freezer", "devices", "blkio", "hugetlb", "systemd")
 
@@ -51,9 +54,12 @@ def forget_roots() -> None:
 def sandbox_dirs(parent: str, sandbox_id: str | None = None) -> list[Path]:
     """Every cgroup directory of one sandbox (or of the whole parent when id is None)."""
     rel = parent if sandbox_id is None else f"{parent}/{sandbox_id}"
-    if is_v2_only():
-        return [Path("/sys/fs/cgroup") / rel]
-    return [root / rel for root in (*v1_roots().values(), *v2_roots())]
+    return [root / rel for root in _roots()]
+
+
+def _roots() -> tuple[Path, ...]:
+    """The root of every hierarchy."""
+    return (Path("/sys/fs/cgroup"),) if is_v2_only() else (*v1_roots().values(), *v2_roots())
 
 
 def ensure_parent(parent: str) -> None:
@@ -172,6 +178,71 @@ def usage(parent: str, sandbox_id: str) -> tuple[float, int]:
     return cpu, mem
 
 
+UNLIMITED_V1 = 1 << 62
+"""Above this, a v1 memory limit is "none" (the kernel shows 9223372036854771712)."""
+
+
+def _memory_limit_files(parent: str, sandbox_id: str) -> list[Path]:
+    """The files that cap a sandbox's memory, in the order they may be raised (v1: memsw before memory)."""
+    rel = f"{parent}/{sandbox_id}"
+    if is_v2_only():
+        return [Path("/sys/fs/cgroup") / rel / "memory.max"]
+    memory = v1_roots().get("memory")
+    if memory is None:
+        return []
+    files = [memory / rel / "memory.memsw.limit_in_bytes", memory / rel / "memory.limit_in_bytes"]
+    return [f for f in files if f.exists()]
+
+
+Raised = list[tuple[Path, str]]
+"""Memory limit files raised by ``make_room``, each with the value to put back."""
+
+
+def make_room(parent: str, sandbox_id: str) -> Raised:
+    """Raise a sandbox's memory limit by what it uses now, until ``put_back``.
+
+    While a copy-on-write dump's shadows keep a sandbox's memory as it was, each page the
+    sandbox writes becomes a second copy charged to its group; without room a sandbox that
+    rewrites its memory during the copy would be OOM-killed for it. Never raises: a limit that
+    cannot be raised is left as it is."""
+    _cpu, used = usage(parent, sandbox_id)
+    raised: Raised = []
+    try:
+        for path in _memory_limit_files(parent, sandbox_id):
+            old = _read(path).strip()
+            if not old or old == "max" or int(old) >= UNLIMITED_V1:
+                continue
+            path.write_text(str(int(old) + used))
+            raised.append((path, old))
+    except (OSError, ValueError):
+        pass  # no more room made: the dump goes on as it would have
+    return raised
+
+
+def put_back(raised: Raised, *, within: float = 2.0) -> bool:
+    """Put the limits ``make_room`` raised back (blocking; lowest first, as v1 wants memory under
+    memsw); False if one stayed raised. On v1 a limit below usage is refused (EBUSY) when reclaim
+    falls short, as while a shadow's exit still frees its pages: tried again for ``within`` seconds.
+    A sandbox that grew into the room meanwhile is then over its limit: v2 reclaims and OOM-kills
+    as it would have without the room; v1 keeps the room (logged) rather than fail the dump."""
+    deadline = time.monotonic() + within
+    pause = 0.002
+    for path, old in reversed(raised):
+        while True:
+            try:
+                path.write_text(old)
+                break
+            except FileNotFoundError:
+                return True  # the sandbox is gone
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    log.warning("the memory limit %s stays at its raised value, not %s: %s", path, old, err)
+                    return False
+                time.sleep(pause)  # reclaim and the shadows' exits need time, not an event to wait on
+                pause = min(pause * 2, 0.1)
+    return True
+
+
 def remove(parent: str, sandbox_id: str) -> None:
     """Kill whatever is left in a sandbox's cgroups and remove them. Groups that still hold tasks
     are thawed first: a checkpointer that died mid-dump leaves them frozen, where SIGKILL waits."""
@@ -183,6 +254,18 @@ def remove(parent: str, sandbox_id: str) -> None:
             pass  # no freezer left to thaw
         for directory in held:
             _remove_tree(directory)
+
+
+def remove_group(path: str) -> None:
+    """Kill whatever is in the cgroup at ``path`` (relative to each hierarchy's root, e.g. a build
+    step's ``/build-PID-N``) and below it, and remove it; a group that is not there is fine."""
+    for directory in sandbox_dirs(path.strip("/")):
+        _remove_tree(directory)
+
+
+def top_groups(prefix: str) -> set[str]:
+    """Names of the groups at the hierarchies' roots that start with ``prefix`` (build steps')."""
+    return {p.name for root in _roots() if root.is_dir() for p in root.glob(f"{prefix}*") if p.is_dir()}
 
 
 def _rmdir(directory: Path) -> bool:

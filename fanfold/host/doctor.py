@@ -136,7 +136,7 @@ def check_lazy_restore(criu: str | None = None) -> Check:
     tracks dirty pages (a fork's parent would then be frozen only while what changed is written)."""
     configured = criu or EngineConfig().criu
     path = configured if "/" in configured else shutil.which(configured)
-    fix = "run `bash scripts/criu.sh`: it builds CRIU with scripts/criu/lazy-pages-on-demand.patch"
+    fix = "run `bash scripts/criu.sh`: it builds CRIU with scripts/criu/lazy-pages-*.patch"
     if path is None or not os.access(path, os.X_OK):
         return Check("lazy restore", False, "no CRIU", fix, required=False)
     code, out = _run([path, "check", "--feature", "uffd-noncoop"], timeout=10)
@@ -144,15 +144,15 @@ def check_lazy_restore(criu: str | None = None) -> Check:
         return Check("lazy restore", False, f"this kernel's userfaultfd is not enough: {out.splitlines()[-1:]}",
                      "use Linux 4.18 or newer with CONFIG_USERFAULTFD, or FANFOLD_LAZY_RESTORE=0", required=False)
     try:
-        patched = b"CRIU_LAZY_CONTROL_FD" in Path(path).read_bytes()
+        patched = b"CRIU_LAZY_SHARED" in Path(path).read_bytes()  # on top of the on-demand patch
     except OSError:
         patched = False
     if not patched:
-        return Check("lazy restore", False, f"{path} lacks fanfold's on-demand page server", fix, required=False)
+        return Check("lazy restore", False, f"{path} lacks fanfold's on-demand, shared page server", fix, required=False)
     dirty, _ = _run([path, "check", "--feature", "mem_dirty_track"], timeout=10)
     tracking = ("dirty tracking on" if dirty == 0 else
                 "no dirty tracking (CONFIG_MEM_SOFT_DIRTY): a fork's parent stays frozen while every page is written")
-    return Check("lazy restore", True, f"userfaultfd and the on-demand page server; {tracking}", required=False)
+    return Check("lazy restore", True, f"userfaultfd and the on-demand, shared page server; {tracking}", required=False)
 
 
 def check_debootstrap() -> Check:

@@ -170,7 +170,7 @@ def reap_orphans(names: set[str] | frozenset[str] = RUNTIME_NAMES) -> int:
         except OSError:
             continue
         for pid in pids:
-            if int(pid) in spawn.WAITING:
+            if int(pid) in spawn.WAITING or spawn.spawning():
                 continue
             try:
                 head, _, rest = procs.read_small(f"/proc/{int(pid)}/stat").decode(errors="replace").rpartition(")")

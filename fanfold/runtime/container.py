@@ -87,9 +87,19 @@ class Runtime(Protocol):
         """Write ``spec``'s bundle (blocking: file system work, for a thread that makes the rest of its root)."""
         ...
 
-    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int, *, prepared: bool = False) -> int:
-        """Start ``spec`` detached with ``pass_fd`` as its fd 3; return PID 1's host pid. ``prepared``: its
-        bundle is written already."""
+    def launch(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
+        """Write ``spec``'s bundle and start it detached with ``pass_fd`` as its fd 3; returns what ``started``
+        or ``abandon`` takes. Blocking: for the thread that made the root, which goes on with what the
+        runtime does not need while it runs."""
+        ...
+
+    async def started(self, container_id: str, bundle: Path, launched: int) -> int:
+        """Wait for the start ``launch`` began; return PID 1's host pid."""
+        ...
+
+    def abandon(self, launched: int) -> None:
+        """Wait out (blocking) the runtime ``launch`` started, whose create failed meanwhile, whatever it
+        does: the create's release then finds whole whatever it made, and removes it."""
         ...
 
     async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import CheckpointFailed, HostNotReady
+from ..errors import CheckpointFailed, CheckpointRaced, HostNotReady
 from ..host.netns import netns_inode
 from ..host.spawn import run
 
@@ -24,6 +24,8 @@ AGENT_KEY = "fanfold-agent"
 CHANNEL_KEY = "fanfold-channel"
 NETNS_KEY = "fanfold-netns"
 NETNS_FD = 3
+RESUMED_FD = 3
+"""Where a copy-on-write dump writes when it resumed the tree (``CRIU_RESUMED_FD``)."""
 # Restoring: CRIU's network lock would run iptables four times (~50 ms); nothing in a
 # frozen sandbox talks to the outside, so there is nothing to lock.
 COMMON = ["--network-lock", "skip", "--tcp-established", "--file-locks", "--manage-cgroups=full", "-v2"]
@@ -32,6 +34,9 @@ IRMAP_PATHS = ("/usr/share/dbus-1", "/usr/share/zoneinfo")
 opened), besides its own list (/etc, /var/log, /var/spool, ...): dbus-daemon watches its config dirs, and
 systemd's watch on the /etc/localtime link comes back from a restore on the zone file it names (CRIU
 follows the link). Looked through only when a watch needs it."""
+PASSING_MOMENTS = ("Non-empty write queue on an in-flight socket", "Found a closed in-flight socket")
+"""CRIU's words for a unix connection made and not yet accepted by its listener (systemd hands each
+new unit's output to journald so): gone in a moment, when the listener accepts (``CheckpointRaced``)."""
 
 
 YARDS = Path("/run/fanfold")
@@ -56,6 +61,24 @@ class Mounts:
         return ["--external", "mnt[]"] + [arg for point, key in pairs for arg in ("--external", f"mnt[{point}]:{key}")]
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """What a copy-on-write dump says as it resumes the tree (``CRIU_RESUMED_FD``)."""
+
+    at: float
+    """When, on ``time.monotonic()``'s clock."""
+    shadows: int
+    """How many processes' memory a shadow held (the rest were dumped while frozen)."""
+
+    @classmethod
+    def parse(cls, said: bytes) -> Resumed | None:
+        """``SECONDS.NANOSECONDS SHADOWS``; None for nothing (CRIU failed first, or lacks the patch)."""
+        fields = said.split()
+        if not fields:
+            return None
+        return cls(float(fields[0]), int(fields[1]) if len(fields) > 1 else 0)
+
+
 class Criu:
     """One CRIU binary; every failure becomes a CheckpointFailed that quotes CRIU's log."""
 
@@ -75,11 +98,20 @@ class Criu:
 
     async def dump(
         self, pid: int, images: Path, *, root: Path, mounts: Mounts, freezer: Path, leave_running: bool,
-        own_netns: bool = False, cgroup: str | None = None,
-    ) -> None:
+        own_netns: bool = False, cgroup: str | None = None, copy_on_write: bool = False,
+        keep_frozen: tuple[int, ...] = (),
+    ) -> Resumed | None:
         """Dump the tree under ``pid`` into ``images``; with ``leave_running`` it goes on, else it is killed.
         ``own_netns``: the image keeps the network namespace, for CRIU to rebuild (a tree in a user
-        namespace of its own cannot join one of ours)."""
+        namespace of its own cannot join one of ours).
+
+        ``copy_on_write`` (with ``leave_running``): the tree runs again, thawed, as soon as everything
+        but its memory is dumped; the memory is kept as it was by a fork of each process, a shadow that
+        the pages are then read from (``scripts/criu/shadow-fork-dump.patch``), so how long the tree stops does
+        not grow with its memory. ``keep_frozen``: pids whose memory no shadow may hold (a shadow is a
+        process of the sandbox's, and these are guarded from it), dumped the old way. Returns when the
+        tree was resumed and how many processes had a shadow, or None when CRIU did not say (not
+        copy-on-write)."""
         self.check_installed()
         argv = [self.binary, "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "--root", str(root),
                 "--freeze-cgroup", str(freezer), "--timeout", "5", *COMMON, *mounts.dump_args()]
@@ -96,9 +128,25 @@ class Criu:
         if leave_running:
             argv.append("--leave-running")
         argv += yard_args()
-        done = await run(argv, timeout=300)
+        cow = copy_on_write and leave_running
+        told, tell = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK) if cow else (-1, -1)
+        try:
+            env = {**os.environ, "CRIU_COW_DUMP": "1", "CRIU_RESUMED_FD": str(RESUMED_FD),
+                   "CRIU_COW_SKIP_PIDS": ",".join(map(str, keep_frozen))} if cow else None
+            done = await run(argv, fds={RESUMED_FD: tell} if cow else None, timeout=300, env=env)
+            try:
+                said = os.read(told, 64) if cow else b""
+            except BlockingIOError:  # CRIU failed before the tree was resumed
+                said = b""
+        finally:
+            for fd in (told, tell):
+                if fd >= 0:
+                    os.close(fd)
         if done.returncode != 0:
-            raise CheckpointFailed(f"CRIU could not checkpoint the sandbox: {log_errors(images / 'dump.log')}")
+            errors = log_errors(images / "dump.log")
+            raced = any(moment in errors for moment in PASSING_MOMENTS)
+            raise (CheckpointRaced if raced else CheckpointFailed)(f"CRIU could not checkpoint the sandbox: {errors}")
+        return Resumed.parse(said)
 
     async def restore(
         self, images: Path, *, work: Path, root: Path, cgroup: str, binds: dict[str, str], netns: int | None,

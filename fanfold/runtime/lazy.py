@@ -1,25 +1,28 @@
 """Lazy restore: a sandbox restored from memory images gets its pages when it touches them.
 
 ``criu restore --lazy-pages`` maps the restored tasks' anonymous memory empty and registers it
-with userfaultfd; one ``criu lazy-pages`` daemon per restore answers each fault with the page
-from the images (``UFFDIO_COPY``). fanfold's CRIU carries a patch (``scripts/criu/
-lazy-pages-on-demand.patch``) so that the daemon
+with userfaultfd; a ``criu lazy-pages`` daemon answers each fault with the page from the images
+(``UFFDIO_COPY``). fanfold's CRIU carries patches (``scripts/criu/lazy-pages-*.patch``) so that
+the daemon
 
+- serves every lazy restore of its engine (``PageServer``, one per engine): each restore is a
+  *session* of its own (``PageSource``), with its images, its socket in the restore's ``-W`` dir,
+  its counters, and its end; a session that fails ends alone;
 - serves faults only: a page the sandbox never touches is never copied (stock CRIU copies all
   the rest in the background once faults go quiet);
-- copies the rest and exits (a *drain*) when its control pipe gets a byte or is closed: before a
-  checkpoint (CRIU dumps only pages that are present), and when the engine that owns it dies, so
-  the sandbox never depends on a daemon nobody watches;
-- keeps its counters (pages copied, pages in the images, faults, state) in a small file;
+- copies a session's rest in (a *drain*) when asked: before a checkpoint (CRIU dumps only pages
+  that are present), and every session's when the engine that owns it dies (its control socket
+  hangs up), so no sandbox depends on a daemon nobody watches; then it exits;
+- keeps each session's counters (pages copied, pages in the images, faults, state) in a small file;
 - makes the tasks' uffds from ``/dev/userfaultfd`` where a user namespace may not call
   ``userfaultfd()`` (``vm.unprivileged_userfaultfd = 0``).
 
-A daemon that dies before its drain is done takes the missing pages with it (the kernel fills
-them with zeros): ``PageSource.watch`` tells the owner, who ends the sandbox and says why.
-
-Each daemon is a process and about 1 MB. Its owner drains one that copied nothing for a while
-(``PageSource.idle_for``: a sandbox that stopped touching new pages may never touch the rest), and
-restores eagerly past a cap on how many run (``EngineConfig.page_servers_max``).
+A daemon that dies takes the pages it had not copied with it (the kernel fills them with zeros):
+``PageSource.watch`` tells the owner of each sandbox it had not finished, who ends the sandbox and
+says why; the next lazy restore starts a new daemon. A session costs the daemon a few kB per
+restored task; its owner drains one that copied nothing for a while (``PageSource.idle_for``: a
+sandbox that stopped touching new pages may never touch the rest), and restores eagerly past a cap
+on how many are served (``EngineConfig.page_servers_max``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -40,9 +44,10 @@ from .criu import log_errors
 
 STATS_FILE = "lazy-pages.stats"
 PID_FILE = "lazy-pages.pid"
-LOG_FILE = "lazy-pages.log"
+"""In a session's dir: the pid and start time of the daemon serving it (``settle_orphan``)."""
 READY_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 120.0
+SETTLE_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -70,60 +75,197 @@ def read_counts(work: Path) -> PageCounts | None:
         return None
 
 
-class PageSource:
-    """One ``criu lazy-pages`` daemon, a child of the engine, serving one restore from ``images``.
+class PageServer:
+    """One ``criu lazy-pages`` daemon, a child of the engine, serving every lazy restore it is given.
 
-    Its files (log, counters, pid) are in ``work``, the dir the restore's ``-W`` names too, where
-    CRIU puts the socket the two meet on. ``stop()`` ends it; ``drain()`` lets it finish.
+    The engine talks to it over a ``SOCK_SEQPACKET`` socket, one record a command, fields joined
+    by newlines: ``serve ID IMAGES WORK`` (answered ``ready ID`` or ``failed ID WHY``), ``drain ID``
+    (answered ``done ID``) and ``drop ID``; a session that fails later says ``failed ID WHY``.
     """
 
-    def __init__(self, pid: int, control: int, work: Path) -> None:
-        self.pid, self.work = pid, work
+    def __init__(self, pid: int, control: socket.socket, log: Path) -> None:
+        self.pid, self.log = pid, log
+        self.start_time = procs.stat_fields(str(pid))[19]
         self._control = control
         self._pidfd = os.pidfd_open(pid)
         self._status: int | None = None
-        self._exited = asyncio.get_running_loop().create_future()
-        self._stopping = False
-        self.draining = False
-        """Whether ``drain`` was called: the daemon copies the rest in and exits."""
-        self._seen: tuple[int, int] | None = None
-        self._active_at = time.monotonic()
-        asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
+        self._sources: dict[str, PageSource] = {}
+        self._starting: dict[str, asyncio.Future[str | None]] = {}
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._pidfd, self._on_exit)
+        loop.add_reader(control.fileno(), self._on_message)
 
     @classmethod
-    async def start(cls, binary: str, images: Path, work: Path) -> PageSource:
-        """Start serving ``images``; returns once the daemon listens for the restore."""
-        control_r, control_w = os.pipe2(os.O_CLOEXEC)
+    async def start(cls, binary: str, state_dir: Path, log: Path) -> PageServer:
+        """Start the daemon; returns once it listens on its control socket. ``log``'s dir is its
+        ``-W``; ``state_dir`` (its ``-D``) names whose it is (``census.page_servers``)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        env = {**os.environ, "CRIU_LAZY_CONTROL_FD": "3", "CRIU_LAZY_STATS": str(work / STATS_FILE)}
-        argv = [binary, "lazy-pages", "-D", str(images), "-W", str(work), "-o", LOG_FILE, "-v2", "--status-fd", "4"]
+        env = {**os.environ, "CRIU_LAZY_CONTROL_FD": "3", "CRIU_LAZY_SHARED": "1"}
+        argv = [binary, "lazy-pages", "-D", str(state_dir), "-W", str(log.parent), "-o", log.name, "-v2",
+                "--status-fd", "4"]
         actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
-                   (os.POSIX_SPAWN_DUP2, devnull, 2), (os.POSIX_SPAWN_DUP2, control_r, 3),
+                   (os.POSIX_SPAWN_DUP2, devnull, 2), (os.POSIX_SPAWN_DUP2, theirs.fileno(), 3),
                    (os.POSIX_SPAWN_DUP2, ready_w, 4)]
         try:
             pid = os.posix_spawn(binary, argv, env, file_actions=actions)
             WAITING.add(pid)
         except OSError as err:
-            for fd in (control_r, control_w, ready_r, ready_w, devnull):
-                os.close(fd)
+            ours.close()
+            os.close(ready_r)
             raise InfrastructureError(f"cannot start CRIU's page server {binary}: {err.strerror}") from None
-        for fd in (control_r, ready_w, devnull):
-            os.close(fd)
-        (work / PID_FILE).write_text(f"{pid} {procs.stat_fields(str(pid))[19]}\n")
-        source = cls(pid, control_w, work)
+        finally:
+            theirs.close()
+            for fd in (ready_w, devnull):
+                os.close(fd)
+        ours.setblocking(False)
+        server = cls(pid, ours, log)
         try:
             ready = await asyncio.wait_for(asyncio.to_thread(os.read, ready_r, 1), READY_TIMEOUT_S)
         except asyncio.TimeoutError:
             ready = b""
         finally:
             os.close(ready_r)
-        if ready != b"\0" or read_counts(work) is None:
-            await source.stop()
+        if ready != b"\0":
+            server.kill()
             raise InfrastructureError(
-                f"CRIU's page server did not start ({log_errors(work / LOG_FILE, 3)}); lazy restore needs the CRIU"
-                " that `bash scripts/criu.sh` builds (with scripts/criu/lazy-pages-on-demand.patch)")
+                f"CRIU's page server did not start ({log_errors(log, 3)}); lazy restore needs the CRIU that"
+                " `bash scripts/criu.sh` builds (with scripts/criu/lazy-pages-shared.patch)")
+        return server
+
+    @property
+    def running(self) -> bool:
+        return self._status is None
+
+    @property
+    def sessions(self) -> int:
+        """Sandboxes it serves now."""
+        return len(self._sources)
+
+    async def serve(self, sandbox_id: str, images: Path, work: Path) -> PageSource:
+        """Have the daemon listen in ``work`` for the restore of ``images`` into ``sandbox_id``."""
+        if not self.running:
+            raise InfrastructureError(f"CRIU's page server (pid {self.pid}) is gone; its log: {log_errors(self.log, 3)}")
+        started = self._starting[sandbox_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send("serve", sandbox_id, str(images), str(work))
+            failed = await asyncio.wait_for(asyncio.shield(started), READY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            failed = f"no answer within {READY_TIMEOUT_S:.0f} s"
+        finally:
+            self._starting.pop(sandbox_id, None)
+        if failed is not None:
+            raise InfrastructureError(f"CRIU's page server cannot serve sandbox {sandbox_id}: {failed}")
+        (work / PID_FILE).write_text(f"{self.pid} {self.start_time}\n")
+        source = self._sources[sandbox_id] = PageSource(self, sandbox_id, work)
         return source
+
+    def let_go(self) -> None:
+        """This engine is closing and its sandboxes outlive it: the daemon copies every session's
+        rest in and exits, watched by nobody (a thread reaps it)."""
+        for source in self._sources.values():
+            source._stopping = True
+        self._sources.clear()
+        loop = asyncio.get_running_loop()
+        if self._control.fileno() >= 0:
+            loop.remove_reader(self._control.fileno())
+            self._control.close()  # the daemon's cue to drain
+        if self._pidfd >= 0:
+            loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+            threading.Thread(target=_reap, args=(self.pid,), name="fanfold-page-server-reaper", daemon=True).start()
+
+    def kill(self) -> None:
+        if self.running:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _send(self, *fields: str) -> None:
+        try:
+            self._control.send("\n".join(fields).encode())
+        except OSError:
+            pass  # it is exiting: its exit ends every session
+
+    def _on_message(self) -> None:
+        while True:
+            try:
+                record = self._control.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                record = b""
+            if not record:
+                asyncio.get_running_loop().remove_reader(self._control.fileno())
+                return  # exiting: _on_exit says how
+            what, _, rest = record.decode(errors="replace").partition("\n")
+            sandbox_id, _, why = rest.partition("\n")
+            started = self._starting.get(sandbox_id)
+            if started is not None and not started.done():
+                started.set_result(None if what == "ready" else why or what)
+                continue
+            source = self._sources.pop(sandbox_id, None)
+            if source is not None:
+                source._end(None if what == "done" else self._why(f"failed to serve it: {why or what}", source))
+
+    def _on_exit(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        if not pid:
+            return
+        WAITING.discard(self.pid)
+        self._status = os.waitstatus_to_exitcode(status)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        if self._control.fileno() >= 0:
+            loop.remove_reader(self._control.fileno())
+            self._control.close()
+        how = (f"was killed by signal {-self._status}" if self._status < 0
+               else f"exited with status {self._status}")
+        for started in self._starting.values():
+            if not started.done():
+                started.set_result(f"it {how}")
+        sources, self._sources = self._sources, {}
+        for source in sources.values():
+            source._end(self._why(how, source))
+
+    def _why(self, how: str, source: PageSource) -> str:
+        counts = source.counts()
+        served = f" after copying {counts.copied} of {counts.total} pages" if counts else ""
+        return (f"its memory's page server (CRIU lazy-pages, pid {self.pid}) {how}{served}; its log:"
+                f" {self._errors_of(source.sandbox_id)}")
+
+    def _errors_of(self, sandbox_id: str) -> str:
+        """The log's errors about ``sandbox_id`` (the log is every session's), else its last lines."""
+        try:
+            own = [line.strip() for line in self.log.read_text(errors="replace").splitlines()
+                   if "Error" in line and sandbox_id in line]
+        except OSError:
+            own = []
+        return " | ".join(own[-3:])[-1500:] if own else log_errors(self.log, 3)
+
+
+class PageSource:
+    """One sandbox's session on the engine's ``PageServer``: its counters are in ``work``, the
+    dir the restore's ``-W`` names too, where the daemon listens for it. ``stop()`` ends it;
+    ``drain()`` lets it finish."""
+
+    def __init__(self, server: PageServer, sandbox_id: str, work: Path) -> None:
+        self.server, self.sandbox_id, self.work = server, sandbox_id, work
+        self._ended: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        """Set as the session ends: None when its drain is done, else why it was lost."""
+        self._stopping = False
+        self.draining = False
+        """Whether ``drain`` was called: the daemon copies the rest in and forgets the session."""
+        self._seen: tuple[int, int] | None = None
+        self._active_at = time.monotonic()
 
     def counts(self) -> PageCounts | None:
         return read_counts(self.work)
@@ -137,20 +279,20 @@ class PageSource:
             if counts is not None and counts.state != "starting":
                 return
             if asyncio.get_running_loop().time() > deadline:
-                break
+                raise InfrastructureError(
+                    f"CRIU's page server did not take the restored tasks within {timeout:.0f} s")
             await asyncio.sleep(0.0005)
-        if self.running:
-            raise InfrastructureError(f"CRIU's page server did not take the restored tasks within {timeout:.0f} s")
-        if not self._complete():
-            raise InfrastructureError(f"CRIU's page server did not take the restored tasks: {self._why_lost()}")
+        if self._ended.result() is not None:
+            raise InfrastructureError(f"CRIU's page server did not take the restored tasks: {self._ended.result()}")
 
     @property
     def running(self) -> bool:
-        return self._status is None
+        """Whether the session still serves (neither drained, lost nor stopped)."""
+        return not self._ended.done()
 
     @property
     def stopping(self) -> bool:
-        """Whether ``stop`` or ``let_go`` ended or released it."""
+        """Whether ``stop`` ended it."""
         return self._stopping
 
     def idle_for(self) -> float:
@@ -161,112 +303,111 @@ class PageSource:
             self._seen, self._active_at = seen, time.monotonic()
         return time.monotonic() - self._active_at
 
+    async def ended(self) -> str | None:
+        """Wait for the session to end: None when its drain is done, else why it was lost or stopped."""
+        return await asyncio.shield(self._ended)
+
     def watch(self, on_lost: Callable[[str], None]) -> None:
-        """Call ``on_lost(why)`` if the daemon ends before its drain is done, not when ``stop()`` ends it."""
-        def exited(_: asyncio.Future[None]) -> None:
-            if not self._stopping and not self._complete():
-                on_lost(self._why_lost())
-        self._exited.add_done_callback(exited)
+        """Call ``on_lost(why)`` if the session ends before its drain is done, not when ``stop()`` ends it."""
+        def ended(done: asyncio.Future[str | None]) -> None:
+            if not self._stopping and done.result() is not None:
+                on_lost(done.result())
+        self._ended.add_done_callback(ended)
 
     async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
-        """Have every page not yet faulted in copied, and wait for the daemon to exit: after it,
-        the sandbox's memory no longer depends on it. CheckpointFailed when it fails."""
+        """Have every page not yet faulted in copied: after it, the sandbox's memory no longer
+        depends on the daemon. CheckpointFailed when it fails."""
         self.draining = True
         if self.running:
+            self.server._send("drain", self.sandbox_id)
             try:
-                os.write(self._control, b"d")
-            except OSError:
-                pass  # it is exiting: its status says how
-            try:
-                await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+                await asyncio.wait_for(asyncio.shield(self._ended), timeout)
             except asyncio.TimeoutError:
                 raise CheckpointFailed(f"copying the sandbox's memory in took over {timeout:.0f} s") from None
-        if not self._complete():
-            raise CheckpointFailed(f"the sandbox's memory is incomplete: {self._why_lost()}")
+        if self._ended.result() is not None:
+            raise CheckpointFailed(f"the sandbox's memory is incomplete: {self._ended.result()}")
         self._close()
 
     async def stop(self) -> None:
-        """End the daemon (its sandbox is gone or going) and reap it."""
+        """End the session (its sandbox is gone or going)."""
         self._stopping = True
         if self.running:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await asyncio.shield(self._exited)
+            if self.server._sources.pop(self.sandbox_id, None) is not None:
+                self.server._send("drop", self.sandbox_id)
+            self._end("stopped")
         self._close()
 
-    def let_go(self) -> None:
-        """This engine is closing and the sandbox outlives it: the daemon copies the rest in and exits,
-        watched by nobody (a thread reaps it)."""
-        self._stopping = True
-        if self._pidfd >= 0:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = -1
-        if self._control >= 0:
-            os.close(self._control)  # the daemon's cue to drain
-            self._control = -1
-        if self.running:
-            threading.Thread(target=_reap, args=(self.pid,), name="fanfold-page-server-reaper", daemon=True).start()
-
-    def _on_exit(self) -> None:
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = self.pid, 0
-        if not pid:
-            return
-        WAITING.discard(self.pid)
-        self._status = os.waitstatus_to_exitcode(status)
-        asyncio.get_running_loop().remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        self._pidfd = -1
-        if not self._exited.done():
-            self._exited.set_result(None)
-
-    def _complete(self) -> bool:
-        counts = self.counts()
-        return self._status == 0 and counts is not None and counts.state == "done"
-
-    def _why_lost(self) -> str:
-        counts = self.counts()
-        how = (f"was killed by signal {-self._status}" if self._status is not None and self._status < 0
-               else f"exited with status {self._status}")
-        served = f" after copying {counts.copied} of {counts.total} pages" if counts else ""
-        return (f"its memory's page server (CRIU lazy-pages, pid {self.pid}) {how}{served}; its log:"
-                f" {log_errors(self.work / LOG_FILE, 3)}")
+    def _end(self, why: str | None) -> None:
+        if not self._ended.done():
+            self._ended.set_result(why)
 
     def _close(self) -> None:
-        if self._control >= 0:
-            os.close(self._control)
-            self._control = -1
         (self.work / PID_FILE).unlink(missing_ok=True)
 
 
+class LazyPages:
+    """A backend's lazy restores: its page servers (``processes`` of them, each started at its first
+    restore, again after one died) and the session of each sandbox whose memory is not all in, by
+    sandbox id. A restore goes to the server serving the fewest sandboxes."""
+
+    def __init__(self, binary: str, state_dir: Path, run_dir: Path, processes: int = 1) -> None:
+        self.binary, self.state_dir, self.run_dir = binary, state_dir, run_dir
+        self.sources: dict[str, PageSource] = {}
+        self.servers: list[PageServer | None] = [None] * max(1, processes)
+        self._asked = [0] * len(self.servers)
+        self._starting = asyncio.Lock()
+        for log in run_dir.glob("lazy-pages.*.log"):  # those of engines that died
+            engine = log.name.split(".")[1]
+            if engine.isdigit() and not procs.running(engine):
+                log.unlink(missing_ok=True)
+
+    async def serve(self, sandbox_id: str, images: Path, work: Path) -> PageSource:
+        """A session for the restore of ``images`` into ``sandbox_id``, kept in ``sources``."""
+        async with self._starting:
+            slot = min(range(len(self.servers)), key=self._load)
+            self._asked[slot] += 1
+        try:
+            async with self._starting:
+                server = self.servers[slot]
+                if server is None or not server.running:
+                    server = self.servers[slot] = await PageServer.start(self.binary, self.state_dir, self._log(slot))
+            self.sources[sandbox_id] = source = await server.serve(sandbox_id, images, work)
+        finally:
+            self._asked[slot] -= 1
+        return source
+
+    def let_go(self) -> None:
+        """The engine is closing: each daemon finishes every session on its own (``PageServer.let_go``)."""
+        for source in self.sources.values():
+            source._stopping = True
+        self.sources.clear()
+        for slot, server in enumerate(self.servers):
+            if server is not None:
+                server.let_go()
+                self.servers[slot] = None
+            self._log(slot).unlink(missing_ok=True)
+
+    def _load(self, slot: int) -> int:
+        """Sandboxes the slot's server serves or is asked to (restores at once all count)."""
+        server = self.servers[slot]
+        return self._asked[slot] + (server.sessions if server is not None and server.running else 0)
+
+    def _log(self, slot: int) -> Path:
+        return self.run_dir / f"lazy-pages.{os.getpid()}.{slot}.log"
+
+
 async def settle_orphan(work: Path, timeout: float = DRAIN_TIMEOUT_S) -> None:
-    """A sandbox restored lazily by an engine that is gone: its daemon drains on its own (its control
-    pipe closed). Wait for that; CheckpointFailed unless its memory is all there."""
+    """A sandbox restored lazily by an engine that is gone: the daemon drains it on its own (its
+    control socket hung up). Wait for that; CheckpointFailed unless its memory is all there."""
     counts = read_counts(work)
     if counts is None:
         return
-    pid = _daemon_pid(work)
-    if pid is not None:
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            pidfd = -1
-        if pidfd >= 0:
-            loop = asyncio.get_running_loop()
-            gone = loop.create_future()
-            loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
-            try:
-                await asyncio.wait_for(gone, timeout)
-            except asyncio.TimeoutError:
-                raise CheckpointFailed(f"copying the sandbox's memory in took over {timeout:.0f} s") from None
-            finally:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
+    deadline = time.monotonic() + timeout
+    # The daemon serves the rest of that engine's sandboxes too: this one's counters say when it is done.
+    while counts is not None and counts.state not in ("done", "failed") and _daemon_pid(work) is not None:
+        if time.monotonic() > deadline:
+            raise CheckpointFailed(f"copying the sandbox's memory in took over {timeout:.0f} s")
+        await asyncio.sleep(SETTLE_POLL_S)
         counts = read_counts(work)
     if counts is None or counts.state != "done":
         raise CheckpointFailed(f"the sandbox's memory is incomplete: its page server stopped after copying"
@@ -301,16 +442,6 @@ def cool_images(snapshots: Path, last_used: dict[str, float], cooled: set[str], 
             continue  # deleted meanwhile
         dropped.add(key)
     return dropped
-
-
-def kill_orphan(work: Path) -> None:
-    """Kill the page server a crashed engine left serving ``work``'s sandbox, if it still runs."""
-    pid = _daemon_pid(work)
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _reap(pid: int) -> None:

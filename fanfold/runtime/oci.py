@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import fcntl
 import json
 import os
@@ -11,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HostNotReady, InfrastructureError
-from ..host import procs, setup
+from ..host import cgroups, procs, setup
 from ..host.cdi import Edits
 from ..host.idmap import RANGE as USERNS_RANGE
 from ..host.offload import to_the_end
-from ..host.spawn import Finished, log_tail, run
+from ..host.spawn import Finished, log_tail, run, settle, start_logged, wait_logged
 from . import nested, seccomp, systemd
 from .container import CAPABILITIES, ContainerSpec
 
@@ -164,23 +166,33 @@ class OciRuntime:
         bundle.mkdir(parents=True, exist_ok=True)
         (bundle / "config.json").write_text(json.dumps(oci_config(spec)))
 
-    async def start(self, spec: ContainerSpec, bundle: Path, pass_fd: int, *, prepared: bool = False) -> int:
-        if not prepared:
-            self.prepare(spec, bundle)
-        log, pidfile = bundle / "runtime.log", bundle / "pid"
-        argv = self._argv("run", "--detach", "--preserve-fds", "1", "--pid-file", str(pidfile), "--bundle", str(bundle), spec.id)
-        done = await run(argv, fds={3: pass_fd}, log=str(log), timeout=60)
+    def launch(self, spec: ContainerSpec, bundle: Path, pass_fd: int) -> int:
+        self.prepare(spec, bundle)
+        argv = self._argv("run", "--detach", "--preserve-fds", "1", "--pid-file", str(bundle / "pid"),
+                          "--bundle", str(bundle), spec.id)
+        return start_logged(argv, fds={3: pass_fd}, log=str(bundle / "runtime.log"))
+
+    async def started(self, container_id: str, bundle: Path, launched: int) -> int:
+        done = await wait_logged(launched, timeout=60)
         if done.returncode != 0:
-            raise InfrastructureError(f"{self.name} could not start sandbox {spec.id}: {log_tail(log)}")
-        return int(procs.read_small(str(pidfile)))
+            raise InfrastructureError(
+                f"{self.name} could not start sandbox {container_id}: {log_tail(bundle / 'runtime.log')}")
+        return int(procs.read_small(str(bundle / "pid")))
+
+    def abandon(self, launched: int) -> None:
+        settle(launched, timeout=60)
 
     async def run(self, spec: ContainerSpec, bundle: Path, timeout: float | None = None) -> Finished:
+        spec = dataclasses.replace(spec, cgroup_path=spec.cgroup_path or f"/{spec.id}")  # the runtime's default
         self.prepare(spec, bundle)
         try:
             return await run(self._argv("run", "--bundle", str(bundle), spec.id), timeout=timeout)
         finally:
-            # Killing `run` (a cancelled build) leaves its container's processes running: this ends them.
+            # Killing `run` (a cancelled build) leaves its container's processes running: `delete` ends
+            # them. A runtime killed before it recorded the container leaves nothing `delete` can find,
+            # while the container's process may already run the step: its cgroup still holds it.
             await to_the_end(self.delete(spec.id))
+            await to_the_end(asyncio.to_thread(cgroups.remove_group, spec.cgroup_path))
 
     def forget(self, sandbox_id: str) -> None:
         # What `delete --force` would do after its own kill, without spawning the

@@ -44,10 +44,12 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     """User namespaces for the idmaps of sandboxes' layers, one per uid range."""
     userns: bool = False
     """Whether new sandboxes get a user namespace (``config.userns``, where the host allows)."""
+    pages: lazy.LazyPages
+    """The engine's page server and lazy restores."""
     page_sources: dict[str, lazy.PageSource]
-    """The page server of each sandbox restored lazily whose memory is not all in yet."""
+    """The page server's session of each sandbox restored lazily whose memory is not all in yet (``pages.sources``)."""
     lazy_starting: int
-    """Lazy restores under way (their page servers count against ``page_servers_max`` already)."""
+    """Lazy restores under way (they count against ``page_servers_max`` already)."""
     draining: set[asyncio.Task[None]]
     """Drains of idle page servers under way."""
     lost: dict[str, str]
@@ -69,7 +71,8 @@ class OciBackend(oci_sandbox.OnHost, Backend):
         self.runtime = self.step_runtime = get_runtime(cfg.runtime, str(cfg.run_dir / cfg.runtime))
         self.agent_path = await asyncio.to_thread(agent_binary, cfg.state_dir)
         self.criu = Criu(cfg.criu, lo_up=self.agent_path)
-        self.page_sources, self.lost, self.images_used, self.images_cooled = {}, {}, {}, set()
+        self.pages = lazy.LazyPages(self.criu.binary, cfg.state_dir, cfg.run_dir, cfg.page_server_processes)
+        self.page_sources, self.lost, self.images_used, self.images_cooled = self.pages.sources, {}, {}, set()
         self.lazy_starting, self.draining = 0, set()
         self.systemd_services = {}
         await asyncio.to_thread(seccomp.bpf, "default")  # HostNotReady now, not at the first create
@@ -82,11 +85,9 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             self.userns = await asyncio.to_thread(_idmaps_work, cfg, self.users, self.disk_hold is not None)
 
     async def close(self, *, idle: bool = True) -> None:
-        for task in self.draining:  # let_go below has each daemon finish its drain on its own
+        for task in self.draining:  # let_go below has the daemon finish every drain on its own
             task.cancel()
-        for source in self.page_sources.values():  # sandboxes that outlive this engine: their memory all in
-            source.let_go()
-        self.page_sources.clear()
+        self.pages.let_go()  # sandboxes that outlive this engine: their memory all in
         await self.close_host(idle=idle)
         self.users.close()
 
@@ -117,7 +118,7 @@ class OciBackend(oci_sandbox.OnHost, Backend):
             try:
                 pid = await oci_sandbox.restore(self.config, self.store, self.criu, self.agent_path, spec,
                                                 quota=self.quota, users=self.users,
-                                                page_sources=self.page_sources if lazy_ else None)
+                                                pages=self.pages if lazy_ else None)
             finally:
                 self.lazy_starting -= lazy_
             if spec.id in self.page_sources:
@@ -260,34 +261,58 @@ class OciBackend(oci_sandbox.OnHost, Backend):
     ) -> float:
         where = oci_sandbox.paths(self.config, handle.id)
         await self._memory_all_in(handle.id)
-        await _agent_settled(systemd.agent_pid(handle.pid, oci_sandbox.AGENT_PATH) if handle.pid else None)
+        agent = systemd.agent_pid(handle.pid, oci_sandbox.AGENT_PATH) if handle.pid else None
+        await _agent_settled(agent)
         if not frozen and where.subvolume.is_dir():
             # Snapshotting a subvolume first writes out its dirty pages: here, not in the pause.
             await on_thread(disk.sync, where.subvolume)
-        frozen_at = time.perf_counter()
+        frozen_at = time.monotonic()
+        resumed_at: float | None = None
         try:
             if not frozen:
                 await self.freeze(handle)
             try:
                 await asyncio.to_thread(copy_upper, where.disk, host_dirs, dest / "layer")
                 if memory:
-                    (dest / "memory").mkdir()
-                    own_netns = idmap.base_of(handle.id) is not None
-                    if own_netns and not netns.has_inet_sockets(handle.pid or 0):
-                        # nothing to bind on lo as it is restored: it comes up after, without CRIU's action script
-                        (dest / "memory" / oci_sandbox.NO_INET_FILE).touch()
-                    await self.criu.dump(
-                        handle.pid or 0, dest / "memory", root=where.rootfs,
-                        mounts=oci_sandbox.criu_mounts(host_dirs),
-                        freezer=cgroups.freezer_dir(self.config.cgroup_parent, handle.id), leave_running=leave_running,
-                        own_netns=own_netns, cgroup=f"/{self.config.cgroup_parent}/{handle.id}",
-                    )
+                    resumed_at = await self._dump_memory(handle, where, dest / "memory", host_dirs, agent,
+                                                         leave_running=leave_running, frozen=frozen)
             finally:
                 if not frozen:
                     self._thaw_quietly(handle.id)
         except OSError as err:
             raise CheckpointFailed(f"snapshot of {handle.id} failed: {err}") from None
-        return (time.perf_counter() - frozen_at) * 1000
+        return ((resumed_at or time.monotonic()) - frozen_at) * 1000
+
+    async def _dump_memory(
+        self, handle: Handle, where: oci_sandbox.Paths, images: Path, host_dirs: tuple[str, ...], agent: int | None,
+        *, leave_running: bool, frozen: bool,
+    ) -> float | None:
+        """CRIU's dump of the frozen sandbox; when CRIU resumed it before writing its pages (copy-on-write:
+        a running sandbox that goes on running), when that was. The agent is always dumped while frozen:
+        its shadow would be a process the sandbox may read and write, which the agent itself is not."""
+        images.mkdir()
+        own_netns = idmap.base_of(handle.id) is not None
+        if own_netns and not netns.has_inet_sockets(handle.pid or 0):
+            # nothing to bind on lo as it is restored: it comes up after, without CRIU's action script
+            (images / oci_sandbox.NO_INET_FILE).touch()
+        # a sandbox paused by its owner stays frozen until unpaused: no copy-on-write, which resumes it
+        copy_on_write = self.config.copy_on_write_dump and leave_running and not frozen
+        parent = self.config.cgroup_parent
+        raised = cgroups.make_room(parent, handle.id) if copy_on_write else []
+        try:
+            resumed = await self.criu.dump(
+                handle.pid or 0, images, root=where.rootfs, mounts=oci_sandbox.criu_mounts(host_dirs),
+                freezer=cgroups.freezer_dir(parent, handle.id), leave_running=leave_running,
+                own_netns=own_netns, cgroup=f"/{parent}/{handle.id}", copy_on_write=copy_on_write,
+                keep_frozen=(agent,) if agent else (),
+            )
+        finally:
+            if raised:  # CRIU waited for the shadows to go: their pages are uncharged
+                await asyncio.to_thread(cgroups.put_back, raised)
+        if resumed is None:
+            return None
+        log.debug("%s: %d processes' memory written after the sandbox ran again", handle.id, resumed.shadows)
+        return resumed.at
 
     def as_root(self, sandbox_id: str) -> AbstractContextManager[None]:
         return idmap.as_mapped_root(idmap.base_of(sandbox_id))

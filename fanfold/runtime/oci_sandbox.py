@@ -9,6 +9,7 @@ import functools
 import itertools
 import fcntl
 import os
+import re
 import signal
 import socket
 import shutil
@@ -21,7 +22,7 @@ from ..config import EngineConfig
 from ..errors import FanfoldError, InfrastructureError, InvalidRequest
 from .._agent.client import AgentClient
 from ..host import cgroups, disk, idmap, mounts, procs, safefs, setup, stepnet
-from ..host.offload import on_thread, read_once
+from ..host.offload import on_thread, read_once, to_the_end
 from ..store import LayerStore, trust
 from ..store.rootfs import inherit_layer, mount_trusted
 from ..models import Limits
@@ -40,6 +41,8 @@ NO_INET_FILE = "fanfold-no-inet"
 """In a memory checkpoint of a sandbox in a user namespace: it held no IP socket, so its restore
 brings lo up after CRIU is done rather than through CRIU's action script."""
 CHANNEL_PATH = "/.fanfold/run"
+BUILD_STEP = re.compile(r"build-(\d+)-[0-9a-f]{8}")
+"""A build step's container and cgroup name (``images.builder``), its builder's pid first."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,11 @@ class OnHost:
         if self.step_runtime is None:
             return
         for container in await self.step_runtime.list_ids():
-            if container.startswith("build-") and not procs.running(container.split("-")[1]):
-                await self.step_runtime.delete(container)  # a build step whose builder died
+            if _dead_builders_step(container):
+                await self.step_runtime.delete(container)
+        for group in await on_thread(cgroups.top_groups, "build-"):  # one its runtime never recorded
+            if _dead_builders_step(group):
+                await on_thread(cgroups.remove_group, group)
         await asyncio.to_thread(stepnet.sweep, self.config.tag)  # and that builder's network
 
     def agent(self, handle: Handle) -> AgentClient:
@@ -163,6 +169,12 @@ class OnHost:
         return paths(self.config, sandbox_id).rootfs
 
 
+def _dead_builders_step(name: str) -> bool:
+    """Whether ``name`` is a build step's (container or cgroup) whose builder is gone."""
+    step = BUILD_STEP.fullmatch(name)
+    return step is not None and not procs.running(step[1])
+
+
 async def provision(
     config: EngineConfig, store: LayerStore, runtime: Runtime, agent: Path, spec: SandboxSpec, *, quota: bool = False,
     users: idmap.Namespaces | None = None,
@@ -174,14 +186,21 @@ async def provision(
     owns cleanup: on any failure it calls ``release``, which undoes whatever exists.
     """
     sandbox_id = spec.id
-    where, container = await on_thread(_make_root, config, store, runtime, agent, spec, quota, users)
     # The agent binds its own socket (inside the sandbox, so a checkpoint carries it) and says
     # so on this socket; end of file first means it died. It starts services only once we
     # close our end, after the socket's directory is locked.
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
-        pid = await runtime.start(container, where.bundle, theirs.fileno(), prepared=True)
-        theirs.close()
+        made: list[tuple[Paths, ContainerSpec, int]] = []
+        try:
+            where, container, launched = await on_thread(
+                _make_root, config, store, runtime, agent, spec, quota, users, theirs.fileno(), discard=made.append)
+        except asyncio.CancelledError:
+            if made:  # the runtime is starting: the caller's release must come after it is done
+                await to_the_end(on_thread(runtime.abandon, made[0][2]))
+            raise
+        theirs.close()  # the runtime has its copy
+        pid = await runtime.started(sandbox_id, where.bundle, launched)
         async with asyncio.timeout(30):
             said = await read_once(ours.fileno())
         if said != b"r":
@@ -195,9 +214,14 @@ async def provision(
 
 
 def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent: Path, spec: SandboxSpec,
-               quota: bool, users: idmap.Namespaces | None) -> tuple[Paths, ContainerSpec]:
+               quota: bool, users: idmap.Namespaces | None, pass_fd: int) -> tuple[Paths, ContainerSpec, int]:
     """The file system work of a create, in one go on a thread: a uid range claimed when ``users`` is
-    given, the disk, root and channel mounted and made, and the runtime's bundle written."""
+    given, the disk, root and channel mounted and made, the runtime's bundle written and the runtime
+    started on it (``pass_fd`` its PID 1's fd 3); returns what ``Runtime.started`` waits for.
+
+    The runtime starts as soon as the root is mounted, and what it does not need is done while it
+    loads and makes the namespaces and cgroups (milliseconds): /etc/hostname is written (the agent
+    starts no service, nor runs any command, before ``provision`` has this thread's answer)."""
     sandbox_id = spec.id
     if spec.nested and users is None:
         raise InvalidRequest(f"sandbox {sandbox_id} asks for nested=True, which needs user namespaces, and this"
@@ -205,7 +229,7 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
     systemd.check_init(spec.init)  # a pulled image's label may name anything
     base = idmap.claim(sandbox_id, users.slots) if users is not None else None
     where = mount_disk(config, store, sandbox_id, spec.layers, spec.host_dirs, spec.limits, quota, base, users,
-                       xino=spec.init == systemd.INIT)
+                       xino=spec.init == systemd.INIT, named=False)
     if spec.nested:
         with idmap.as_mapped_root(base):
             nested.write_files(where.rootfs)
@@ -229,21 +253,27 @@ def _make_root(config: EngineConfig, store: LayerStore, runtime: Runtime, agent:
         # crun joins the range's kept namespace: making one costs it ~6 ms a create
         userns_path=None if users is None or base is None else f"/proc/{os.getpid()}/fd/{users.fd(base)}",
     )
-    runtime.prepare(container, where.bundle)
-    return where, container
+    launched = runtime.launch(container, where.bundle, pass_fd)
+    try:
+        with idmap.as_mapped_root(base):
+            name_host(where.rootfs, sandbox_id)
+    except BaseException:
+        runtime.abandon(launched)
+        raise
+    return where, container, launched
 
 
 async def restore(
     config: EngineConfig, store: LayerStore, criu: Criu, agent: Path, spec: SandboxSpec, *, quota: bool = False,
-    users: idmap.Namespaces, page_sources: dict[str, lazy.PageSource] | None = None,
+    users: idmap.Namespaces, pages: lazy.LazyPages | None = None,
 ) -> int:
     """Mount a new disk and root over the spec's layers and restore its memory images into them.
 
     A checkpoint of a sandbox in a user namespace restores into a uid range of its own (its image
     rewritten to it), in an empty network namespace CRIU makes (``Criu.restore``): one made here
     would be owned by the host's user namespace, which the restored root cannot join.
-    With ``page_sources``, the restore is lazy: a page server (``lazy.PageSource``, kept there under
-    the sandbox's id) copies each page in when the sandbox first touches it.
+    With ``pages``, the restore is lazy: the engine's page server (a ``lazy.PageSource`` session, kept
+    in ``pages.sources`` under the sandbox's id) copies each page in when the sandbox first touches it.
     Returns the restored agent's host pid; as with ``provision``, the caller releases on failure.
     """
     sandbox_id, host_dirs, images = spec.id, spec.host_dirs, spec.restore
@@ -252,14 +282,13 @@ async def restore(
     base = idmap.claim(sandbox_id, users.slots) if in_userns else None
     # A lazy restore's page server starts while the disk is mounted (it reads the images as they are:
     # a user namespace's rewritten map is none of its business).
-    serving = asyncio.ensure_future(_serve_pages(criu, images, paths(config, sandbox_id).lazy, sandbox_id,
-                                                 page_sources))
+    serving = asyncio.ensure_future(_serve_pages(images, paths(config, sandbox_id).lazy, sandbox_id, pages))
     try:
         where = await on_thread(functools.partial(
             mount_disk, config, store, sandbox_id, spec.layers, host_dirs, spec.limits, quota, base,
             users if in_userns else None, xino=spec.init == systemd.INIT))
     finally:
-        await asyncio.wait([serving])  # started (kept in page_sources, so released with the sandbox) or failed
+        await asyncio.wait([serving])  # started (kept in pages.sources, so released with the sandbox) or failed
     lazy_ = serving.result()
     work = where.lazy if lazy_ else where.bundle  # where CRIU's restore and the page server meet
     where.bundle.mkdir()
@@ -296,7 +325,7 @@ async def restore(
     if spec.init == systemd.INIT:  # CRIU made its groups as the host's root
         await on_thread(systemd.delegate, config.cgroup_parent, sandbox_id, base)
     if lazy_:
-        await page_sources[sandbox_id].opened()  # a resume removes the images next
+        await pages.sources[sandbox_id].opened()  # a resume removes the images next
     # The image holds the source's freezer state (frozen while it was dumped) and hostname: the
     # restored processes run only once thawed, after their channel dir (CRIU bound the agent's
     # socket in it again) is locked.
@@ -326,14 +355,12 @@ def discard_restore_copies(state_dir: Path) -> int:
     return removed
 
 
-async def _serve_pages(
-    criu: Criu, images: Path, work: Path, sandbox_id: str, page_sources: dict[str, lazy.PageSource] | None,
-) -> bool:
-    """Start the page server of a lazy restore (kept in ``page_sources``, whose owner stops it); False: eager."""
-    if page_sources is None:
+async def _serve_pages(images: Path, work: Path, sandbox_id: str, pages: lazy.LazyPages | None) -> bool:
+    """Have the page server serve a lazy restore (kept in ``pages.sources``, whose owner stops it); False: eager."""
+    if pages is None:
         return False
     await on_thread(_fresh_dir, work)
-    page_sources[sandbox_id] = await lazy.PageSource.start(criu.binary, images, work)
+    await pages.serve(sandbox_id, images, work)
     return True
 
 
@@ -345,10 +372,11 @@ def _fresh_dir(path: Path) -> None:
 def mount_disk(
     config: EngineConfig, store: LayerStore, sandbox_id: str, layers: tuple[str, ...], host_dirs: tuple[str, ...],
     limits: Limits, quota: bool, base: int | None = None, users: idmap.Namespaces | None = None, *,
-    xino: bool = False,
+    xino: bool = False, named: bool = True,
 ) -> Paths:
     """The sandbox's disk, its root over ``layers``, and the empty channel dir; with ``base``, the
-    layers and the disk idmapped into the range at ``base`` (``users`` has its namespace)."""
+    layers and the disk idmapped into the range at ``base`` (``users`` has its namespace). ``named``:
+    /etc/hostname says the sandbox's id (else the caller writes it, ``name_host``)."""
     where = paths(config, sandbox_id)
     where.root.mkdir(parents=True)
     if quota:
@@ -373,7 +401,8 @@ def mount_disk(
     with idmap.as_mapped_root(base):  # the overlay's dirs and copy-ups: uid 0 on disk, root inside
         mount_trusted(store, layers, host_dirs, where.rootfs, scratch, trust.load(config.extra_ca_file, config.state_dir),
                       volatile=quota, remap=remap, inherited=inherited, xino=xino)
-        name_host(where.rootfs, sandbox_id)
+        if named:
+            name_host(where.rootfs, sandbox_id)
     where.channel.mkdir(mode=0o700)
     if base is not None:
         os.chown(where.channel, base, base)  # the agent, root of the namespace, binds its socket there
@@ -491,7 +520,6 @@ def release_host(config: EngineConfig, sandbox_id: str, where: Paths,
     of a sandbox whose processes are all gone."""
     if forget is not None:
         forget(sandbox_id)
-    lazy.kill_orphan(where.lazy)  # the page server a crashed engine left serving it, if any
     # The mounts a sandbox has are the ones mount_disk made, all on its root: a lazy
     # unmount takes the whole tree (the disk of sandboxes made before the disk moved onto
     # the root is a dir of its own). Only when one is still a mount point afterwards is the
