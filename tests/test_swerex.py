@@ -25,6 +25,7 @@ from swerex.runtime.remote import RemoteRuntime  # noqa: E402
 
 from conftest import leaks  # noqa: E402
 from fanfold import AsyncFleet, EnvSpec, FanfoldError  # noqa: E402
+from fanfold.integrations import swerex  # noqa: E402
 from fanfold.integrations.swerex import (  # noqa: E402
     FanfoldDeployment, SwerexStartFailed, SwerexStartTimeout, with_swerex,
 )
@@ -124,12 +125,16 @@ async def deployment_alive(deployment: FanfoldDeployment) -> bool:
         return False
 
 
-async def test_an_image_built_ahead_on_a_caller_owned_fleet_that_stays_open(config):
+async def test_an_image_built_ahead_on_a_caller_owned_fleet_that_stays_open(config, monkeypatch):
+    # and a key that looks like an option: one fresh key in 64 begins with "-"
+    monkeypatch.setattr(swerex, "_auth_token", lambda: "-looks-like-an-option")
     async with AsyncFleet(config=config) as fleet:
         image = await fleet.build(with_swerex("host"))  # the steps start() would add, cached
         deployment = FanfoldDeployment(fleet=fleet, image=image.id, install=False)
         await deployment.start()
         assert deployment.sandbox.info.image_id == image.id
+        assert deployment.runtime._config.auth_token == "-looks-like-an-option"
+        assert await deployment.is_alive()
         sandbox_id = deployment.sandbox.id
         await (await fleet.get(sandbox_id)).kill()  # gone before stop(), as at its deadline
         await deployment.stop()

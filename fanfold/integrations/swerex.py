@@ -69,6 +69,11 @@ _PIP_STEP = ("{venv}/bin/pip install --no-cache-dir --disable-pip-version-check 
 _LAUNCH = '({command} >{log} 2>&1 </dev/null & echo $!)'
 
 
+def _auth_token() -> str:
+    """A fresh key for one ``swerex-remote``; about one in 64 begins with ``-``."""
+    return secrets.token_urlsafe(24)
+
+
 class SwerexStartFailed(FanfoldError, DeploymentStartupError):
     """swerex-remote did not come up in the sandbox: the message says why, with the end of its log."""
 
@@ -175,7 +180,7 @@ class FanfoldDeployment(AbstractDeployment):
                 deadline=self._config.deadline, network=self._config.network, **self._config.limits)
             self.logger.info(f"Started fanfold sandbox {self.sandbox.id} from {self._config.image}")
             self._hooks.on_custom_step("Starting runtime")
-            token = secrets.token_urlsafe(24)
+            token = _auth_token()
             pid = await self._launch(token)
             self._runtime = await self._connect(token)
             await self._wait_until_alive(pid)
@@ -233,7 +238,9 @@ class FanfoldDeployment(AbstractDeployment):
 
     async def _launch(self, token: str) -> str:
         assert self.sandbox is not None
-        argv = [self._config.executable, "--host", "127.0.0.1", "--port", str(self._config.port), "--auth-token", token]
+        argv = [self._config.executable, "--host", "127.0.0.1", "--port", str(self._config.port),
+                # one word: a token that begins with "-" would read to argparse as the next option
+                f"--auth-token={token}"]
         command = _LAUNCH.format(command="setsid " + shlex.join(argv), log=LOG)
         if "TERM" not in self._config.env:
             # Sandboxes get TERM=xterm; under it bash's readline wraps each session's output in
