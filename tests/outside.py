@@ -4,7 +4,10 @@
 process's, and dies with it) and joins it to the host by a veth pair: ``ffo-XXXX`` on the host
 (203.0.113.1/24, routes to 198.51.100.0/24 and 10.238.77.0/24 through the outside), ``eth0`` in
 the namespace with 203.0.113.2 (``address``), 198.51.100.2 (a second public address) and
-10.238.77.2 (a private one). Nothing else on the host changes. Inside: DNS on 53 (udp and tcp)
+10.238.77.2 (a private one). The host must still reach its package indexes and DNS servers,
+which a workplace may serve from those very networks: each such address keeps the way it had
+before, through a /32 route, while the outside is up (``kept_routes``). Nothing else on the
+host changes. Inside: DNS on 53 (udp and tcp)
 answering ``names``, HTTP on 80 and 8080, HTTPS on 443 with a certificate from a test CA
 (``ca_pem``), and a PEP 503 index of two tiny wheels (``fanfold-probe``, which needs
 ``fanfold-probe-dep``) at ``pypi.outside.test``, linking to ``files.outside.test``. The routes
@@ -31,8 +34,11 @@ import base64
 import contextlib
 import fcntl
 import hashlib
+import ipaddress
 import json
 import os
+import re
+import socket
 import secrets
 import select
 import shutil
@@ -50,6 +56,8 @@ ADDRESS = "203.0.113.2"
 PUBLIC_ADDRESS = "198.51.100.2"
 PRIVATE_ADDRESS = "10.238.77.2"
 ROUTED = ("198.51.100.0/24", "10.238.77.0/24")
+TAKEN = tuple(ipaddress.ip_network(network, strict=False) for network in (f"{HOST_ADDRESS}/24", *ROUTED))
+"""The networks the host routes to the outside while it is up."""
 
 DEFAULT_NAMES = {
     "www.outside.test": ADDRESS,
@@ -90,6 +98,8 @@ class Outside:
         self.log = self.where / "requests.jsonl"
         self.interface: str | None = None
         """The host end of the veth while up."""
+        self.kept: list[str] = []
+        """The /32 routes that keep the host's package indexes and DNS servers reachable while up."""
         self._lock_timeout = lock_timeout
         self._process: subprocess.Popen[str] | None = None
 
@@ -133,7 +143,11 @@ class Outside:
         try:
             self._wait_ready()
             self.interface = f"ffo-{secrets.token_hex(2)}"
+            keep = kept_routes()  # the ways as they are before the outside takes its networks
             plumb(self._process.pid, self.interface)
+            if keep:
+                ip_batch(["ip"], [f"route replace {route}" for route in keep])
+                self.kept = keep
         except BaseException:
             self.stop()
             raise
@@ -149,6 +163,9 @@ class Outside:
         if self.interface is not None:  # now, rather than when the kernel gets round to the namespace
             subprocess.run(["ip", "link", "del", self.interface], capture_output=True, check=False)
             self.interface = None
+        for route in self.kept:
+            subprocess.run(["ip", "route", "del", route.split()[0]], capture_output=True, check=False)
+        self.kept = []
         with contextlib.suppress(OSError):
             process.stdin.close()  # end of input: the server exits
         try:
@@ -248,6 +265,40 @@ def plumb(pid: int, interface: str) -> None:
     ])
     # replace: a crashed run's veth may linger for a moment while the kernel frees its namespace
     ip_batch(["ip"], [f"route replace {network} via {ADDRESS} dev {interface}" for network in ROUTED])
+
+
+def kept_routes() -> list[str]:
+    """``ADDRESS/32 via GATEWAY dev DEVICE`` for each address the host must still reach that lies
+    in a network the outside takes, as ``ip route get`` finds its way now: the hosts of pip's
+    index and file store and of apt's sources, and the DNS servers."""
+    from pip._internal.models.index import PyPI  # the index pip installs from unless told otherwise
+
+    hosts = {PyPI.netloc, PyPI.file_storage_domain}
+    for variable in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        hosts.update(re.findall(r"https?://([^/\s:]+)", os.environ.get(variable, "")))
+    sources = [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*")]
+    for source in sources:
+        with contextlib.suppress(OSError):
+            hosts.update(re.findall(r"https?://([^/\s:\]]+)", source.read_text(errors="replace")))
+    addresses = set()
+    with contextlib.suppress(OSError):
+        addresses.update(re.findall(r"^\s*nameserver\s+(\S+)", Path("/etc/resolv.conf").read_text(), re.M))
+    for host in hosts:
+        with contextlib.suppress(OSError):
+            addresses.update(info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET))
+    kept = []
+    for address in sorted(addresses):
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            continue
+        if not any(ip in network for network in TAKEN if network.version == ip.version):
+            continue
+        way = subprocess.run(["ip", "-o", "route", "get", address], capture_output=True, text=True).stdout
+        gateway, device = re.search(r" via (\S+)", way), re.search(r" dev (\S+)", way)
+        if device:
+            kept.append(f"{address}/32{f' via {gateway[1]}' if gateway else ''} dev {device[1]}")
+    return kept
 
 
 def ip_batch(ip: list[str], commands: list[str]) -> None:

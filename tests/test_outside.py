@@ -167,6 +167,34 @@ def test_stop_leaves_nothing_and_start_brings_it_back(outside: Outside) -> None:
     assert get(f"http://{PRIVATE_ADDRESS}/hello", host="internal.outside.test") == b"hello from internal.outside.test"
 
 
+def way(address: str) -> str:
+    """How the host routes to ``address`` now: ``via GATEWAY dev DEVICE`` or ``dev DEVICE``."""
+    found = subprocess.run(["ip", "-o", "route", "get", address], capture_output=True, text=True, check=True).stdout
+    return " ".join(re.findall(r"(via \S+|dev \S+)", found))
+
+
+def test_a_package_index_in_its_networks_keeps_its_way_while_it_is_up(outside: Outside, monkeypatch) -> None:
+    """A workplace may serve its package indexes from a network the outside takes (TEST-NET-3 is
+    both): the host keeps reaching them the way it did, and the /32 routes go with the outside."""
+    from pip._internal.models.index import PyPI
+
+    index = "203.0.113.77"  # where pip's index is, for this test
+    resolve = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kwargs: (
+        [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (index, 0))] if host == PyPI.netloc else resolve(host, *args, **kwargs)))
+    with outside.down():
+        before = way(index)
+        assert "dev ffo-" not in before
+    assert f"{index}/32 {before}" in outside.kept
+    assert way(index) == before and way("203.0.113.78") == f"dev {outside.interface}"
+    with outside.down():
+        assert f"{index} " not in subprocess.run(["ip", "route"], capture_output=True, text=True, check=True).stdout
+    monkeypatch.undo()
+    outside.stop()
+    outside.start()  # as the session's other tests find it
+    assert all(not route.startswith(f"{index}/") for route in outside.kept)
+
+
 CHILD = """
 import signal, sys
 from pathlib import Path
