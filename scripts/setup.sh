@@ -27,8 +27,9 @@ done
 PACKAGES=(crun runc debootstrap gcc libc6-dev git iproute2 nftables procps python3 python3-venv ca-certificates
           skopeo containers-storage golang-github-containers-common libseccomp2 btrfs-progs docker-registry
           apache2-utils openssl
-          systemd dbus openssh-server podman podman-compose uidmap fuse-overlayfs slirp4netns)
-# systemd, sshd and podman run inside sandboxes built on the host base (init="systemd", SSH, nested=True)
+          systemd dbus openssh-server podman podman-compose catatonit uidmap fuse-overlayfs slirp4netns)
+# systemd, sshd and podman run inside sandboxes built on the host base (init="systemd", SSH, nested=True);
+# catatonit is the init of podman's pods (a Recommends of podman, which apt here does not install)
 if (( bench )); then
     PACKAGES+=(bubblewrap)
 fi
