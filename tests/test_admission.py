@@ -191,9 +191,11 @@ async def test_the_lease_heartbeat_is_not_starved_by_calls_holding_every_connect
 async def test_exec_reports_cpu_time_and_peak_memory(afleet):
     async with await afleet.create(memory_mb=512) as sandbox:
         idle = await sandbox.exec("true")
-        busy = await sandbox.exec(["python3", "-c", "x = bytearray(96 << 20)\nfor _ in range(3): sum(range(3_000_000))"])
+        # spins until it has used 0.3 s of CPU: a loop of fixed length took under 0.1 s on a fast core
+        busy = await sandbox.exec(["python3", "-c", "import time\nx = bytearray(96 << 20)\n"
+                                                    "while time.process_time() < 0.3: pass"])
         assert busy.ok, busy.stderr
-        assert busy.cpu_s > 0.1 and busy.cpu_s > idle.cpu_s
+        assert busy.cpu_s >= 0.3 and busy.cpu_s > idle.cpu_s
         assert busy.memory_peak_bytes > 96 << 20 > idle.memory_peak_bytes
         after = await sandbox.exec("true")  # its own peak: not the earlier command's
         assert after.memory_peak_bytes < 96 << 20
