@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gzip
 import os
 import sqlite3
 import stat
+import tarfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -301,6 +304,67 @@ async def test_memory_snapshot_continues_where_it_stopped(sfleet):
         async with await sfleet.create(snapshot.id) as copy:
             assert await advances(copy)
             assert copy.info.limits.memory_mb == 256
+
+
+# What a sandbox may leave in /dev, its tmpfs: a tree of directories, files and a symlink, with
+# owners, modes and times of their own; and how it is seen, to compare a restored copy with.
+DEEP = "/dev/tree/" + "d" * 60 + "/" + "f" * 60  # over ustar's 100 for a name: the header's prefix holds the rest
+DEV_TREE = (f"mkdir -p /dev/tree/sub {DEEP.rsplit('/', 1)[0]} && echo deep > {DEEP}"
+            " && echo noted > /dev/tree/note && ln -s note /dev/tree/link"
+            " && chown 1000:1000 /dev/tree/note && chmod 640 /dev/tree/note && chmod 750 /dev/tree/sub"
+            " && touch -d @1700000000 /dev/tree/note && touch -h -d @1650000000 /dev/tree/link"
+            " && touch -d @1600000000 /dev/tree/sub")
+SEE_TREE = f"cd /dev/tree && find . | sort | xargs stat -c '%n %F %a %u %g %Y' && cat note {DEEP}"
+USTAR, GNU_TAR = b"ustar\x0000", b"ustar  \x00"  # the magic at offset 257 of the first header
+
+
+async def test_dev_is_dumped_and_restored_by_criu_itself_and_by_tar_when_it_must(config):
+    """/dev is the tmpfs a dump still archives. Directories, files and symlinks CRIU writes and
+    reads itself (POSIX ustar; tar was a process forked in the parent's pause and in every restore);
+    anything else, a fifo here, goes to tar as before; an image dumped before, gzipped, restores."""
+    async with AsyncFleet(config=config) as fleet, await fleet.create() as sandbox:
+        seen = await ran(sandbox, DEV_TREE + " && " + SEE_TREE)
+        assert "./note regular file 640 1000 1000 1700000000" in seen and "./link symbolic link" in seen
+        assert seen.endswith("noted\ndeep\n")
+        plain = await sandbox.snapshot(memory=True)
+        with_fifo = await ran(sandbox, "mkfifo /dev/tree/pipe && " + SEE_TREE)
+        tarred = await sandbox.snapshot(memory=True)
+    try:
+        async with AsyncFleet(config=config) as fleet:
+            image = dev_image(config, plain.id)
+            assert image.read_bytes()[257:265] == USTAR
+            with tarfile.open(image, "r:") as archive:  # a plain archive tar reads too
+                assert {"./tree/note", "./tree/link", "./tree/sub"} <= set(archive.getnames())
+            async with await fleet.create(plain.id) as copy:
+                assert await ran(copy, SEE_TREE) == seen
+            mode = image.stat().st_mode
+            image.write_bytes(gzip.compress(image.read_bytes()))  # as dumped before: tar with gzip
+            image.chmod(mode)
+            async with await fleet.create(plain.id) as older:
+                assert await ran(older, SEE_TREE) == seen
+
+            assert dev_image(config, tarred.id).read_bytes()[257:265] == GNU_TAR
+            async with await fleet.create(tarred.id) as copy:
+                assert await ran(copy, SEE_TREE) == with_fifo
+                assert "./pipe fifo 644" in with_fifo
+    finally:
+        async with AsyncFleet(config=config) as fleet:
+            for snapshot in (plain, tarred):
+                await fleet.delete_snapshot(snapshot.id)
+
+
+async def ran(sandbox, cmd: str) -> str:
+    done = await sandbox.exec(cmd)
+    assert done.ok, done
+    return done.text
+
+
+def dev_image(config: EngineConfig, snapshot_id: str) -> Path:
+    """The one tmpfs image of a memory snapshot with content: /dev's (the others are empty as mounted)."""
+    memory = config.state_dir / "snapshots" / snapshot_id / "memory"
+    images = [path for path in memory.glob("tmpfs-dev-*.img") if path.stat().st_size]
+    assert len(images) == 1, images
+    return images[0]
 
 
 async def test_reset_returns_to_the_image_or_snapshot(sfleet):
