@@ -318,38 +318,45 @@ SEE_TREE = f"cd /dev/tree && find . | sort | xargs stat -c '%n %F %a %u %g %Y' &
 USTAR, GNU_TAR = b"ustar\x0000", b"ustar  \x00"  # the magic at offset 257 of the first header
 
 
+# What only tar keeps: each case's /dev goes to tar (a hole, a fifo, a hard link)
+TARS_ONLY = ["truncate -s 1M /dev/tree/hole", "rm /dev/tree/hole && mkfifo /dev/tree/pipe",
+             "rm /dev/tree/pipe && ln /dev/tree/note /dev/tree/hard"]
+
+
 async def test_dev_is_dumped_and_restored_by_criu_itself_and_by_tar_when_it_must(config):
     """/dev is the tmpfs a dump still archives. Directories, files and symlinks CRIU writes and
     reads itself (POSIX ustar; tar was a process forked in the parent's pause and in every restore);
-    anything else, a fifo here, goes to tar as before; an image dumped before, gzipped, restores."""
-    async with AsyncFleet(config=config) as fleet, await fleet.create() as sandbox:
-        seen = await ran(sandbox, DEV_TREE + " && " + SEE_TREE)
-        assert "./note regular file 640 1000 1000 1700000000" in seen and "./link symbolic link" in seen
-        assert seen.endswith("noted\ndeep\n")
-        plain = await sandbox.snapshot(memory=True)
-        with_fifo = await ran(sandbox, "mkfifo /dev/tree/pipe && " + SEE_TREE)
-        tarred = await sandbox.snapshot(memory=True)
+    a hole, a fifo or a hard link go to tar as before; an image dumped before, gzipped, restores."""
+    snapshots = []
     try:
         async with AsyncFleet(config=config) as fleet:
-            image = dev_image(config, plain.id)
+            async with await fleet.create() as sandbox:
+                seen = [await ran(sandbox, DEV_TREE + " && " + SEE_TREE)]
+                assert "./note regular file 640 1000 1000 1700000000" in seen[0] and "./link symbolic link" in seen[0]
+                assert seen[0].endswith("noted\ndeep\n")
+                snapshots.append(await sandbox.snapshot(memory=True))
+                for case in TARS_ONLY:
+                    seen.append(await ran(sandbox, f"{case} && {SEE_TREE}"))
+                    snapshots.append(await sandbox.snapshot(memory=True))
+            assert "./hole regular file 644 0 0" in seen[1] and "./pipe fifo 644" in seen[2]
+
+            image = dev_image(config, snapshots[0].id)
             assert image.read_bytes()[257:265] == USTAR
             with tarfile.open(image, "r:") as archive:  # a plain archive tar reads too
                 assert {"./tree/note", "./tree/link", "./tree/sub"} <= set(archive.getnames())
-            async with await fleet.create(plain.id) as copy:
-                assert await ran(copy, SEE_TREE) == seen
+            for snapshot, was in zip(snapshots, seen):
+                if snapshot is not snapshots[0]:
+                    assert dev_image(config, snapshot.id).read_bytes()[257:265] == GNU_TAR
+                async with await fleet.create(snapshot.id) as copy:
+                    assert await ran(copy, SEE_TREE) == was
             mode = image.stat().st_mode
             image.write_bytes(gzip.compress(image.read_bytes()))  # as dumped before: tar with gzip
             image.chmod(mode)
-            async with await fleet.create(plain.id) as older:
-                assert await ran(older, SEE_TREE) == seen
-
-            assert dev_image(config, tarred.id).read_bytes()[257:265] == GNU_TAR
-            async with await fleet.create(tarred.id) as copy:
-                assert await ran(copy, SEE_TREE) == with_fifo
-                assert "./pipe fifo 644" in with_fifo
+            async with await fleet.create(snapshots[0].id) as older:
+                assert await ran(older, SEE_TREE) == seen[0]
     finally:
         async with AsyncFleet(config=config) as fleet:
-            for snapshot in (plain, tarred):
+            for snapshot in snapshots:
                 await fleet.delete_snapshot(snapshot.id)
 
 
