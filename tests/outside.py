@@ -38,10 +38,10 @@ import ipaddress
 import json
 import os
 import re
-import socket
 import secrets
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
