@@ -14,6 +14,7 @@ import os
 import select
 import stat
 import subprocess
+import time
 
 import pytest
 
@@ -205,8 +206,12 @@ async def test_a_sandbox_whose_pages_cannot_be_read_ends_alone(holder_snapshot, 
             for image in (config.state_dir / "snapshots" / snapshot.id / "memory").glob("pages-*.img"):
                 os.truncate(image, 0)
             with pytest.raises(SandboxGone, match="page server .* failed to serve it"):
-                await touch(broken, 1, 1)
-                for _ in range(100):
+                await broken.files.write("/tmp/go-1", "1")  # the holder reads every page: a fault fails
+                # The wait may come back as a command the sandbox's end killed, with no output; a call
+                # after the engine has ended the sandbox raises.
+                await broken.exec("while [ ! -f /tmp/done-1 ]; do sleep 0.005; done", timeout=60)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
                     await broken.exec("true")
             assert (await bystander.exec("echo on")).text == "on\n"
             assert our_page_servers(config) == [server_pid(config, bystander.id)]
