@@ -10,9 +10,11 @@ import asyncio
 import concurrent.futures
 import gzip
 import os
+import shutil
 import sqlite3
 import stat
 import tarfile
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -323,10 +325,33 @@ TARS_ONLY = ["truncate -s 1M /dev/tree/hole", "rm /dev/tree/hole && mkfifo /dev/
              "rm /dev/tree/pipe && ln /dev/tree/note /dev/tree/hard"]
 
 
-async def test_dev_is_dumped_and_restored_by_criu_itself_and_by_tar_when_it_must(config):
+@pytest.fixture
+def tar_calls(monkeypatch: pytest.MonkeyPatch):
+    """A ``tar`` first on the PATH CRIU inherits from the engine, logging each call and running the
+    real one; yields the log. In a world-readable dir: CRIU runs the dump's tar as the sandbox's root."""
+    where = Path(tempfile.mkdtemp(prefix="fanfold-tar-spy-"))
+    try:
+        where.chmod(0o755)
+        log = where / "calls"
+        log.touch(mode=0o666)
+        log.chmod(0o666)
+        (where / "tar").write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {shutil.which("tar")} "$@"\n')
+        (where / "tar").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{where}:{os.environ['PATH']}")
+        yield log
+    finally:
+        shutil.rmtree(where)
+
+
+async def test_dev_is_dumped_and_restored_by_criu_itself_and_by_tar_when_it_must(config, tar_calls):
     """/dev is the tmpfs a dump still archives. Directories, files and symlinks CRIU writes and
     reads itself (POSIX ustar; tar was a process forked in the parent's pause and in every restore);
     a hole, a fifo or a hard link go to tar as before; an image dumped before, gzipped, restores."""
+    def tar_ran() -> list[str]:  # the tar calls since the last look
+        calls = tar_calls.read_text().splitlines()
+        tar_calls.write_text("")
+        return [call.split()[0] for call in calls]
+
     snapshots = []
     try:
         async with AsyncFleet(config=config) as fleet:
@@ -335,9 +360,11 @@ async def test_dev_is_dumped_and_restored_by_criu_itself_and_by_tar_when_it_must
                 assert "./note regular file 640 1000 1000 1700000000" in seen[0] and "./link symbolic link" in seen[0]
                 assert seen[0].endswith("noted\ndeep\n")
                 snapshots.append(await sandbox.snapshot(memory=True))
+                assert tar_ran() == []
                 for case in TARS_ONLY:
                     seen.append(await ran(sandbox, f"{case} && {SEE_TREE}"))
                     snapshots.append(await sandbox.snapshot(memory=True))
+                    assert tar_ran() == ["--create"]
             assert "./hole regular file 644 0 0" in seen[1] and "./pipe fifo 644" in seen[2]
 
             image = dev_image(config, snapshots[0].id)
@@ -349,11 +376,13 @@ async def test_dev_is_dumped_and_restored_by_criu_itself_and_by_tar_when_it_must
                     assert dev_image(config, snapshot.id).read_bytes()[257:265] == GNU_TAR
                 async with await fleet.create(snapshot.id) as copy:
                     assert await ran(copy, SEE_TREE) == was
+                assert tar_ran() == ([] if snapshot is snapshots[0] else ["--extract"])
             mode = image.stat().st_mode
             image.write_bytes(gzip.compress(image.read_bytes()))  # as dumped before: tar with gzip
             image.chmod(mode)
             async with await fleet.create(snapshots[0].id) as older:
                 assert await ran(older, SEE_TREE) == seen[0]
+            assert "--gzip" in tar_calls.read_text()
     finally:
         async with AsyncFleet(config=config) as fleet:
             for snapshot in snapshots:
