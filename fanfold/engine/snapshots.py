@@ -161,13 +161,17 @@ class SnapshotStore:
                 continue
             if tenant is not None and row["tenant"] != tenant:
                 continue
-            self._remove(row["id"])
-            removed.append(row["id"])
+            if self._remove(row["id"]):
+                removed.append(row["id"])
         return removed
 
-    def _remove(self, snapshot_id: str) -> None:
-        self.db.delete_snapshot(snapshot_id)
+    def _remove(self, snapshot_id: str) -> bool:
+        """Its row, then its files, by whoever deleted the row: two releases collecting at once (a
+        fork's children killed together) would otherwise both remove the same files."""
+        if not self.db.delete_snapshot(snapshot_id):
+            return False
         self._remove_files(snapshot_id)
+        return True
 
     def _remove_files(self, snapshot_id: str) -> None:
         self.layers.remove_layer(snapshot_id)

@@ -255,7 +255,7 @@ class LayerStore:
         not an error. Blocking (a big tree takes a while to remove): call off the event loop."""
         path = self.layer_path(digest)
         if path.is_symlink():
-            path.unlink()
+            path.unlink(missing_ok=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
         self.forget_size(path.name)
