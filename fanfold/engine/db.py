@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, TypeVar
@@ -116,37 +117,52 @@ LATER_COLUMNS = [
 class _Cursor(sqlite3.Cursor):
     """A cursor whose statements on a full state filesystem raise the typed ``CapacityExceeded``
     (SQLite rolls the statement back), not a raw ``sqlite3.OperationalError``: at execute, and at
-    the fetch where a write with RETURNING ends and commits."""
+    the fetch where a write with RETURNING ends and commits. Each step holds its connection's lock."""
 
     def execute(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with _typed():
+        with self.connection.lock, _typed():
             return super().execute(*args, **kwargs)
 
     def executemany(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with _typed():
+        with self.connection.lock, _typed():
             return super().executemany(*args, **kwargs)
 
     def fetchone(self):  # type: ignore[no-untyped-def]
-        with _typed():
+        with self.connection.lock, _typed():
             return super().fetchone()
 
     def fetchall(self):  # type: ignore[no-untyped-def]
-        with _typed():
+        with self.connection.lock, _typed():
             return super().fetchall()
 
     def __next__(self):  # type: ignore[no-untyped-def]
-        with _typed():
+        with self.connection.lock, _typed():
             return super().__next__()
 
 
 class _Connection(sqlite3.Connection):
-    """A connection whose ``execute`` runs on a ``_Cursor``."""
+    """A connection whose ``execute`` runs on a ``_Cursor``, and whose ``close`` waits for a statement
+    another thread is running: closed under a running statement, sqlite3 crashes the process (an
+    engine closed by one loop while a late kill on another still read). A statement after the close
+    raises ``sqlite3.ProgrammingError``."""
+
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.lock = threading.RLock()
 
     def execute(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         return self.cursor(_Cursor).execute(*args, **kwargs)
 
     def executemany(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         return self.cursor(_Cursor).executemany(*args, **kwargs)
+
+    def executescript(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with self.lock:
+            return super().executescript(*args, **kwargs)
+
+    def close(self) -> None:
+        with self.lock:
+            super().close()
 
 
 @contextlib.contextmanager
@@ -306,8 +322,9 @@ class Database:
                                  " AND sandbox_id NOT IN (SELECT id FROM sandboxes)")
         return {row["id"]: row["sandbox_id"] for row in rows}
 
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        self.conn.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,))
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Delete its row; False if there was none (another caller deleted it first)."""
+        return self.conn.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,)).rowcount > 0
 
     # -- which server tenants see which images ------------------------------------------------
 
